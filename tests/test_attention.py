@@ -1,0 +1,132 @@
+"""CSA2 attention stack: sparse attention, window indices, compressor, indexer, attention sublayer."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import ml_dtypes
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from v41_jax.model.sparse_attn import sparse_attn
+
+FIX = pathlib.Path(__file__).parent / "fixtures" / "dsv41_reference"
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def _fixture(name):
+    return json.loads((FIX / name).read_text())
+
+
+def _bf16_ulp(x):
+    """Spacing of bf16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x), 1e-30))) - 7)
+
+
+def _fp4_unpack(codes):
+    """Packed e2m1 bytes [..., n] -> values [..., 2n]; the low nibble is the even element."""
+    codes = np.asarray(codes, np.uint8)
+    return np.stack([E2M1[codes & 15], E2M1[codes >> 4]], -1).reshape(*codes.shape[:-1], -1)
+
+
+def _exact_sparse_attn(q, kv, sink, idx, scale):
+    """float64 oracle: softmax over the listed rows plus the sink in the denominator."""
+    b, s, h, d = q.shape
+    out = np.zeros((b, s, h, d))
+    for bi in range(b):
+        for si in range(s):
+            ids = idx[bi, si][idx[bi, si] >= 0]
+            if ids.size == 0:
+                continue
+            rows = kv[bi, ids].astype(np.float64)                         # [k, d]
+            z = q[bi, si].astype(np.float64) @ rows.T * scale             # [h, k]
+            m = np.maximum(z.max(-1), sink)                               # any common shift works
+            e = np.exp(z - m[:, None])
+            out[bi, si] = e @ rows / (e.sum(-1) + np.exp(sink - m))[:, None]
+    return out
+
+
+# ---- sparse attention ------------------------------------------------------------------------
+
+def test_sparse_attn_fixture():
+    """Exact-softmax fixture over FP8 window rows + FP4/E4M3 compressed rows, -1 skipping."""
+    f = _fixture("sparse_latent_attention.json")
+    d, t, h, k = f["dim"], f["tokens"], f["heads"], f["k"]
+    win = np.asarray(f["window"]["codes"], np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    win = win.reshape(f["windowSlots"], d // 32, 32) * 2.0 ** (
+        np.asarray(f["window"]["scales"], np.float64).reshape(-1, d // 32, 1) - 127)
+    main = _fp4_unpack(np.reshape(f["main"]["codes"], (f["mainRows"], d // 2))).reshape(-1, d // 16, 16)
+    main = main * np.asarray(f["main"]["scales"], np.uint8).view(ml_dtypes.float8_e4m3fn).astype(
+        np.float64).reshape(-1, d // 16, 1)
+    kv = np.concatenate([win.reshape(-1, d), main.reshape(-1, d)])[None]   # [1, 20, d], bf16-exact
+    q = np.asarray(f["query"], np.float32).reshape(1, t, h, d)
+    idx = np.asarray(f["indices"], np.int32).reshape(1, t, k)
+    sink = np.asarray(f["sink"], np.float32)
+    want = np.asarray(f["expected"]).reshape(1, t, h, d)
+    assert np.array_equal(kv.astype(ml_dtypes.bfloat16).astype(np.float64), kv)
+    # the expected values are float64 results stored as float32
+    np.testing.assert_allclose(_exact_sparse_attn(q, kv, sink, idx, f["scale"]), want, rtol=1e-6, atol=1e-7)
+
+    kv_bf = jnp.asarray(kv, jnp.bfloat16)
+    ref = np.asarray(sparse_attn(jnp.asarray(q), kv_bf, jnp.asarray(sink), jnp.asarray(idx),
+                                 f["scale"], bf16_probs=True), np.float64)
+    # bf16 probabilities (rel. error <= 2^-9 each) plus one output rounding: within one bf16 ulp of
+    # each (token, head) row's magnitude; the reference itself measured 0.68 ulp on this fixture.
+    mag = np.abs(want).max(-1, keepdims=True)
+    assert np.all(np.abs(ref - want) <= _bf16_ulp(mag)), np.abs(ref - want).max()
+    assert np.all(ref[0, 0] == 0)  # token 0: every index -1
+
+    f32 = np.asarray(sparse_attn(jnp.asarray(q), jnp.asarray(kv, jnp.float32), jnp.asarray(sink),
+                                 jnp.asarray(idx), f["scale"], bf16_probs=False), np.float64)
+    np.testing.assert_allclose(f32, want, rtol=2e-6, atol=2e-6 * mag.max())
+
+
+@pytest.mark.parametrize("k", [5, 64, 150])
+def test_sparse_attn_random_vs_exact(k):
+    """Several chunks (k=150 -> 3), random -1 holes, duplicates, one all-skip row."""
+    rng = np.random.default_rng(k)
+    b, s, h, d, n = 2, 3, 4, 32, 40
+    q = rng.normal(size=(b, s, h, d)).astype(np.float32)
+    kv = rng.normal(size=(b, n, d)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    sink = rng.normal(size=h).astype(np.float32)
+    idx = rng.integers(0, n, size=(b, s, k)).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.3] = -1
+    idx[1, 2] = -1
+    want = _exact_sparse_attn(q, kv, sink, idx, 0.3)
+
+    f32 = np.asarray(sparse_attn(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(idx),
+                                 0.3, bf16_probs=False))
+    np.testing.assert_allclose(f32, want, rtol=1e-5, atol=1e-5)
+
+    ref = sparse_attn(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.asarray(sink),
+                      jnp.asarray(idx), 0.3, bf16_probs=True)
+    assert ref.dtype == jnp.bfloat16
+    ref = np.asarray(ref, np.float64)
+    want_bq = _exact_sparse_attn(np.asarray(jnp.asarray(q, jnp.bfloat16), np.float32), kv, sink, idx, 0.3)
+    # bf16 probabilities: <= 2^-9 relative per weight, so <= 2^-9 * max|v| in the weighted mean,
+    # plus half an ulp of output rounding
+    bound = 2.0 ** -9 * np.abs(kv).max() + 0.5 * _bf16_ulp(want_bq)
+    assert np.all(np.abs(ref - want_bq) <= bound)
+    assert np.all(ref[1, 2] == 0) and np.all(f32[1, 2] == 0)
+
+
+def test_sparse_attn_skip_equals_absent():
+    """A -1 entry is exactly the same as leaving the row out (fp32 mode, same chunk layout)."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.normal(size=(1, 2, 2, 16)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(1, 10, 16)), jnp.float32)
+    sink = jnp.asarray([0.5, -1.0], jnp.float32)
+    idx = jnp.asarray([[[3, 1, 4, 7], [0, 2, 9, 5]]], jnp.int32)
+    holed = idx.at[0, :, 1].set(-1)
+    dropped = jnp.asarray([[[3, 4, 7, -1], [0, 9, 5, -1]]], jnp.int32)
+    a = sparse_attn(q, kv.at[0, 1].set(jnp.nan).at[0, 2].set(jnp.nan), sink, holed, 0.25, bf16_probs=False)
+    c = sparse_attn(q, kv, sink, dropped, 0.25, bf16_probs=False)
+    # fp32 sums over a different chunk layout: equal up to summation order; NaN in skipped rows never leaks
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-6)
+    # the sink: one zero-logit row and a sink of 0 split the weight evenly
+    one = sparse_attn(jnp.zeros((1, 1, 1, 4)), jnp.ones((1, 1, 4)), jnp.zeros(1), jnp.zeros((1, 1, 1), jnp.int32),
+                      1.0, bf16_probs=False)
+    np.testing.assert_array_equal(np.asarray(one), 0.5)
