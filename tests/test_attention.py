@@ -11,7 +11,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from v41_jax.model.numerics import Numerics
 from v41_jax.model.sparse_attn import sparse_attn
+
+REF, F32 = Numerics.reference(), Numerics.fp32()
 
 FIX = pathlib.Path(__file__).parent / "fixtures" / "dsv41_reference"
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
@@ -72,7 +75,7 @@ def test_sparse_attn_fixture():
 
     kv_bf = jnp.asarray(kv, jnp.bfloat16)
     ref = np.asarray(sparse_attn(jnp.asarray(q), kv_bf, jnp.asarray(sink), jnp.asarray(idx),
-                                 f["scale"], bf16_probs=True), np.float64)
+                                 f["scale"], numerics=REF), np.float64)
     # bf16 probabilities (rel. error <= 2^-9 each) plus one output rounding: within one bf16 ulp of
     # each (token, head) row's magnitude; the reference itself measured 0.68 ulp on this fixture.
     mag = np.abs(want).max(-1, keepdims=True)
@@ -80,7 +83,7 @@ def test_sparse_attn_fixture():
     assert np.all(ref[0, 0] == 0)  # token 0: every index -1
 
     f32 = np.asarray(sparse_attn(jnp.asarray(q), jnp.asarray(kv, jnp.float32), jnp.asarray(sink),
-                                 jnp.asarray(idx), f["scale"], bf16_probs=False), np.float64)
+                                 jnp.asarray(idx), f["scale"], numerics=F32), np.float64)
     np.testing.assert_allclose(f32, want, rtol=2e-6, atol=2e-6 * mag.max())
 
 
@@ -98,11 +101,11 @@ def test_sparse_attn_random_vs_exact(k):
     want = _exact_sparse_attn(q, kv, sink, idx, 0.3)
 
     f32 = np.asarray(sparse_attn(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(idx),
-                                 0.3, bf16_probs=False))
+                                 0.3, numerics=F32))
     np.testing.assert_allclose(f32, want, rtol=1e-5, atol=1e-5)
 
     ref = sparse_attn(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.asarray(sink),
-                      jnp.asarray(idx), 0.3, bf16_probs=True)
+                      jnp.asarray(idx), 0.3, numerics=REF)
     assert ref.dtype == jnp.bfloat16
     ref = np.asarray(ref, np.float64)
     want_bq = _exact_sparse_attn(np.asarray(jnp.asarray(q, jnp.bfloat16), np.float32), kv, sink, idx, 0.3)
@@ -122,11 +125,11 @@ def test_sparse_attn_skip_equals_absent():
     idx = jnp.asarray([[[3, 1, 4, 7], [0, 2, 9, 5]]], jnp.int32)
     holed = idx.at[0, :, 1].set(-1)
     dropped = jnp.asarray([[[3, 4, 7, -1], [0, 9, 5, -1]]], jnp.int32)
-    a = sparse_attn(q, kv.at[0, 1].set(jnp.nan).at[0, 2].set(jnp.nan), sink, holed, 0.25, bf16_probs=False)
-    c = sparse_attn(q, kv, sink, dropped, 0.25, bf16_probs=False)
+    a = sparse_attn(q, kv.at[0, 1].set(jnp.nan).at[0, 2].set(jnp.nan), sink, holed, 0.25, numerics=F32)
+    c = sparse_attn(q, kv, sink, dropped, 0.25, numerics=F32)
     # fp32 sums over a different chunk layout: equal up to summation order; NaN in skipped rows never leaks
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-6)
     # the sink: one zero-logit row and a sink of 0 split the weight evenly
     one = sparse_attn(jnp.zeros((1, 1, 1, 4)), jnp.ones((1, 1, 4)), jnp.zeros(1), jnp.zeros((1, 1, 1), jnp.int32),
-                      1.0, bf16_probs=False)
+                      1.0, numerics=F32)
     np.testing.assert_array_equal(np.asarray(one), 0.5)
