@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .engram_hash import engram_primes
+
 # HF text_config name -> reference (ModelArgs) name. Names absent here are the same in both.
 _HF_TO_REF = {
     "hidden_size": "dim",
@@ -147,13 +149,18 @@ class ModelConfig:
         return (self.engram_max_ngram_size - 1) * self.engram_n_heads
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
+        """A changed copy, validated like a loaded one."""
+        cfg = dataclasses.replace(self, **changes)
+        validate(cfg)
+        return cfg
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
         """Load the HF root layout, a flat HF text config, or reference ModelArgs names."""
-        return cls(**_normalise(raw))
+        cfg = cls(**_normalise(raw))
+        validate(cfg)
+        return cfg
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -218,3 +225,204 @@ def _normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
               "engram_num_embeddings", "dspark_target_layer_ids"):
         out[k] = tuple(int(x) for x in out[k])
     return out
+
+
+# ---- validation ----------------------------------------------------------------------------
+# Fail-closed: every rule raises ValueError("<field>: <rule>"). The attention rules are those the
+# topology resolver relies on (ARCHITECTURE.md §1.4, RUNTIME.md §1); the width rules are those the
+# published quantization needs (A8 activation scales per 32 lanes, FP4 weight scales per 32 inputs).
+
+def validate(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the first field that breaks a rule; return None if all hold."""
+    for check in (_check_layer_counts, _check_ratios, _check_kv_sources, _check_index_sources,
+                  _check_kv_owners, _check_candidates, _check_attention_shape, _check_moe,
+                  _check_engram, _check_dspark, _check_quantized_widths):
+        check(cfg)
+
+
+def _fail(field_name: str, rule: str) -> None:
+    raise ValueError(f"{field_name}: {rule}")
+
+
+def _check_layer_ids(field_name: str, ids: tuple[int, ...], n_layers: int) -> None:
+    """Strictly increasing backbone layer ids: the reference visits them in layer order."""
+    if any(not 0 <= i < n_layers for i in ids):
+        _fail(field_name, f"every id must be a backbone layer in [0, {n_layers}), got {list(ids)}")
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        _fail(field_name, f"ids must be strictly increasing, got {list(ids)}")
+
+
+def _check_layer_counts(cfg: ModelConfig) -> None:
+    if cfg.n_layers < 1:
+        _fail("n_layers", f"must be >= 1, got {cfg.n_layers}")
+    if cfg.n_mtp_layers < 0:
+        _fail("n_mtp_layers", f"must be >= 0, got {cfg.n_mtp_layers}")
+
+
+def _check_ratios(cfg: ModelConfig) -> None:
+    ratios = cfg.compress_ratios
+    if len(ratios) != cfg.n_total_layers:
+        _fail("compress_ratios", f"must have n_layers + n_mtp_layers = {cfg.n_total_layers} "
+              f"entries, got {len(ratios)}")
+    if any(r not in (0, 1, 2) for r in ratios):
+        _fail("compress_ratios", f"values must be 0, 1 or 2 (CSA2), got {sorted(set(ratios))}")
+    draft = [l for l in range(cfg.n_layers, cfg.n_total_layers) if ratios[l] != 0]
+    if draft:
+        _fail("compress_ratios", f"DSpark draft layers must be ratio 0 (window only), got "
+              f"non-zero ratio at layers {draft}")
+
+
+def _check_sources_compressed(cfg: ModelConfig, field_name: str, ids: tuple[int, ...]) -> None:
+    window_only = [l for l in ids if cfg.compress_ratios[l] == 0]
+    if window_only:
+        _fail(field_name, f"a ratio-0 (window-only) layer cannot be a source, got {window_only}")
+
+
+def _check_kv_sources(cfg: ModelConfig) -> None:
+    _check_layer_ids("kv_source_layers", cfg.kv_source_layers, cfg.n_layers)
+    _check_sources_compressed(cfg, "kv_source_layers", cfg.kv_source_layers)
+    missing = [l for l in cfg.kv_source_layers if l not in cfg.index_source_layers]
+    if missing:
+        _fail("kv_source_layers", f"every KV source must also be an index source; {missing} "
+              f"are not in index_source_layers")
+
+
+def _check_index_sources(cfg: ModelConfig) -> None:
+    _check_layer_ids("index_source_layers", cfg.index_source_layers, cfg.n_layers)
+    _check_sources_compressed(cfg, "index_source_layers", cfg.index_source_layers)
+
+
+def kv_owner(cfg: ModelConfig, layer: int) -> int | None:
+    """The most recent KV source at or before `layer` with the same ratio (None if there is none)."""
+    ratio = cfg.compress_ratios[layer]
+    owners = [s for s in cfg.kv_source_layers if s <= layer and cfg.compress_ratios[s] == ratio]
+    return owners[-1] if owners else None
+
+
+def _check_kv_owners(cfg: ModelConfig) -> None:
+    """Owners precede consumers with the same ratio; this also puts every top-k owner at or after
+    its kv owner, because each KV source is itself an index source."""
+    for layer, ratio in enumerate(cfg.compress_ratios):
+        if ratio and kv_owner(cfg, layer) is None:
+            _fail("kv_source_layers", f"layer {layer} (ratio {ratio}) has no KV source with ratio "
+                  f"{ratio} at or before it")
+
+
+def _check_candidates(cfg: ModelConfig) -> None:
+    cand = cfg.candidate_source_layer
+    if cand == -1:
+        return
+    if not 0 <= cand < cfg.n_layers:
+        _fail("candidate_source_layer", f"must be -1 or a backbone layer in [0, {cfg.n_layers}), "
+              f"got {cand}")
+    if cand not in cfg.index_source_layers:
+        _fail("candidate_source_layer", f"layer {cand} must be an index source")
+    if cfg.candidate_topk_blocks < 1 or cfg.candidate_block_size < 1:
+        _fail("candidate_topk_blocks", f"candidate_topk_blocks and candidate_block_size must be >= 1 "
+              f"with a candidate source, got {cfg.candidate_topk_blocks} x "
+              f"{cfg.candidate_block_size}")
+    # per-row selection counts are computed in closed form from a full pool (RUNTIME.md §3.5)
+    if cfg.candidate_topk_blocks * cfg.candidate_block_size < cfg.index_topk:
+        _fail("candidate_topk_blocks", f"candidate_topk_blocks * candidate_block_size = "
+              f"{cfg.candidate_topk_blocks * cfg.candidate_block_size} must be >= index_topk "
+              f"= {cfg.index_topk}")
+    # the published blocks index the source's kv owner's rows, so every consumer must read those
+    owner = kv_owner(cfg, cand)
+    foreign = [l for l in range(cand + 1, cfg.n_layers)
+               if cfg.compress_ratios[l] and kv_owner(cfg, l) != owner]
+    if foreign:
+        _fail("candidate_source_layer", f"candidate consumers must share the source's kv owner "
+              f"{owner}; layers {foreign} read another")
+
+
+def _check_attention_shape(cfg: ModelConfig) -> None:
+    for name in ("n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "window_size",
+                 "index_n_heads", "index_head_dim", "index_topk", "max_seq_len", "hc_mult",
+                 "hc_sinkhorn_iters", "vocab_size", "dim"):
+        if getattr(cfg, name) < 1:
+            _fail(name, f"must be >= 1, got {getattr(cfg, name)}")
+    if cfg.n_heads % cfg.o_groups:
+        _fail("o_groups", f"n_heads = {cfg.n_heads} must be divisible by o_groups = {cfg.o_groups}")
+    r = cfg.rope_head_dim
+    if r < 2 or r % 2:
+        _fail("rope_head_dim", f"must be even and >= 2 (rotated in pairs), got {r}")
+    if r > cfg.head_dim or r > cfg.index_head_dim:
+        _fail("rope_head_dim", f"{r} must be <= head_dim = {cfg.head_dim} and <= index_head_dim "
+              f"= {cfg.index_head_dim}")
+
+
+def _check_moe(cfg: ModelConfig) -> None:
+    if cfg.n_shared_experts != 1:
+        _fail("n_shared_experts", f"must be exactly 1, got {cfg.n_shared_experts}")
+    if cfg.score_func != "sqrtsoftplus":
+        _fail("score_func", f"must be 'sqrtsoftplus', got {cfg.score_func!r}")
+    if cfg.moe_inter_dim < 1:
+        _fail("moe_inter_dim", f"must be >= 1, got {cfg.moe_inter_dim}")
+    if not 1 <= cfg.n_activated_experts <= cfg.n_routed_experts:
+        _fail("n_activated_experts", f"must be in [1, n_routed_experts = {cfg.n_routed_experts}], "
+              f"got {cfg.n_activated_experts}")
+    if cfg.dspark_n_routed_experts < 0 or cfg.dspark_n_activated_experts < 0:
+        _fail("dspark_n_routed_experts", "dspark expert counts must be >= 0 (0 = as the backbone)")
+    if cfg.n_mtp_layers:
+        routed, active = cfg.moe_experts(cfg.n_layers)
+        if not 1 <= active <= routed:
+            _fail("dspark_n_activated_experts", f"the draft stages' activated experts {active} must "
+                  f"be in [1, routed = {routed}]")
+
+
+def _check_engram(cfg: ModelConfig) -> None:
+    ids = cfg.engram_layer_ids
+    _check_layer_ids("engram_layer_ids", ids, cfg.n_layers)
+    if len(cfg.engram_num_embeddings) != len(ids):
+        _fail("engram_num_embeddings", f"needs one entry per Engram layer ({len(ids)}), got "
+              f"{len(cfg.engram_num_embeddings)}")
+    if not ids:
+        return
+    for name, low in (("engram_max_ngram_size", 2), ("engram_n_heads", 1), ("engram_head_dim", 1),
+                      ("engram_vocab_size", 1), ("engram_compressed_vocab_size", 1)):
+        if getattr(cfg, name) < low:
+            _fail(name, f"must be >= {low} with Engram layers, got {getattr(cfg, name)}")
+    if not 0 <= cfg.engram_pad_id < cfg.vocab_size:
+        _fail("engram_pad_id", f"must be a token id in [0, {cfg.vocab_size}), got {cfg.engram_pad_id}")
+    if cfg.engram_compressed_vocab_size > cfg.vocab_size:
+        _fail("engram_compressed_vocab_size", f"{cfg.engram_compressed_vocab_size} cannot exceed "
+              f"vocab_size = {cfg.vocab_size}")
+    rows = tuple(int(x) for x in engram_primes(len(ids), cfg.engram_max_ngram_size,
+                                                cfg.engram_n_heads, cfg.engram_vocab_size)
+                 .sum(axis=(1, 2)))
+    if rows != cfg.engram_num_embeddings:
+        _fail("engram_num_embeddings", f"must equal each layer's sum of bucket primes "
+              f"{list(rows)} (from engram_vocab_size, engram_n_heads, engram_max_ngram_size), got "
+              f"{list(cfg.engram_num_embeddings)}")
+
+
+def _check_dspark(cfg: ModelConfig) -> None:
+    targets = cfg.dspark_target_layer_ids
+    # taps are collected in layer order, one per target, into main_proj's len(targets) * dim input
+    _check_layer_ids("dspark_target_layer_ids", targets, cfg.n_layers)
+    if not cfg.n_mtp_layers:
+        return
+    if not targets:
+        _fail("dspark_target_layer_ids", "DSpark draft stages need at least one target layer")
+    if cfg.dspark_block_size < 1:
+        _fail("dspark_block_size", f"must be >= 1 with draft stages, got {cfg.dspark_block_size}")
+    if not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
+        _fail("dspark_noise_token_id", f"must be a token id in [0, {cfg.vocab_size}), got "
+              f"{cfg.dspark_noise_token_id}")
+    if cfg.dspark_markov_rank < 1:
+        _fail("dspark_markov_rank", f"must be >= 1, got {cfg.dspark_markov_rank}")
+
+
+def _check_quantized_widths(cfg: ModelConfig) -> None:
+    """Every quantized GEMM's input width takes whole A8 groups of 32, and the FP4/Engram rows whole
+    E8M0 groups of 32; head_dim also covers the FP4 x 16 compressed-KV groups."""
+    if not cfg.quantized:
+        return
+    widths = {"dim": cfg.dim, "q_lora_rank": cfg.q_lora_rank, "head_dim": cfg.head_dim,
+              "index_head_dim": cfg.index_head_dim, "moe_inter_dim": cfg.moe_inter_dim,
+              "o_lora_rank": cfg.o_groups * cfg.o_lora_rank}  # wo_b's input: o_groups * o_lora_rank
+    if cfg.engram_layer_ids:
+        widths["engram_head_dim"] = cfg.engram_head_dim
+    for name, width in widths.items():
+        if width % 32:
+            _fail(name, f"width {width} must be a multiple of 32 for the published quantization")
