@@ -13,6 +13,7 @@ import pytest
 
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.sparse_attn import sparse_attn
+from v41_jax.model.window import draft_context_idx, ring_idx, window_idx
 
 REF, F32 = Numerics.reference(), Numerics.fp32()
 
@@ -133,3 +134,27 @@ def test_sparse_attn_skip_equals_absent():
     one = sparse_attn(jnp.zeros((1, 1, 1, 4)), jnp.ones((1, 1, 4)), jnp.zeros(1), jnp.zeros((1, 1, 1), jnp.int32),
                       1.0, numerics=F32)
     np.testing.assert_array_equal(np.asarray(one), 0.5)
+
+
+# ---- window indices --------------------------------------------------------------------------
+
+def test_window_indices_fixture():
+    for c in _fixture("window_indices.json")["cases"]:
+        want = np.asarray(c["indices"]).reshape(c["rows"], c["cols"])
+        if c["startPos"] == 0:
+            got = window_idx(jnp.arange(c["seqLen"]), c["window"], min(c["seqLen"], c["window"]))
+        else:
+            got = ring_idx(jnp.asarray([c["startPos"]]), c["window"])
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(c))
+
+
+def test_draft_context_idx_is_ring_slot_order():
+    """Replaying the ring writes 0..a and listing slots 0..min(W, a+1)-1 gives the same rows."""
+    w = 5
+    for a in range(13):
+        ring = {}
+        for p in range(a + 1):
+            ring[p % w] = p
+        want = [ring[s] for s in range(min(w, a + 1))]
+        got = np.asarray(draft_context_idx(jnp.asarray(a), w))
+        assert list(got[: len(want)]) == want and np.all(got[len(want):] == -1), (a, got)
