@@ -1,0 +1,299 @@
+"""Quantization codecs: the published checkpoint formats and the reference's QAT round-trips.
+
+Bit-exact ports of the reference quantizers (`act_quant`, `fp4_act_quant` in the official
+`kernel_cpu.py`) and decoders of every stored format (ARCHITECTURE.md §2.1, §4):
+
+  * E8M0 ("ue8m0") scale byte c -> 2^(c-127); c = 0 is 2^-127 (not zero), c = 255 is NaN.
+  * E4M3FN (OCP fp8, bias 7, max 448, no inf; 0x7f/0xff are NaN).
+  * E2M1 (OCP fp4) nibble: bit 3 = sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}; packed two per
+    byte with the even element in the low nibble.
+
+Every function is jax.numpy, so it traces under jit; it also takes numpy input (the writer quantizes
+host arrays with the same code). Codes come back as uint8 bit patterns, scales of the e8m0/e4m3
+formats as uint8 codes as well, so Pallas kernels, numpy and safetensors views all read them alike.
+
+Rounding is done arithmetically (scale by the grid's power-of-two quantum, `round` half to even,
+scale back), never by an fp32 -> fp8 dtype conversion: the result is then independent of how a
+backend lowers float8 conversions, and the cast of the already-on-grid value is exact.
+
+The QDQ helpers (`fp8_act_qdq`, `fp4_qdq_e4m3`, `fp4_qdq_ue8m0`) compute in fp32 and return
+x.dtype, exactly like the reference's `inplace=True` calls on bf16 tensors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+# The reference multiplies amax by fp32 reciprocals rather than dividing (kernel_cpu fast_round_scale).
+_FP8_MAX_INV = np.float32(1.0 / FP8_MAX)
+_FP4_MAX_INV = np.float32(1.0 / FP4_MAX)
+# amax floors (K41): A8 activations, fp4 with e4m3 scale, fp4 with ue8m0 scale.
+_FP8_AMAX_FLOOR = np.float32(1e-4)
+_FP4_E4M3_AMAX_FLOOR = np.float32(6 * 2.0**-9)
+_FP4_UE8M0_AMAX_FLOOR = np.float32(6 * 2.0**-126)
+
+# Signed E2M1 decode table, code 8 = -0.0 like the reference's FP4_TABLE.
+E2M1_TABLE = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+_F32_NAN_BITS = 0x7FC00000
+_F32_2POW_M127_BITS = 0x00400000  # 2^-127 is an fp32 subnormal: exponent field 0, top mantissa bit
+
+
+# ---- bit helpers ---------------------------------------------------------------------------------
+
+def as_u8(x) -> jax.Array:
+    """View any one-byte array (uint8, int8, float8_e4m3fn, float8_e8m0fnu, numpy or jax) as uint8."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.itemsize != 1:
+            raise ValueError(f"expected a one-byte dtype, got {x.dtype}")
+        return jnp.asarray(x.view(np.uint8))
+    x = jnp.asarray(x)
+    if x.dtype.itemsize != 1:
+        raise ValueError(f"expected a one-byte dtype, got {x.dtype}")
+    return x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def _f32_from_bits(bits) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+def _bits_from_f32(x) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+# ---- decoders ------------------------------------------------------------------------------------
+
+def e8m0_to_f32(codes) -> jax.Array:
+    """E8M0 scale codes -> fp32 2^(c-127); code 0 -> 2^-127, code 255 -> NaN."""
+    c = as_u8(codes).astype(jnp.uint32)
+    bits = jnp.where(c == 0, jnp.uint32(_F32_2POW_M127_BITS), c << 23)
+    return _f32_from_bits(jnp.where(c == 255, jnp.uint32(_F32_NAN_BITS), bits))
+
+
+def e4m3_to_f32(codes) -> jax.Array:
+    """E4M3FN bit patterns -> fp32 (widening is exact; 0x7f / 0xff are NaN)."""
+    return jax.lax.bitcast_convert_type(as_u8(codes), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def e2m1_to_f32(nibbles) -> jax.Array:
+    """4-bit E2M1 codes (one per uint8) -> fp32."""
+    return jnp.asarray(E2M1_TABLE)[as_u8(nibbles) & 0xF]
+
+
+def unpack_fp4(packed) -> jax.Array:
+    """Packed E2M1 [..., K/2] -> nibble codes uint8 [..., K]; the low nibble is the even element."""
+    b = as_u8(packed)
+    return jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+
+
+def pack_fp4(codes) -> jax.Array:
+    """Nibble codes uint8 [..., K] (K even) -> packed uint8 [..., K/2], even element low."""
+    c = as_u8(codes)
+    if c.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dim {c.shape[-1]} is odd")
+    return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
+
+
+def _repeat_to(scale, block: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
+    """Broadcast per-block scales [ceil(n0/b0), ...] over element shape `shape` (partial edge blocks)."""
+    for axis in range(scale.ndim):
+        if block[axis] > 1:
+            scale = jnp.repeat(scale, block[axis], axis=axis)
+    return scale[tuple(slice(0, n) for n in shape)]
+
+
+def dequant_fp8_blocks(weight, scale, block: int = 32, dtype=jnp.bfloat16) -> jax.Array:
+    """FP8 weight [out, in] x E8M0 [ceil(out/b), ceil(in/b)] (one scale per b x b block) -> dtype.
+
+    e4m3 times a power of two is exact in bf16 (barring underflow below 2^-133)."""
+    w = e4m3_to_f32(weight)
+    out_f, in_f = w.shape
+    want = (-(-out_f // block), -(-in_f // block))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"dequant_fp8_blocks: weight {w.shape} needs scale {want}, got {tuple(scale.shape)}")
+    return (w * _repeat_to(e8m0_to_f32(scale), (block, block), w.shape)).astype(dtype)
+
+
+def dequant_fp4_rows(weight, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
+    """Packed FP4 weight [out, in/2] (I8) x E8M0 [out, in/group] -> dtype [out, in]."""
+    w = e2m1_to_f32(unpack_fp4(weight))
+    out_f, in_f = w.shape
+    if tuple(scale.shape) != (out_f, in_f // group) or in_f % group:
+        raise ValueError(f"dequant_fp4_rows: weight [{out_f}, {in_f}] (packed {tuple(weight.shape)}) "
+                         f"needs scale {(out_f, in_f // group)}, got {tuple(scale.shape)}")
+    return (w * _repeat_to(e8m0_to_f32(scale), (1, group), w.shape)).astype(dtype)
+
+
+def dequant_fp8_rows(weight, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
+    """FP8 rows [..., d] x E8M0 [..., d/group] (Engram table rows, window-KV rows) -> dtype."""
+    w = e4m3_to_f32(weight)
+    if w.shape[-1] % group or tuple(scale.shape) != (*w.shape[:-1], w.shape[-1] // group):
+        raise ValueError(f"dequant_fp8_rows: rows {w.shape} need scale "
+                         f"{(*w.shape[:-1], w.shape[-1] // group)}, got {tuple(scale.shape)}")
+    wg = w.reshape(*w.shape[:-1], -1, group) * e8m0_to_f32(scale)[..., None]
+    return wg.reshape(w.shape).astype(dtype)
+
+
+def dequant_fp4_e4m3_rows(packed, scale, group: int = 16, dtype=jnp.bfloat16) -> jax.Array:
+    """Packed FP4 rows [..., d/2] x E4M3 scales [..., d/group] (compressed KV rows) -> dtype."""
+    v = e2m1_to_f32(unpack_fp4(packed))
+    vg = v.reshape(*v.shape[:-1], -1, group) * e4m3_to_f32(scale)[..., None]
+    return vg.reshape(v.shape).astype(dtype)
+
+
+def dequant_fp4_ue8m0_rows(packed, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
+    """Packed FP4 rows [..., d/2] x E8M0 scales [..., d/group] (index keys) -> dtype."""
+    v = e2m1_to_f32(unpack_fp4(packed))
+    vg = v.reshape(*v.shape[:-1], -1, group) * e8m0_to_f32(scale)[..., None]
+    return vg.reshape(v.shape).astype(dtype)
+
+
+# ---- rounding onto the grids (fp32 in, fp32 on-grid out) -----------------------------------------
+
+def _true_div(a, b) -> jax.Array:
+    """a / b, correctly rounded elementwise, as the reference computes it. XLA's simplifier turns a
+    division by a constant or by a broadcast into a multiplication by the (inexact) reciprocal; a
+    divisor materialized at full shape behind an optimization barrier is neither, so it stays an IEEE
+    division. Only needed where b is not a power of two."""
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), shape))
+
+
+def _pow2_from_exponent(e) -> jax.Array:
+    """2^e as fp32 for integer e in the normal range."""
+    return _f32_from_bits((e + 127).astype(jnp.uint32) << 23)
+
+
+def round_e4m3(x) -> jax.Array:
+    """fp32 -> nearest E4M3FN value (RNE), saturating at +-448 like the CUDA satfinite cast."""
+    x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    exp = ((_bits_from_f32(x) >> 23) & 0xFF).astype(jnp.int32) - 127
+    # 3 mantissa bits; below 2^-6 the subnormal quantum 2^-9 applies
+    quantum = _pow2_from_exponent(jnp.maximum(exp, -6) - 3)
+    return jnp.round(x / quantum) * quantum
+
+
+def round_e2m1(x) -> jax.Array:
+    """fp32 in [-6, 6] -> nearest E2M1 value, ties to the even code (0.25->0, 0.75->1, 5->4)."""
+    a = jnp.abs(x)
+    quantum = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(jnp.float32)
+    return jnp.round(x / quantum) * quantum
+
+
+def e4m3_codes(x_on_grid) -> jax.Array:
+    """On-grid fp32 (from round_e4m3) -> E4M3FN bit patterns uint8; the cast is exact."""
+    return jax.lax.bitcast_convert_type(x_on_grid.astype(jnp.float8_e4m3fn), jnp.uint8)
+
+
+def e2m1_codes(x_on_grid) -> jax.Array:
+    """On-grid fp32 (from round_e2m1) -> 4-bit codes uint8; -0.0 keeps its sign bit (code 8)."""
+    m = jnp.abs(x_on_grid)
+    mag = jnp.where(m < 2, 2 * m, jnp.where(m < 4, m + 2, m / 2 + 4)).astype(jnp.uint8)
+    return mag | (jnp.signbit(x_on_grid).astype(jnp.uint8) << 3)
+
+
+def ue8m0_scale(amax, max_inv) -> tuple[jax.Array, jax.Array]:
+    """2^ceil(log2(amax * max_inv)) as (fp32 scale, E8M0 code): the exponent of the product, plus one
+    when its mantissa is non-zero (the reference's fast_round_scale)."""
+    bits = _bits_from_f32(amax.astype(jnp.float32) * max_inv)
+    code = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
+    return _f32_from_bits(code << 23), code.astype(jnp.uint8)
+
+
+# ---- grouped encoders (shared by QDQ, cache writers and the weight writer) -----------------------
+
+def _groups(x, group: int, what: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.shape[-1] % group:
+        raise ValueError(f"{what}: last dim {x.shape[-1]} is not a multiple of {group}")
+    return x.astype(jnp.float32).reshape(*x.shape[:-1], -1, group)
+
+
+def _fp8_ue8m0_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """xg fp32 [..., g] -> (on-grid e4m3 values [..., g], fp32 scale [...], E8M0 code [...])."""
+    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), _FP8_AMAX_FLOOR)
+    s, code = ue8m0_scale(amax, _FP8_MAX_INV)
+    return round_e4m3(xg / s[..., None]), s, code
+
+
+def _fp4_e4m3_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """xg fp32 [..., g] -> (on-grid e2m1 values, fp32 scale = e4m3(amax/6) saturating, E4M3 code)."""
+    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), _FP4_E4M3_AMAX_FLOOR)
+    s = round_e4m3(_true_div(amax, np.float32(FP4_MAX)))
+    return round_e2m1(jnp.clip(_true_div(xg, s[..., None]), -FP4_MAX, FP4_MAX)), s, e4m3_codes(s)
+
+
+def _fp4_ue8m0_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """xg fp32 [..., g] -> (on-grid e2m1 values, fp32 power-of-two scale, E8M0 code)."""
+    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), _FP4_UE8M0_AMAX_FLOOR)
+    s, code = ue8m0_scale(amax, _FP4_MAX_INV)
+    return round_e2m1(jnp.clip(xg / s[..., None], -FP4_MAX, FP4_MAX)), s, code
+
+
+def quant_fp8_ue8m0(x, block: int = 32) -> tuple[jax.Array, jax.Array]:
+    """A8 / window-KV / Engram-row encoder: x [..., n] -> (E4M3 codes uint8 [..., n],
+    E8M0 codes uint8 [..., n/block])."""
+    q, _, code = _fp8_ue8m0_groups(_groups(x, block, "quant_fp8_ue8m0"))
+    return e4m3_codes(q).reshape(jnp.shape(x)), code
+
+
+def quant_fp4_e4m3(x, group: int = 16) -> tuple[jax.Array, jax.Array]:
+    """Compressed-KV encoder: x [..., n] -> (packed E2M1 uint8 [..., n/2], E4M3 codes uint8 [..., n/group])."""
+    q, _, code = _fp4_e4m3_groups(_groups(x, group, "quant_fp4_e4m3"))
+    return pack_fp4(e2m1_codes(q).reshape(jnp.shape(x))), code
+
+
+def quant_fp4_ue8m0(x, group: int = 32) -> tuple[jax.Array, jax.Array]:
+    """Index-key/query encoder: x [..., n] -> (packed E2M1 uint8 [..., n/2], E8M0 codes uint8 [..., n/group])."""
+    q, _, code = _fp4_ue8m0_groups(_groups(x, group, "quant_fp4_ue8m0"))
+    return pack_fp4(e2m1_codes(q).reshape(jnp.shape(x))), code
+
+
+# ---- fake-quant (QDQ) at the reference's QAT points ----------------------------------------------
+
+def _qdq(x, group: int, encode, what: str) -> jax.Array:
+    x = jnp.asarray(x)
+    q, s, _ = encode(_groups(x, group, what))
+    return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+def fp8_act_qdq(x, block: int = 32) -> jax.Array:
+    """act_quant(x, block, "ue8m0", inplace=True): fp8 e4m3 per `block` lanes, power-of-two scale."""
+    return _qdq(x, block, _fp8_ue8m0_groups, "fp8_act_qdq")
+
+
+def fp4_qdq_e4m3(x, group: int = 16) -> jax.Array:
+    """fp4_act_quant(x, group, inplace=True, scale_dtype=e4m3): compressed KV rows."""
+    return _qdq(x, group, _fp4_e4m3_groups, "fp4_qdq_e4m3")
+
+
+def fp4_qdq_ue8m0(x, group: int = 32) -> jax.Array:
+    """fp4_act_quant(x, group, inplace=True) with E8M0 scales: index keys and queries."""
+    return _qdq(x, group, _fp4_ue8m0_groups, "fp4_qdq_ue8m0")
+
+
+# ---- weight quantizers (the checkpoint writer) ---------------------------------------------------
+
+def quant_weight_fp8(w, block: int = 32) -> tuple[jax.Array, jax.Array]:
+    """Dense weight [out, in] -> (E4M3 codes uint8 [out, in], E8M0 codes [ceil(out/b), ceil(in/b)]).
+
+    One power-of-two scale per b x b block, partial edge blocks included; the block amax gets the
+    A8 floor so an all-zero block has a finite scale."""
+    w = jnp.asarray(w, jnp.float32)
+    out_f, in_f = w.shape
+    pad = ((0, -out_f % block), (0, -in_f % block))
+    blocks = jnp.pad(w, pad).reshape(-(-out_f // block), block, -(-in_f // block), block)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(1, 3)), _FP8_AMAX_FLOOR)
+    s, code = ue8m0_scale(amax, _FP8_MAX_INV)
+    q = round_e4m3(w / _repeat_to(s, (block, block), w.shape))
+    return e4m3_codes(q), code
+
+
+def quant_weight_fp4(w, group: int = 32) -> tuple[jax.Array, jax.Array]:
+    """Expert weight [out, in] -> (packed E2M1 uint8 [out, in/2], E8M0 codes [out, in/group])."""
+    return quant_fp4_ue8m0(jnp.asarray(w, jnp.float32), group)
