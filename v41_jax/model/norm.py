@@ -11,10 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from v41_jax.model.numerics import exact_div
+
 
 def rms_inv(x: jax.Array, eps: float) -> jax.Array:
     x = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    # the mean divides by the lane count, as torch's does (not a multiply by its reciprocal)
+    mean_sq = exact_div(jnp.sum(jnp.square(x), axis=-1, keepdims=True), x.shape[-1])
+    return jax.lax.rsqrt(mean_sq + eps)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -12,6 +12,9 @@ API
       compare the cache path with the full forward without rounding noise.
   numerics.act(x)       cast to the activation dtype (the reference's bf16 rounding points).
   HIGHEST               the dot precision for every fp32 product (no TF32 / bf16 passes on GPU).
+  exact_div(a, b)       a / b correctly rounded. XLA rewrites a division by a constant or by a
+                        broadcast operand into a multiplication by its (inexact) reciprocal; the
+                        reference divides. Use it wherever b is broadcast and not a power of two.
 
 Fields
   act_dtype        dtype of everything the reference holds in bf16: residual streams, sublayer
@@ -34,6 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def exact_div(a: jax.Array, b: jax.Array | float) -> jax.Array:
+    # a full-shape divisor behind an optimization barrier is neither a constant nor a broadcast
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), shape))
 
 
 @dataclass(frozen=True)

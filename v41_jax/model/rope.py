@@ -15,12 +15,14 @@ API
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41_jax.config import ModelConfig
+if TYPE_CHECKING:
+    from v41_jax.config import ModelConfig
 
 
 def _yarn(freqs: np.ndarray, dim: int, base: float, cfg: ModelConfig) -> np.ndarray:

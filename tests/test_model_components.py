@@ -1,0 +1,202 @@
+"""Model components against the independent component fixtures (tests/fixtures/dsv41_reference).
+
+Those fixtures hold fp32 values (computed in fp32 or float64 and rounded), so the bound is a few fp32
+ulps of the largest magnitude involved: the only freedom left is summation order and exp/sigmoid
+implementations.
+"""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from v41_jax.model.linear import k_block_dot, lin8, lin_bf
+from v41_jax.model.mhc import collapse, expand, hc_mixes, one_hot_pre, split_sinkhorn
+from v41_jax.model.moe import route, routed_experts, swiglu_ffn
+from v41_jax.model.norm import rms_norm
+from v41_jax.model.numerics import Numerics, exact_div
+from v41_jax.model.rope import apply_rope, rope_freqs
+from v41_jax.quant import fp8_act_qdq
+
+REF = Path(__file__).parent / "fixtures" / "dsv41_reference"
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def load(name):
+    return json.loads((REF / name).read_text())
+
+
+def arr(values, *shape):
+    return np.asarray(values, np.float32).reshape(*shape)
+
+
+def assert_ulps(actual, expected, ulps):
+    """|actual - expected| <= ulps fp32 ulps of the largest |expected|."""
+    expected = np.asarray(expected, np.float32)
+    bound = ulps * F32_EPS * max(float(np.abs(expected).max()), 1.0)
+    np.testing.assert_allclose(np.asarray(actual, np.float32), expected, rtol=0, atol=bound)
+
+
+# ---- numerics -----------------------------------------------------------------------------------
+
+def test_exact_div_is_correctly_rounded_under_jit():
+    x = np.random.default_rng(0).random((512, 4), np.float32) + 0.1
+    got = jax.jit(lambda a: exact_div(a, a[:, :1] + 1e-6))(x)
+    np.testing.assert_array_equal(np.asarray(got), x / (x[:, :1] + np.float32(1e-6)))
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------
+
+def test_rms_norm_rounds_once_from_fp32():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((3, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(96), jnp.bfloat16)
+    y = rms_norm(x, w, 1e-20)
+    assert y.dtype == jnp.bfloat16
+    xf = np.asarray(x, np.float64)
+    want = np.asarray(w, np.float64) * xf / np.sqrt((xf ** 2).mean(-1, keepdims=True) + 1e-20)
+    # one rounding to bf16 of a value exact to fp32 precision: within half a bf16 ulp (+ fp32 noise)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8 + 1e-6, atol=0)
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------
+
+def test_rope_interleaved_on_last_lanes_and_inverse():
+    d = load("rope_interleaved_offset.json")
+    L, H, D, R = d["length"], d["heads"], d["dim"], d["rotaryDim"]
+    assert d["dimOffset"] == D - R  # the rotation sits on the last R lanes
+    cos, sin = arr(d["cos"], L, R // 2), arr(d["sin"], L, R // 2)
+    q, k = jnp.asarray(arr(d["q"], L, H, D)), jnp.asarray(arr(d["k"], L, D))
+    q_rot = apply_rope(q, cos[:, None], sin[:, None])
+    k_rot = apply_rope(k, cos, sin)
+    assert_ulps(q_rot, arr(d["qRotated"], L, H, D), 2)
+    assert_ulps(k_rot, arr(d["kRotated"], L, D), 2)
+    assert_ulps(apply_rope(q_rot, cos[:, None], sin[:, None], inverse=True), arr(d["qInverse"], L, H, D), 2)
+    assert_ulps(apply_rope(k_rot, cos, sin, inverse=True), arr(d["kInverse"], L, D), 2)
+    np.testing.assert_array_equal(np.asarray(q_rot)[..., : D - R], np.asarray(q)[..., : D - R])
+
+
+def test_rope_yarn_band_for_released_config():
+    # ARCHITECTURE.md §3.1: dim 64, base 160000, L0 65536, factor 16 -> ramp lo 15, hi 25
+    cfg = SimpleNamespace(rope_head_dim=64, rope_theta=10000.0, compress_rope_theta=160000.0,
+                          original_seq_len=65536, rope_factor=16.0, beta_fast=32, beta_slow=1)
+    plain = 1.0 / 160000.0 ** (np.arange(0, 64, 2) / 64)
+    yarn = rope_freqs(cfg, global_table=True)
+    np.testing.assert_allclose(yarn[:16], plain[:16], rtol=1e-6)     # i <= lo: unchanged
+    np.testing.assert_allclose(yarn[25:], plain[25:] / 16, rtol=1e-6)  # i >= hi: divided by factor
+    assert np.all(yarn[16:25] < plain[16:25]) and np.all(yarn[16:25] > plain[16:25] / 16)
+    np.testing.assert_allclose(rope_freqs(cfg, global_table=False),
+                               1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64), rtol=1e-6)
+
+
+# ---- linear -------------------------------------------------------------------------------------
+
+def test_k_block_dot_sums_blocks_in_k_order():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    w = rng.standard_normal((5, 128)).astype(np.float32)
+    want = np.zeros((3, 5), np.float32)
+    for b in range(4):  # the reference kernel: fp32 block partial, added to the fp32 accumulator
+        want += x[:, 32 * b:32 * (b + 1)] @ w[:, 32 * b:32 * (b + 1)].T
+    got = np.asarray(k_block_dot(jnp.asarray(x), jnp.asarray(w)))
+    # block partials themselves may sum in another order: a few fp32 ulps of each partial
+    np.testing.assert_allclose(got, want, rtol=0, atol=8 * F32_EPS * np.abs(x).max() * np.abs(w).max() * 32)
+
+
+def test_lin8_quantizes_the_activation_and_rounds_once():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((8, 64)) * 0.1, jnp.bfloat16)
+    ref, fast = Numerics.reference(), Numerics.fast()
+    y = lin8(x, w, ref)
+    xq = np.asarray(fp8_act_qdq(x), np.float64)
+    want = xq @ np.asarray(w, np.float64).T
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2 ** -8, atol=1e-6)
+    # the fast policy differs only in fp32 summation order: at most one bf16 ulp
+    np.testing.assert_allclose(np.asarray(lin8(x, w, fast), np.float64), np.asarray(y, np.float64), rtol=2 ** -7)
+    # the fp32 policy does not quantize: differs from the quantized product by the fp8 error
+    y32 = lin8(x, w, Numerics.fp32())
+    assert y32.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y32), np.asarray(x, np.float64) @ np.asarray(w, np.float64).T,
+                               rtol=1e-5, atol=1e-5)
+    assert lin_bf(x, w, ref).dtype == jnp.bfloat16
+
+
+# ---- mHC ----------------------------------------------------------------------------------------
+
+def test_sinkhorn_collapse_expand_hc_mix():
+    d = load("hc_mix.json")
+    hc, T, D = d["hc"], d["tokens"], d["dim"]
+    m = jnp.asarray(arr(d["mixes"], T, -1))
+    streams, x = jnp.asarray(arr(d["streams"], T, hc, D)), jnp.asarray(arr(d["x"], T, D))
+    for case in d["cases"]:
+        pre, post, comb = split_sinkhorn(m, jnp.asarray(arr(d["scale"], 3)), jnp.asarray(arr(d["bias"], -1)),
+                                         hc, case["iters"], d["eps"])
+        assert_ulps(pre, arr(case["pre"], T, hc), 1)
+        assert_ulps(post, arr(case["post"], T, hc), 1)
+        assert_ulps(comb, arr(case["comb"], T, hc, hc), 2)
+        assert_ulps(collapse(streams, pre), arr(case["preMix"], T, D), 2)
+        assert_ulps(expand(x, streams, post, comb), arr(case["postMix"], T, hc, D), 4)
+
+
+@pytest.mark.parametrize("case", load("hyper_connection.json")["cases"], ids=lambda c: c["name"])
+def test_hc_mixes_from_raw_streams(case):
+    hc, D, T = case["hc"], case["dim"], case["tokens"]
+    cfg = SimpleNamespace(norm_eps=case["normEps"], hc_mult=hc, hc_sinkhorn_iters=case["iters"],
+                          hc_eps=case["hcEps"])
+    x = jnp.asarray(arr(case["x"], T, hc, D))
+    pre, post, comb = hc_mixes(x, jnp.asarray(arr(case["fn"], -1, hc * D)), jnp.asarray(arr(case["base"], -1)),
+                               jnp.asarray(arr(case["scale"], 3)), cfg)
+    assert_ulps(pre, arr(case["pre"], T, hc), 2)
+    assert_ulps(post, arr(case["post"], T, hc), 2)
+    assert_ulps(comb, arr(case["comb"], T, hc, hc), 2)
+    assert_ulps(collapse(x, pre), arr(case["collapsed"], T, D), 2)
+    assert_ulps(expand(jnp.asarray(arr(case["sub"], T, D)), x, post, comb), arr(case["expanded"], T, hc, D), 4)
+
+
+def test_one_hot_pre_collapse_returns_stream_zero():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, 4, 8)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(collapse(x, one_hot_pre((2, 3), 4))), np.asarray(x[..., 0, :]))
+
+
+# ---- MoE ----------------------------------------------------------------------------------------
+
+def test_route_sqrtsoftplus_with_selection_only_bias():
+    d = load("moe_route_sqrtsoftplus.json")
+    T, E, k = d["tokens"], d["experts"], d["topk"]
+    cfg = SimpleNamespace(score_func="sqrtsoftplus", gate_temp=d["gateTemp"], norm_topk_prob=True,
+                          route_scale=d["routeScale"])
+    image = np.asarray(d["tokenKinds"])[:, None] == 1
+    bias = np.where(image, arr(d["biasVl"], E), arr(d["bias"], E))
+    w, idx = route(jnp.asarray(arr(d["logits"], T, E)), jnp.asarray(bias), k, cfg)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(d["indices"]).reshape(T, k))
+    assert_ulps(w, arr(d["weights"], T, k), 2)
+
+
+def test_route_ties_go_to_the_lower_expert():
+    cfg = SimpleNamespace(score_func="sqrtsoftplus", gate_temp=1.0, norm_topk_prob=True, route_scale=1.5)
+    logits = jnp.asarray([[0.5, 1.0, 1.0, 1.0, 0.2]], jnp.float32)
+    _, idx = route(logits, jnp.zeros(5), 2, cfg)
+    np.testing.assert_array_equal(np.asarray(idx), [[1, 2]])
+
+
+@pytest.mark.parametrize("case", load("moe_exec.json")["cases"], ids=lambda c: c["name"])
+def test_moe_exec_fp32(case):
+    T, D, F, E, k = case["tokens"], case["dim"], case["inter"], case["experts"], case["topk"]
+    x = jnp.asarray(arr(case["x"], T, D))
+    cfg = SimpleNamespace(score_func="sqrtsoftplus", gate_temp=1.0, norm_topk_prob=True, route_scale=1.0)
+    # the recorded routing (the fixture's gate uses its own route_scale); our gate must pick the same experts
+    _, idx_gate = route(x @ jnp.asarray(arr(case["gateWeight"], E, D)).T, jnp.asarray(arr(case["gateBias"], E)), k, cfg)
+    idx = np.asarray(case["indices"]).reshape(T, k)
+    np.testing.assert_array_equal(np.sort(np.asarray(idx_gate), -1), np.sort(idx, -1))
+    num = Numerics.fp32()
+    y = routed_experts(x, jnp.asarray(idx), jnp.asarray(arr(case["weights"], T, k)), jnp.asarray(arr(case["w1"], E, F, D)),
+                       jnp.asarray(arr(case["w3"], E, F, D)), jnp.asarray(arr(case["w2"], E, D, F)), num, case["limit"])
+    y = y + swiglu_ffn(x, jnp.asarray(arr(case["sw1"], F, D)), jnp.asarray(arr(case["sw3"], F, D)),
+                       jnp.asarray(arr(case["sw2"], D, F)), num, case["limit"])
+    assert_ulps(y, arr(case["y"], T, D), 32)  # sums of k+1 expert outputs, each through 3 fp32 GEMMs

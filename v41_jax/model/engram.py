@@ -1,0 +1,52 @@
+"""Engram module: n-gram hash rows -> per-stream key + shared value -> gated residual update (§3.11.4).
+
+The hash ids are H1's (`v41_jax/engram_hash.py`); the FP8 tables stay on the host. Rows are
+gathered and dequantized on the host and passed into the jitted forward.
+
+API
+  gather_rows(table_weight [rows, hd] fp8/u8, table_scale [rows, hd/32] e8m0/u8, ids [..., cols])
+      -> bf16 [..., cols, hd]   host gather, e4m3 x 2^(e8m0-127) per 32 lanes in fp32, one cast.
+  engram(p, cfg, x [..., N, D], rows [..., cols, hd], numerics, token_mask=None) -> [..., N, D]
+      p = params["layers"][l]["engram"] (wkv, q_weight, k_weight). token_mask False (image-span
+      tokens) closes the gate, so those streams pass through bit-identically.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41_jax.model.linear import lin8
+from v41_jax.model.norm import rms_inv
+from v41_jax.model.numerics import Numerics
+from v41_jax.quant import dequant_fp8_rows
+
+if TYPE_CHECKING:
+    from v41_jax.config import ModelConfig
+
+_GATE_FLOOR = 1e-6  # |dot| floor under the signed square root
+
+
+def gather_rows(table_weight: np.ndarray, table_scale: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    ids = np.asarray(ids)
+    return np.asarray(dequant_fp8_rows(table_weight[ids], table_scale[ids], 32, jnp.bfloat16))
+
+
+def engram(p: dict, cfg: ModelConfig, x: jax.Array, rows: jax.Array, numerics: Numerics,
+           token_mask: jax.Array | None = None) -> jax.Array:
+    n, d = cfg.hc_mult, cfg.dim
+    kv = lin8(rows.reshape(*rows.shape[:-2], -1), p["wkv"], numerics)     # [..., (N+1) D]
+    key = kv[..., : n * d].astype(jnp.float32).reshape(*kv.shape[:-1], n, d)
+    value = kv[..., n * d:].astype(jnp.float32)                            # [..., D]
+    weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)  # only the product is used
+    h = x.astype(jnp.float32)
+    # normalised per (token, stream) over D, not jointly over the streams
+    rstd = rms_inv(h, cfg.norm_eps)[..., 0] * rms_inv(key, cfg.norm_eps)[..., 0]     # [..., N]
+    dot = jnp.sum(h * weight * key, axis=-1) * rstd * d ** -0.5
+    gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), _GATE_FLOOR)), dot))
+    if token_mask is not None:
+        gate = jnp.where(token_mask[..., None], gate, 0.0)
+    return (h + gate[..., None] * value[..., None, :]).astype(x.dtype)

@@ -1,0 +1,74 @@
+"""Manifold-constrained hyper-connections (mHC), single-pass variant (ARCHITECTURE.md §3.3).
+
+The residual is N = hc_mult parallel streams. Each sublayer predicts (pre, post, comb) from its
+input streams; it expands with its own post/comb but hands `pre` on: the collapse feeding a
+sublayer always uses the pre the previous sublayer computed (block.py wires that).
+
+API (X [..., N, D] in the activation dtype; coefficients fp32)
+  hc_mixes(X, fn [M, N*D], base [M], scale [3], cfg) -> (pre [..., N], post [..., N], comb [..., N, N])
+  split_sinkhorn(m [..., M], scale, base, hc, iters, eps) -> (pre, post, comb)
+      comb[i, j]: i = input stream, j = output stream; doubly stochastic after Sinkhorn.
+  one_hot_pre(lead_shape, hc) -> fp32 [..., N]   (1, 0, ..., 0): the first collapse returns stream 0.
+  collapse(X, pre) -> [..., D]    sum_s pre[s] X[s] in fp32, streams added in order, one cast.
+  expand(f [..., D], X, post, comb) -> [..., N, D]
+      X'[j] = post[j] f + sum_i comb[i, j] X[i], fp32, one cast to f's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from v41_jax.model.linear import lin_f32
+from v41_jax.model.norm import rms_inv
+from v41_jax.model.numerics import exact_div
+
+if TYPE_CHECKING:
+    from v41_jax.config import ModelConfig
+
+
+def _ordered_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over a short axis, strictly left to right (XLA's reduce order is unspecified)."""
+    parts = [jnp.take(x, i, axis=axis) for i in range(x.shape[axis])]
+    return functools.reduce(operator.add, parts)
+
+
+def split_sinkhorn(m: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int,
+                   eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
+    # row softmax (+eps), then column normalisation; then iters-1 rounds of (rows, columns)
+    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
+    comb = exact_div(comb, _ordered_sum(comb, -1)[..., None]) + eps
+    comb = exact_div(comb, _ordered_sum(comb, -2)[..., None, :] + eps)
+    for _ in range(iters - 1):
+        comb = exact_div(comb, _ordered_sum(comb, -1)[..., None] + eps)
+        comb = exact_div(comb, _ordered_sum(comb, -2)[..., None, :] + eps)
+    return pre, post, comb
+
+
+def hc_mixes(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
+             cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    flat = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)               # [..., N*D]
+    # one RMS statistic over all streams jointly, no learned weight
+    m = lin_f32(flat, fn) * rms_inv(flat, cfg.norm_eps)                    # [..., M]
+    return split_sinkhorn(m, scale.astype(jnp.float32), base.astype(jnp.float32), cfg.hc_mult,
+                          cfg.hc_sinkhorn_iters, cfg.hc_eps)
+
+
+def one_hot_pre(lead_shape: tuple[int, ...], hc: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.eye(hc, dtype=jnp.float32)[0], (*lead_shape, hc))
+
+
+def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
+    return _ordered_sum(pre[..., None] * x.astype(jnp.float32), -2).astype(x.dtype)
+
+
+def expand(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    mixed = _ordered_sum(comb[..., None] * x.astype(jnp.float32)[..., :, None, :], -3)  # [..., N(j), D]
+    return (post[..., None] * f.astype(jnp.float32)[..., None, :] + mixed).astype(f.dtype)

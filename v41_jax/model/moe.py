@@ -1,0 +1,95 @@
+"""Mixture of experts: sqrtsoftplus router, routed SwiGLU experts, one shared expert (§3.10).
+
+API
+  score(logits [T, E] fp32, cfg) -> fp32     sqrt(softplus(logits / gate_temp))
+  route(logits, bias [T|1, E], k, cfg) -> (weights [T, k] fp32, idx [T, k] int32)
+      the bias steers selection only; ties go to the lower expert id (jax.lax.top_k); idx in
+      selection order; weights renormalised (+1e-20) when k > 1, times route_scale.
+  swiglu_ffn(x, w1, w3, w2, numerics, limit, weight=None) -> act dtype
+      up clamped to [-limit, limit], gate to <= limit (limit 0 = no clamp); the routing weight
+      multiplies the fp32 activation before its rounding to the activation dtype.
+  routed_experts(x [T, D], idx [T, k], w [T, k], w1 [E, F, D], w3 [E, F, D], w2 [E, D, F],
+                 numerics, swiglu_limit) -> fp32 [T, D]
+      the jnp reference for the expert kernels: each token's k expert outputs (act dtype) summed
+      in fp32 in ascending expert id, the order the reference's expert loop adds them.
+  moe(p, cfg, layer, x [T, D], numerics, image_mask=None) -> (y act dtype [T, D], idx [T, k])
+      p = params["layers"][l]["ffn"] (gate.weight/bias[/bias_vl], experts.{w1,w3,w2}, shared_experts).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from v41_jax.model.linear import lin4, lin8, lin_f32
+from v41_jax.model.numerics import Numerics, exact_div
+
+if TYPE_CHECKING:
+    from v41_jax.config import ModelConfig
+
+
+def _softplus(x: jax.Array) -> jax.Array:
+    # torch.nn.functional.softplus (beta 1, threshold 20)
+    return jnp.where(x > 20, x, jnp.log1p(jnp.exp(x)))
+
+
+def score(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
+    if cfg.score_func != "sqrtsoftplus":  # the only scoring V4.1 checkpoints use
+        raise ValueError(f"score_func: only 'sqrtsoftplus' is implemented, got {cfg.score_func!r}")
+    return jnp.sqrt(_softplus(exact_div(logits, cfg.gate_temp)))
+
+
+def route(logits: jax.Array, bias: jax.Array, k: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    s = score(logits, cfg)
+    _, idx = jax.lax.top_k(s + bias, k)
+    w = jnp.take_along_axis(s, idx, axis=-1)
+    if cfg.norm_topk_prob and k > 1:
+        w = exact_div(w, jnp.sum(w, axis=-1, keepdims=True) + 1e-20)  # 1e-20, not norm_eps: as in training
+    return w * cfg.route_scale, idx.astype(jnp.int32)
+
+
+def _silu(x: jax.Array) -> jax.Array:
+    return x / (1 + jnp.exp(-x))
+
+
+def swiglu_ffn(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, numerics: Numerics,
+               limit: float, weight: jax.Array | None = None) -> jax.Array:
+    gate = lin4(x, w1, numerics).astype(jnp.float32)
+    up = lin4(x, w3, numerics).astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    h = _silu(gate) * up
+    if weight is not None:
+        h = weight * h
+    return lin4(numerics.act(h), w2, numerics)
+
+
+def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
+                   w2: jax.Array, numerics: Numerics, swiglu_limit: float) -> jax.Array:
+    order = jnp.argsort(idx, axis=-1)
+    idx = jnp.take_along_axis(idx, order, axis=-1)
+    w = jnp.take_along_axis(w, order, axis=-1)
+
+    def one_token(xt, e, wt):  # [D], expert id, routing weight -> [D]
+        return swiglu_ffn(xt[None], w1[e], w3[e], w2[e], numerics, swiglu_limit, wt)[0]
+
+    y = jnp.zeros(x.shape, jnp.float32)
+    for j in range(idx.shape[-1]):
+        y = y + jax.vmap(one_token)(x, idx[:, j], w[:, j]).astype(jnp.float32)
+    return y
+
+
+def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,
+        image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    _, k = cfg.moe_experts(layer)
+    bias = p["gate"]["bias"]
+    if image_mask is not None and "bias_vl" in p["gate"]:
+        bias = jnp.where(image_mask[:, None], p["gate"]["bias_vl"], bias)
+    w, idx = route(lin_f32(x, p["gate"]["weight"]), bias, k, cfg)
+    ex, sh = p["experts"], p["shared_experts"]
+    y = routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit)
+    shared = swiglu_ffn(x, sh["w1"], sh["w3"], sh["w2"], numerics, cfg.swiglu_limit)
+    return numerics.act(y + shared.astype(jnp.float32)), idx
