@@ -150,6 +150,21 @@ def test_cursor_keeps_the_last_lookback_ids(released_hasher):
     assert cursor == EngramCursor(2, (DEAD, hasher.token_map[2], DEAD))
 
 
+def test_prefix_cursor_rows_match_one_token_steps(released_hasher):
+    """The cursor a verify step commits for an accepted prefix is the one decode would reach."""
+    hasher, known = released_hasher
+    tokens = np.asarray(sorted(known)[:6])
+    mask = np.array([True, True, False, True, True, True])
+    start = EngramCursor(9, (4, DEAD, 7))
+    rows = hasher.prefix_cursor_rows(start, hasher.compress(tokens, mask))
+    cursor = start
+    for j in range(len(tokens)):
+        _, cursor = hasher.hash_ids(cursor, tokens[j:j + 1], mask[j:j + 1])
+        np.testing.assert_array_equal(rows[j], cursor.as_row())
+        assert EngramCursor.from_row(rows[j]) == cursor
+    assert rows[:, 0].tolist() == list(range(10, 16))
+
+
 def test_bad_token_ids_and_maps_are_refused(released):
     with pytest.raises(ValueError, match="vocab_size"):
         EngramHasher(released, np.zeros(10, np.int64))
@@ -158,6 +173,8 @@ def test_bad_token_ids_and_maps_are_refused(released):
     hasher = EngramHasher(released, np.zeros(released.vocab_size, np.int64))
     with pytest.raises(ValueError, match="token_ids"):
         hasher.hash_ids(hasher.start(), np.array([released.vocab_size]))
+    with pytest.raises(ValueError, match="cursor.history"):
+        hasher.hash_ids(EngramCursor(0, (DEAD,) * 4), np.array([5]))
 
 
 def _byte_level_tokenizer(tokens):

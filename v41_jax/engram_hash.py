@@ -153,6 +153,14 @@ class EngramCursor:
     position: int
     history: tuple[int, ...]
 
+    def as_row(self) -> np.ndarray:
+        """The STATE cursor row (RUNTIME.md §2.4): int64 [1 + H] = [position, history...]."""
+        return np.asarray((self.position, *self.history), np.int64)
+
+    @classmethod
+    def from_row(cls, row: np.ndarray) -> "EngramCursor":
+        return cls(int(row[0]), tuple(int(c) for c in row[1:]))
+
 
 class EngramHasher:
     """The hash constants of one config plus its token map, built once; `hash_ids` is pure."""
@@ -191,6 +199,13 @@ class EngramHasher:
             return compressed
         return np.where(np.asarray(token_mask, bool), compressed, DEAD)
 
+    def _context(self, cursor: EngramCursor, compressed: np.ndarray) -> np.ndarray:
+        """The cursor's history followed by the span's compressed ids -> int64 [N-1+T]."""
+        if len(cursor.history) != self.max_ngram_size - 1:
+            raise ValueError(f"cursor.history: must hold max_ngram_size - 1 = "
+                             f"{self.max_ngram_size - 1} ids, got {len(cursor.history)}")
+        return np.concatenate([np.asarray(cursor.history, np.int64), compressed])
+
     def lookback_tokens(self, cursor: EngramCursor, compressed: np.ndarray) -> np.ndarray:
         """Token of each lookback slot s = 0..N-1 (s = 0 is the token itself) -> int64 [T, N].
 
@@ -198,7 +213,7 @@ class EngramHasher:
         farther slot take the pad id, so an n-gram never spans an image or the start.
         """
         n = self.max_ngram_size
-        context = np.concatenate([np.asarray(cursor.history, np.int64), compressed])  # [N-1+T]
+        context = self._context(cursor, compressed)                                  # [N-1+T]
         t = np.arange(len(compressed))
         slot = np.arange(n)
         source = context[(n - 1) + t[:, None] - slot[None, :]]                      # [T, N]
@@ -226,6 +241,15 @@ class EngramHasher:
         """
         compressed = self.compress(token_ids, token_mask)
         ids = self.bucket_ids(self.lookback_tokens(cursor, compressed))
-        keep = self.max_ngram_size - 1
-        history = np.concatenate([np.asarray(cursor.history, np.int64), compressed])[-keep:]
-        return ids, EngramCursor(cursor.position + len(compressed), tuple(int(c) for c in history))
+        end = self.prefix_cursor_rows(cursor, compressed)[-1:]
+        return ids, (EngramCursor.from_row(end[0]) if len(end) else cursor)
+
+    def prefix_cursor_rows(self, cursor: EngramCursor, compressed: np.ndarray) -> np.ndarray:
+        """Cursor rows after each prefix of the span -> int64 [T, 1 + H]; row j = the cursor once
+        compressed[:j + 1] is committed. A verify step commits the row of its accepted length,
+        since Engram history cannot be rebuilt from the KV (RUNTIME.md §7.4)."""
+        h = self.max_ngram_size - 1
+        context = self._context(cursor, compressed)                                  # [H+T]
+        ends = np.arange(1, len(compressed) + 1)
+        history = context[ends[:, None] + np.arange(h)[None, :]]                     # [T, H]
+        return np.concatenate([(cursor.position + ends)[:, None], history], axis=1)
