@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from v41_jax.config import ModelConfig
+from v41_jax.model.compressor import compress, init_state, pool_groups
+from v41_jax.model.linear import lin_f32
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.model.window import draft_context_idx, ring_idx, window_idx
@@ -18,7 +21,30 @@ from v41_jax.model.window import draft_context_idx, ring_idx, window_idx
 REF, F32 = Numerics.reference(), Numerics.fp32()
 
 FIX = pathlib.Path(__file__).parent / "fixtures" / "dsv41_reference"
+CONFIGS = pathlib.Path(__file__).parent.parent / "v41_jax" / "configs"
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def _cfg(**changes) -> ModelConfig:
+    return ModelConfig.from_file(CONFIGS / "tiny.config.json").replace(**changes)
+
+
+def _w(rng, *shape, scale=None, dtype=jnp.bfloat16):
+    """Random weight [out, in] with unit-variance outputs (bf16 unless the site is fp32)."""
+    scale = shape[-1] ** -0.5 if scale is None else scale
+    return jnp.asarray(rng.normal(size=shape) * scale, dtype)
+
+
+def _norm_w(rng, n):
+    return {"weight": jnp.asarray(1 + 0.1 * rng.normal(size=n), jnp.bfloat16)}
+
+
+def _compressor_params(rng, cfg, ratio):
+    dt = jnp.bfloat16 if ratio == 1 else jnp.float32
+    p = {"wkv": {"weight": _w(rng, cfg.head_dim, cfg.dim, dtype=dt)}, "norm": _norm_w(rng, cfg.head_dim)}
+    if ratio > 1:
+        p["wgate"] = {"weight": _w(rng, cfg.head_dim, cfg.dim, dtype=dt)}
+    return p
 
 
 def _fixture(name):
@@ -158,3 +184,45 @@ def test_draft_context_idx_is_ring_slot_order():
         want = [ring[s] for s in range(min(w, a + 1))]
         got = np.asarray(draft_context_idx(jnp.asarray(a), w))
         assert list(got[: len(want)]) == want and np.all(got[len(want):] == -1), (a, got)
+
+
+# ---- compressor ------------------------------------------------------------------------------
+
+def test_compressor_pool_fixture():
+    """Prefill then one-token steps, the partial group carried in the state (norm bypassed)."""
+    for c in _fixture("compressor_pool.json")["cases"]:
+        r, dim, hd = c["ratio"], c["dim"], c["headDim"]
+        x = np.asarray(c["x"], np.float32).reshape(1, -1, dim)
+        wkv = np.asarray(c["wkv"], np.float32).reshape(hd, dim)
+        wgate = np.asarray(c["wgate"], np.float32).reshape(hd, dim)
+        state = init_state(1, r, hd)
+        for st in c["steps"]:
+            xs = jnp.asarray(x[:, st["startPos"]: st["startPos"] + st["len"]])
+            pooled, row_ids, state = pool_groups(lin_f32(xs, wkv), lin_f32(xs, wgate), state,
+                                                 jnp.asarray([st["startPos"]]), r)
+            n = int((row_ids >= 0).sum())
+            assert n == st["rows"], (c["name"], st)
+            assert list(np.asarray(row_ids[0, :n])) == list(range(st["startPos"] // r, st["startPos"] // r + n))
+            if n:  # fp32 projections and softmax: agreement to fp32 rounding
+                np.testing.assert_allclose(np.asarray(pooled[0, :n]), np.reshape(st["out"], (n, hd)),
+                                           rtol=1e-5, atol=1e-6, err_msg=c["name"])
+            assert np.all(np.asarray(pooled[0, n:]) == 0)
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 3])
+def test_compressor_chunking_invariant(ratio):
+    """Any split of the sequence into calls gives the rows of one call (fp32 mode, bit-exact)."""
+    rng = np.random.default_rng(ratio)
+    cfg = _cfg()
+    p = _compressor_params(rng, cfg, ratio)
+    h = jnp.asarray(rng.normal(size=(2, 11, cfg.dim)), jnp.float32)
+    start0 = jnp.zeros(2, jnp.int32)
+    state0 = None if ratio == 1 else init_state(2, ratio, cfg.head_dim)
+    whole, ids, _ = compress(p, cfg, ratio, h, state0, start0, F32)
+    want = np.asarray(whole[:, : 11 // ratio])
+    got, state, pos = [], state0, 0
+    for n in (3, 1, 4, 2, 1):
+        lat, ids, state = compress(p, cfg, ratio, h[:, pos: pos + n], state, start0 + pos, F32)
+        got += [np.asarray(lat[:, j]) for j in range(lat.shape[1]) if ids[0, j] >= 0]
+        pos += n
+    np.testing.assert_array_equal(np.stack(got, 1), want)
