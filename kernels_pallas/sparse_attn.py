@@ -1,0 +1,229 @@
+"""Sparse latent attention with a per-head sink, reading K = V rows straight from cache row views.
+
+ARCHITECTURE.md §3.5 step 4 and §9.1 item 3; jnp reference: `v41_jax.model.sparse_attn`.
+
+Cache-side input layout (what the step feeds; RUNTIME.md §2.6, §3.5)
+--------------------------------------------------------------------
+A *source* is a pair `(rows [R, D], idx [B, S, K])`:
+  rows  a flat row view of one cache plane, e.g. the kv owner's compressed rows
+        `main[o].reshape(P * rpp, 512)`, the window rings `window.reshape(N * L * ring, 512)`, or
+        this step's own new latent rows `[T, 512]` (prefill "extend" rows). A reshape of a
+        contiguous cache array is free; nothing is gathered or copied in HBM.
+  idx   per query token, K global row ids into `rows` (int32, any negative = skip).
+Sources are walked in the order given, each in chunks of 64 ids, exactly as the reference walks
+its concatenated list (window part first, then the compressed part, when the caller passes them
+in that order). Each K is padded to a multiple of 64 with -1 here. Rows the lists do not name
+are never read, so unwritten pages may hold anything (NaN included).
+
+Kernel (Pallas, Triton lowering): grid (tokens, splits). One program holds one token's 64 heads
+as the M dimension of both products (MQA: every head shares the rows), so each gathered
+[64, 512] row tile feeds a [64 x 512] @ [512 x 64] logit product and a [64 x 64] @ [64 x 512]
+value product. The online softmax keeps (m, l, acc) in fp32; probabilities are rounded to bf16
+before P.V (reference mode) relative to the running max; the sink is folded in at the end.
+With splits > 1 the chunk sequence is cut into contiguous parts (the natural cut is window |
+compressed), each part writes fp32 partials (m, l, acc) and a small XLA epilogue merges them and
+folds the sink. One split reproduces the reference's rounding points exactly; more splits only
+move where the bf16 probability rounding is taken (relative to a part's max).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas import backend as _backend
+from kernels_pallas._compat import SQUEEZED, compiler_params, load
+from v41_jax.model.numerics import Numerics
+
+CHUNK = 64  # ids per online-softmax step, the reference kernel's block
+_NO_MAX = -1e30  # finite running-max start: an all-skip row ends as acc 0 / exp(sink + 1e30) = 0
+_HI = jax.lax.Precision.HIGHEST
+
+Source = tuple[jax.Array, jax.Array]  # (rows [R, D], idx [..., K])
+
+
+def _pad_ids(idx: jax.Array) -> jax.Array:
+    """[T, K] -> [T, ceil(K/64)*64] with -1 (a skipped id changes nothing)."""
+    return jnp.pad(idx.astype(jnp.int32), ((0, 0), (0, -idx.shape[-1] % CHUNK)), constant_values=-1)
+
+
+def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int):
+    """Chunk range [lo, hi) of one source (its chunks start at global chunk `base`) in a split."""
+    if n_splits == 1:
+        return 0, n_chunks
+    lo = jnp.clip(split * per_split - base, 0, n_chunks)
+    hi = jnp.clip((split + 1) * per_split - base, 0, n_chunks)
+    return lo, hi
+
+
+def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
+                 n_splits: int, scale: float, bf16_probs: bool):
+    idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
+    q = q_ref[...]                                                     # [H, D]
+    h, d = q.shape
+    split = pl.program_id(1)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
+
+    def make_body(idx_ref, kv_ref):
+        def body(c, carry):
+            run_max, denom, acc = carry                                # [H], [H], [H, D] fp32
+            ids = idx_ref[pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]   # [C]
+            valid = ids >= 0
+            # masked gather: skipped ids read nothing and give 0 rows (no NaN from unused pages);
+            # two broadcast index arrays, not (ids, :): interpret mode cannot mix them in a load
+            rows = load(kv_ref.at[jnp.maximum(ids, 0)[:, None], lanes[None, :]],
+                        mask=valid[:, None], other=0)                  # [C, D]
+            rows = rows.astype(q.dtype)                                # fp32 policy: bf16 pool -> fp32
+            logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=_HI,
+                                         preferred_element_type=jnp.float32)          # [H, C]
+            logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
+            new_max = jnp.maximum(run_max, logits.max(axis=1))
+            rescale = jnp.exp(run_max - new_max)
+            p = jnp.exp(logits - new_max[:, None])
+            denom = denom * rescale + p.sum(axis=1)
+            if bf16_probs and rows.dtype == jnp.bfloat16:
+                pv, vals = p.astype(jnp.bfloat16), rows                # exact products, fp32 sum
+            else:
+                pv = p.astype(jnp.bfloat16).astype(jnp.float32) if bf16_probs else p
+                vals = rows.astype(jnp.float32)
+            acc = acc * rescale[:, None] + jax.lax.dot_general(
+                pv, vals, (((1,), (0,)), ((), ())), precision=_HI, preferred_element_type=jnp.float32)
+            return new_max, denom, acc
+        return body
+
+    carry = (jnp.full((h,), _NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
+             jnp.zeros((h, d), jnp.float32))
+    base = 0
+    for idx_ref, kv_ref, n in zip(idx_refs, kv_refs, n_chunks):
+        lo, hi = _split_bounds(split, n, base, per_split, n_splits)
+        carry = jax.lax.fori_loop(lo, hi, make_body(idx_ref, kv_ref), carry)
+        base += n
+    run_max, denom, acc = carry
+
+    if n_splits == 1:
+        (o_ref,) = out_refs
+        denom = denom + jnp.exp(sink_ref[...] - run_max)              # sink: unscaled, denominator only
+        o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+    else:
+        acc_ref, max_ref, den_ref = out_refs
+        acc_ref[...] = acc
+        max_ref[...] = run_max
+        den_ref[...] = denom
+
+
+def _merge_splits(acc, run_max, denom, sink, dtype):
+    """acc [T, P, H, D], run_max/denom [T, P, H] partials -> [T, H, D] with the sink folded in."""
+    top = run_max.max(axis=1)                                          # [T, H]
+    w = jnp.exp(run_max - top[:, None])                                # [T, P, H]
+    den = (denom * w).sum(1) + jnp.exp(sink[None, :] - top)
+    return ((acc * w[..., None]).sum(1) / den[..., None]).astype(dtype)
+
+
+def default_splits(tokens: int, n_chunks: int, n_cores: int = 132) -> int:
+    """Splits only while the token grid alone leaves most of the GPU idle: each split costs an
+    fp32 [H, D] partial write + read (128 KiB per token at real size, twice one chunk's rows)."""
+    if tokens >= n_cores // 2:
+        return 1
+    return max(1, min(n_chunks, n_cores // max(tokens, 1), 4))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
+                                             "num_stages", "interpret"))
+def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
+                        num_stages, interpret):
+    t, h, d = q.shape
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
+    hp = max(16, 1 << (h - 1).bit_length())                            # dot M: power of two >= 16
+    q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+    sink_p = jnp.pad(sink.astype(jnp.float32), (0, hp - h))
+    idx = [_pad_ids(i) for i in idx]
+    n_chunks = tuple(i.shape[1] // CHUNK for i in idx)
+    total = sum(n_chunks)
+    n_splits = max(1, min(num_splits, total))
+    per_split = -(-total // n_splits)
+
+    sq = SQUEEZED
+    in_specs = ([pl.BlockSpec((sq, hp, d), lambda i, s: (i, 0, 0)),
+                 pl.BlockSpec((hp,), lambda i, s: (0,))]
+                + [pl.BlockSpec((sq, x.shape[1]), lambda i, s: (i, 0)) for x in idx]
+                + [pl.BlockSpec(r.shape, lambda i, s: (0, 0)) for r in rows])
+    if n_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((t, hp, d), q.dtype)
+        out_specs = pl.BlockSpec((sq, hp, d), lambda i, s: (i, 0, 0))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((t, n_splits, hp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32),
+                     jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32))
+        out_specs = (pl.BlockSpec((sq, sq, hp, d), lambda i, s: (i, s, 0, 0)),
+                     pl.BlockSpec((sq, sq, hp), lambda i, s: (i, s, 0)),
+                     pl.BlockSpec((sq, sq, hp), lambda i, s: (i, s, 0)))
+    kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
+                               per_split=per_split, n_splits=n_splits, scale=scale,
+                               bf16_probs=bf16_probs)
+    out = pl.pallas_call(
+        kernel, grid=(t, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+        name="sparse_latent_attn",
+    )(q, sink_p, *idx, *rows)
+    if n_splits > 1:
+        out = _merge_splits(*out, sink_p, q.dtype)
+    return out[:, :h]
+
+
+def _flatten(q: jax.Array, sources: Sequence[Source]):
+    lead = q.shape[:-2]
+    t = math.prod(lead)
+    q2 = q.reshape(t, *q.shape[-2:])
+    rows = tuple(r for r, _ in sources)
+    idx = tuple(i.reshape(t, i.shape[-1]) for _, i in sources)
+    return lead, q2, rows, idx
+
+
+def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float,
+                          *, numerics: Numerics) -> jax.Array:
+    """The XLA path and the kernel's reference: gather each token's rows, concatenate the sources
+    in order, and run the model's sparse attention core on the gathered list."""
+    from v41_jax.model.sparse_attn import sparse_attn
+
+    lead, q2, rows, idx = _flatten(q, sources)
+    gathered, local, offset = [], [], 0
+    for r, i in zip(rows, idx):
+        i = _pad_ids(i)
+        gathered.append(r[jnp.maximum(i, 0)])                         # [T, K_i, D]
+        local.append(jnp.where(i >= 0, offset + jnp.arange(i.shape[1], dtype=jnp.int32), -1))
+        offset += i.shape[1]
+    kv = jnp.concatenate(gathered, axis=1)                             # [T, K, D] (materialised)
+    ids = jnp.concatenate(local, axis=1)[:, None, :]                   # [T, 1, K]
+    out = sparse_attn(q2[:, None], kv, sink, ids, scale, numerics=numerics)
+    return out[:, 0].reshape(*lead, *q.shape[-2:])
+
+
+def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float, *,
+                      numerics: Numerics, backend: str | None = None,
+                      num_splits: int | None = None, num_warps: int = 8,
+                      num_stages: int = 2) -> jax.Array:
+    """Sparse attention of every query token over the rows its index lists name.
+
+    q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
+    sources: ((rows [R_i, D], idx [..., K_i] int32, negative = skip), ...), walked in order;
+    scale: softmax scale of q.k (Dh^-0.5). Returns [..., H, D] in the activation dtype; 0 for a
+    token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
+    before P.V (the reference kernel).
+    num_splits None = `default_splits`; num_warps / num_stages: Triton launch parameters.
+    """
+    if _backend.resolve(backend) == "xla":
+        return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
+    lead, q2, rows, idx = _flatten(q, sources)
+    n_chunks = sum(-(-i.shape[1] // CHUNK) for i in idx)
+    splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
+    out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
+                              bf16_probs=numerics.attn_probs_bf16,
+                              num_splits=splits, num_warps=num_warps, num_stages=num_stages,
+                              interpret=_backend.interpret())
+    return out.reshape(*lead, *q.shape[-2:])

@@ -1,0 +1,164 @@
+"""Pallas sparse latent attention vs its XLA path (gather + the model's core) and the fixture.
+
+On CPU the kernel runs in Pallas interpret mode; on a GPU the same tests compile it for real.
+Interpret mode starts every output at NaN, so a finite result also proves every element written.
+Tolerances: outputs are bf16 (2^-8 relative step); the kernel and the reference differ only in
+fp32 summation order and exp/div implementation, which can move one bf16 rounding by one step,
+so rtol = atol = 2^-7 (two steps at |o| ~ 1). The fp32-policy fixture check is held to 1e-5.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_common import assert_close, fp4_rows, fp8_rows, fresh_rng, load_fixture
+from kernels_pallas import backend
+from kernels_pallas.sparse_attn import default_splits, sparse_attn_paged
+from v41_jax.model.numerics import Numerics
+
+REF = Numerics.reference()
+F32 = Numerics.fp32()
+BF16_TOL = 2.0 ** -7
+
+
+def _case(rng, t=5, h=4, d=64, rows=(40, 150), k=(20, 70), p_skip=0.2, dtype=jnp.bfloat16):
+    q = jnp.asarray(rng.standard_normal((t, h, d)), dtype)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    sources = []
+    for r, kk in zip(rows, k):
+        kv = jnp.asarray(rng.standard_normal((r, d)) * 0.5, dtype)
+        idx = rng.integers(0, r, (t, kk))
+        idx[rng.random((t, kk)) < p_skip] = -1
+        sources.append((kv, jnp.asarray(idx, jnp.int32)))
+    return q, sink, sources
+
+
+def _both(q, sink, sources, numerics=REF, **kw):
+    scale = q.shape[-1] ** -0.5
+    got = sparse_attn_paged(q, sink, sources, scale, numerics=numerics, backend="pallas", **kw)
+    want = sparse_attn_paged(q, sink, sources, scale, numerics=numerics, backend="xla")
+    return np.asarray(got, np.float32), np.asarray(want, np.float32)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_matches_xla_path(splits):
+    rng, seed = fresh_rng()
+    got, want = _both(*_case(rng), num_splits=splits)
+    assert np.isfinite(got).all(), f"unwritten or NaN output (seed {seed})"
+    assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed, what=f"splits={splits}")
+
+
+def test_one_split_is_the_reference_walk():
+    """One split walks the same chunks with the same running max as the reference: on CPU the
+    only freedom left is the dot's fp32 summation order, so nearly every element is identical."""
+    rng, seed = fresh_rng()
+    got, want = _both(*_case(rng, t=8), num_splits=1)
+    assert np.mean(got == want) > 0.99, f"seed {seed}"
+
+
+def test_fp32_policy():
+    rng, seed = fresh_rng()
+    got, want = _both(*_case(rng, dtype=jnp.float32), numerics=F32, num_splits=1)
+    assert got.dtype == np.float32
+    assert_close(got, want, rtol=1e-5, atol=1e-6, seed=seed)
+
+
+def test_skips_empty_window_and_fully_masked_rows():
+    rng, seed = fresh_rng()
+    q, sink, (win, comp) = _case(rng, t=6)
+    win_idx = np.asarray(win[1]).copy()
+    comp_idx = np.asarray(comp[1]).copy()
+    win_idx[:3] = -1                      # tokens 0-2: empty window
+    comp_idx[0] = -1                      # token 0: nothing valid at all
+    comp_idx[4, 5:] = -1                  # token 4: ragged, 5 compressed ids left
+    sources = [(win[0], jnp.asarray(win_idx)), (comp[0], jnp.asarray(comp_idx))]
+    got, want = _both(q, sink, sources)
+    assert (got[0] == 0).all(), "a token with no valid id must give exactly 0"
+    assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
+
+
+def test_unnamed_rows_are_never_read():
+    """Pages the lists do not name (and the rows behind skipped ids) may hold NaN."""
+    rng, seed = fresh_rng()
+    q, sink, sources = _case(rng)
+    poisoned = []
+    for kv, idx in sources:
+        named = np.zeros(kv.shape[0], bool)
+        named[np.asarray(idx)[np.asarray(idx) >= 0]] = True
+        kv = jnp.where(jnp.asarray(named)[:, None], kv, jnp.nan)
+        poisoned.append((kv, idx))
+    got, want = _both(q, sink, poisoned, num_splits=2)
+    assert np.isfinite(got).all(), f"seed {seed}"
+    assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
+
+
+def test_batched_leading_dims_and_verify_width():
+    """q [B, S, H, D] with S = 6 (a verify step), three sources (ring, extend rows, compressed)."""
+    rng, seed = fresh_rng()
+    q, sink, sources = _case(rng, t=12, rows=(30, 12, 90), k=(16, 6, 64))
+    q = q.reshape(2, 6, *q.shape[1:])
+    sources = [(kv, idx.reshape(2, 6, -1)) for kv, idx in sources]
+    got, want = _both(q, sink, sources)
+    assert got.shape == (2, 6, 4, 64)
+    assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
+
+
+def _fixture_rows():
+    f = load_fixture("sparse_latent_attention.json")
+    d = f["dim"]
+    win = fp8_rows(f["window"]["codes"], f["window"]["scales"], d, 32)
+    main = fp4_rows(f["main"]["codes"], f["main"]["scales"], d, 16, "e4m3")
+    q = np.asarray(f["query"], np.float32).reshape(f["tokens"], f["heads"], d)
+    idx = np.asarray(f["indices"], np.int32).reshape(f["tokens"], f["k"])
+    want = np.asarray(f["expected"], np.float64).reshape(q.shape)
+    return f, win, main, q, idx, want
+
+
+def test_fixture_one_row_space():
+    """The fixture's ids index window slots then main rows: one flat row view, as the BF16 pool's
+    single row space (RUNTIME.md §2.6). Float64 expected, no bf16 probabilities: fp32 policy."""
+    f, win, main, q, idx, want = _fixture_rows()
+    rows = jnp.asarray(np.concatenate([win, main]))
+    got = sparse_attn_paged(jnp.asarray(q), jnp.asarray(f["sink"], jnp.float32),
+                            [(rows, jnp.asarray(idx))], f["scale"], numerics=F32, backend="pallas")
+    assert (np.asarray(got)[0] == 0).all()
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fixture_split_sources_reference_numerics():
+    """Same fixture through two sources (window plane, main plane); reference numerics (bf16 q,
+    bf16 probabilities) stay within bf16 tolerance of the exact float64 result."""
+    f, win, main, q, idx, want = _fixture_rows()
+    n_win = f["windowSlots"]
+    win_idx = np.where((idx >= 0) & (idx < n_win), idx, -1)
+    main_idx = np.where(idx >= n_win, idx - n_win, -1)
+    sources = [(jnp.asarray(win, jnp.bfloat16), jnp.asarray(win_idx)),
+               (jnp.asarray(main, jnp.bfloat16), jnp.asarray(main_idx))]
+    got = sparse_attn_paged(jnp.asarray(q, jnp.bfloat16), jnp.asarray(f["sink"], jnp.float32),
+                            sources, f["scale"], numerics=REF, backend="pallas")
+    scale = np.abs(want).max()
+    assert_close(np.asarray(got, np.float32), want, rtol=2 ** -6, atol=2 ** -6 * scale)
+
+
+def test_backend_switch(monkeypatch):
+    rng, _ = fresh_rng()
+    q, sink, sources = _case(rng, t=2)
+    monkeypatch.setenv(backend.ENV_BACKEND, "xla")
+    assert backend.resolve() == "xla"
+    with backend.use_backend("pallas"):
+        assert backend.resolve() == "pallas"
+        assert backend.resolve("xla") == "xla"
+    with pytest.raises(ValueError, match="kernel backend"):
+        backend.resolve("triton")
+    out = sparse_attn_paged(q, sink, sources, 0.125, numerics=REF)
+    assert out.shape == q.shape
+
+
+def test_default_splits():
+    assert default_splits(1, 10) == 4
+    assert default_splits(32, 10) == 4
+    assert default_splits(66, 10) == 1
+    assert default_splits(1, 2) == 2
