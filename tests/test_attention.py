@@ -13,6 +13,8 @@ import pytest
 
 from v41_jax.config import ModelConfig
 from v41_jax.model.compressor import compress, init_state, pool_groups
+from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_scores, select_topk,
+                                   visible_rows)
 from v41_jax.model.linear import lin_f32
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.sparse_attn import sparse_attn
@@ -226,3 +228,75 @@ def test_compressor_chunking_invariant(ratio):
         got += [np.asarray(lat[:, j]) for j in range(lat.shape[1]) if ids[0, j] >= 0]
         pos += n
     np.testing.assert_array_equal(np.stack(got, 1), want)
+
+
+# ---- indexer ---------------------------------------------------------------------------------
+
+def _indexer_fixture():
+    f = _fixture("indexer_scores.json")
+    d, h, t, n = f["dim"], f["heads"], f["tokens"], f["keys"]
+    keys = _fp4_unpack(np.reshape(f["keyCodes"], (n, d // 2))).reshape(n, d // 32, 32)
+    keys = (keys * 2.0 ** (np.reshape(f["keyScales"], (n, d // 32, 1)) - 127)).reshape(1, n, d)
+    q = np.asarray(f["query"], np.float32).reshape(1, t, h, d)
+    w = np.asarray(f["headWeights"], np.float32).reshape(1, t, h)
+    vis = np.asarray(f["compressLens"], np.int32).reshape(1, t)
+    return f, q, keys.astype(np.float32), w, vis
+
+
+def test_index_scores_fixture():
+    f, q, keys, w, vis = _indexer_fixture()
+    t, n = f["tokens"], f["keys"]
+    assert list(vis[0]) == list(np.asarray(visible_rows(jnp.arange(t), f["ratio"])))
+    got = np.asarray(index_scores(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(w), jnp.asarray(vis), F32))
+    masked = np.asarray(f["masked"]).reshape(1, t, n).astype(bool)
+    np.testing.assert_array_equal(np.isneginf(got), masked)
+    # fp32 dots of fp4-grid values and an fp32 head sum: fp32 rounding only
+    np.testing.assert_allclose(np.where(masked, 0, got), np.reshape(f["scores"], (1, t, n)), rtol=1e-6, atol=1e-7)
+
+
+def test_index_scores_reference_rounding_matches_torch_bf16():
+    """Reference mode equals the reference's op sequence run by torch on bf16 tensors, bit for bit:
+    einsum -> relu -> * weights -> sum over heads (each a bf16 result)."""
+    torch = pytest.importorskip("torch")
+    f, q, keys, w, vis = _indexer_fixture()
+    rng = np.random.default_rng(0)
+    keys = np.concatenate([keys, rng.normal(size=(1, 30, keys.shape[-1])).astype(np.float32)], 1)
+    vis = np.full_like(vis, keys.shape[1])
+    qb, kb, wb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (q, keys, w * 7))
+    tq, tk, tw = (torch.tensor(a).bfloat16() for a in (qb, kb, wb))
+    want = (torch.einsum("bshd,btd->bsht", tq, tk).relu_() * tw.unsqueeze(-1)).sum(dim=2).float().numpy()
+    got = index_scores(jnp.asarray(qb, jnp.bfloat16), jnp.asarray(kb, jnp.bfloat16), jnp.asarray(wb, jnp.bfloat16),
+                       jnp.asarray(vis), REF)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+def _masked_scores(values, visible):
+    return np.asarray([-np.inf if v is None else v for v in values], np.float32), visible
+
+
+def test_candidate_blocks_fixture():
+    for c in _fixture("candidate_select.json")["blocks"]:
+        s, vis = _masked_scores(c["logits"], c["compressLen"])
+        blocks = candidate_blocks(jnp.asarray(s)[None], jnp.asarray([vis]), c["topkBlocks"], c["blockSize"])
+        got = candidate_mask(blocks, c["width"], c["blockSize"])[0]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(c["mask"]), err_msg=str(c))
+        b = np.asarray(blocks[0])
+        kept = b[b >= 0]
+        assert np.all(np.diff(kept) > 0) and np.all(b[len(kept):] == -1)
+        assert (vis - 1) // c["blockSize"] in kept  # newest block pinned
+
+
+def test_select_topk_fixture():
+    for c in _fixture("candidate_select.json")["picks"]:
+        s, vis = _masked_scores(c["scores"], c["compressLen"])
+        ids = np.asarray(select_topk(jnp.asarray(s)[None], jnp.asarray([vis]), c["indexTopk"])[0])
+        np.testing.assert_array_equal(np.where(ids >= 0, ids + c["offset"], -1), c["indices"], err_msg=str(c))
+
+
+def test_topk_ties_go_to_lower_index():
+    scores = jnp.asarray([[[0.0, 2.0, 0.0, 2.0, 0.0, 0.0, 1.0, 0.0]]], jnp.bfloat16)
+    vis = jnp.asarray([[8]])
+    np.testing.assert_array_equal(np.asarray(select_topk(scores, vis, 4)), [[[0, 1, 3, 6]]])
+    # blocks of 2: scores 2, 2, 1, 0 -> newest block (3) pinned, then the tie 0 vs 1 goes to 0
+    np.testing.assert_array_equal(np.asarray(candidate_blocks(scores, vis, 2, 2)), [[[0, 3]]])

@@ -1,0 +1,115 @@
+"""Lightning indexer: which compressed rows each query attends to (ARCHITECTURE.md §3.7).
+
+Pure cores over explicit arrays: query rows at their positions, key rows of the kv owner, and
+per-query visible counts, so the full forward and the cache path call the same functions.
+Selections tie toward the lower index everywhere (jax.lax.top_k's rule, §9.1 item 1).
+
+API (B batch, T queries, N key rows, Hi/Di indexer heads/width)
+  visible_rows(positions, ratio) -> int32 [...]        (p + 1) // r: rows whose group is complete
+  index_keys(p, cfg, latent, row_ids, ratio, numerics) -> [B, G, Di]
+      k_norm(LinBF(latent, wk)) -> RoPE at r*j (global table) -> fp4 QDQ (group 32, ue8m0);
+      latent is the compressor's pre-RoPE latent.
+  index_query(p, cfg, c_q, positions, numerics) -> [B, T, Hi, Di]
+      Lin8(c_q, wq_b) -> RoPE at p -> fp4 QDQ (group 32, ue8m0).
+  index_weights(p, cfg, h, numerics) -> [B, T, Hi]     LinBF(h, weights_proj) * Di^-0.5 * Hi^-0.5
+  index_scores(q, keys, weights, visible, numerics) -> [B, T, N]
+      sum_h w_h * ReLU(q_h . k) in the score dtype (bf16 in the reference: the dot, the weighting
+      and the head sum each round once); -inf at rows j >= visible.
+  candidate_blocks(scores, visible, topk_blocks, block_size) -> int32 [B, T, min(topk_blocks, nb)]
+      block ids kept by the candidate source, ascending, -1 for dropped (-inf) picks.
+  candidate_mask(blocks, n_rows, block_size) -> bool [B, T, N]   rows inside the kept blocks
+  select_topk(scores, visible, k) -> int32 [B, T, min(k, N)]     ascending row ids, -1 past visible
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from v41_jax.config import ModelConfig
+from v41_jax.model.linear import lin8, lin_bf
+from v41_jax.model.norm import rms_norm
+from v41_jax.model.numerics import HIGHEST, Numerics
+from v41_jax.model.rope import apply_rope, rope_cos_sin
+from v41_jax.quant import fp4_qdq_ue8m0
+
+INDEX_FP4_GROUP = 32  # index keys and queries: fp4 with one ue8m0 scale per 32 lanes
+
+
+def visible_rows(positions: jax.Array, ratio: int) -> jax.Array:
+    return ((positions + 1) // ratio).astype(jnp.int32)
+
+
+def _fp4(x: jax.Array, numerics: Numerics) -> jax.Array:
+    return fp4_qdq_ue8m0(x, INDEX_FP4_GROUP) if numerics.fake_quant else x
+
+
+def index_keys(p: dict, cfg: ModelConfig, latent: jax.Array, row_ids: jax.Array, ratio: int,
+               numerics: Numerics) -> jax.Array:
+    k = rms_norm(lin_bf(latent, p["wk"]["weight"], numerics), p["k_norm"]["weight"], cfg.norm_eps)
+    cos, sin = rope_cos_sin(cfg, ratio * jnp.maximum(row_ids, 0), global_table=True)
+    return _fp4(apply_rope(k, cos, sin), numerics)
+
+
+def index_query(p: dict, cfg: ModelConfig, c_q: jax.Array, positions: jax.Array,
+                numerics: Numerics) -> jax.Array:
+    q = lin8(c_q, p["wq_b"]["weight"], numerics)
+    q = q.reshape(*q.shape[:-1], cfg.index_n_heads, cfg.index_head_dim)
+    cos, sin = rope_cos_sin(cfg, positions, global_table=True)
+    return _fp4(apply_rope(q, cos[..., None, :], sin[..., None, :]), numerics)
+
+
+def index_weights(p: dict, cfg: ModelConfig, h: jax.Array, numerics: Numerics) -> jax.Array:
+    w = lin_bf(h, p["weights_proj"]["weight"], numerics)
+    scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+    return numerics.act(w.astype(jnp.float32) * scale)
+
+
+def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, visible: jax.Array,
+                 numerics: Numerics) -> jax.Array:
+    """q [B, T, Hi, Di], keys [B, N, Di], weights [B, T, Hi], visible [B, T] -> [B, T, N]."""
+    dt = numerics.index_score_dtype
+    dots = jnp.einsum("bthd,bnd->bthn", q, keys, precision=HIGHEST,
+                      preferred_element_type=jnp.float32).astype(dt)
+    # each product rounds to the score dtype once; the head sum accumulates in fp32, rounds once
+    terms = (jnp.maximum(dots, 0).astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).astype(dt)
+    scores = terms.astype(jnp.float32).sum(axis=2).astype(dt)
+    rows = jnp.arange(keys.shape[1])
+    return jnp.where(rows < visible[..., None], scores, -jnp.inf)
+
+
+def _ascending(ids: jax.Array, keep: jax.Array) -> jax.Array:
+    """Kept ids sorted ascending, -1 after them."""
+    big = jnp.iinfo(jnp.int32).max
+    ids = jnp.sort(jnp.where(keep, ids, big), axis=-1)
+    return jnp.where(ids == big, -1, ids).astype(jnp.int32)
+
+
+def candidate_blocks(scores: jax.Array, visible: jax.Array, topk_blocks: int, block_size: int) -> jax.Array:
+    """Level one of the two-level top-k: each block scored by its best visible row."""
+    n = scores.shape[-1]
+    padded = jnp.pad(scores.astype(jnp.float32), [(0, 0)] * (scores.ndim - 1) + [(0, -n % block_size)],
+                     constant_values=-jnp.inf)
+    block_score = padded.reshape(*scores.shape[:-1], -1, block_size).max(-1)
+    n_blocks = block_score.shape[-1]
+    # the newest block is only partly filled: pin it so an older full block cannot outscore it
+    newest = (visible[..., None] - 1) // block_size
+    block_score = jnp.where(jnp.arange(n_blocks) == newest, jnp.inf, block_score)
+    values, ids = jax.lax.top_k(block_score, min(topk_blocks, n_blocks))
+    return _ascending(ids, values > -jnp.inf)
+
+
+def candidate_mask(blocks: jax.Array, n_rows: int, block_size: int) -> jax.Array:
+    n_blocks = -(-n_rows // block_size)
+    lead = blocks.shape[:-1]
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    # dropped picks (-1) land in a spare column that is cut off
+    kept = jax.vmap(lambda b: jnp.zeros(n_blocks + 1, bool).at[jnp.where(b < 0, n_blocks, b)].set(True))(flat)
+    return jnp.repeat(kept[:, :n_blocks], block_size, axis=-1)[:, :n_rows].reshape(*lead, n_rows)
+
+
+def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
+    """The k best rows, re-sorted by position. As in the reference, validity is by position
+    (id < visible) only: when fewer than k rows score finite, -inf fillers below `visible` stay."""
+    _, ids = jax.lax.top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
+    return _ascending(ids, ids < visible[..., None])
