@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 from .engram_hash import engram_primes
 
@@ -240,7 +240,7 @@ def validate(cfg: ModelConfig) -> None:
         check(cfg)
 
 
-def _fail(field_name: str, rule: str) -> None:
+def _fail(field_name: str, rule: str) -> NoReturn:
     raise ValueError(f"{field_name}: {rule}")
 
 
@@ -292,7 +292,7 @@ def _check_index_sources(cfg: ModelConfig) -> None:
     _check_sources_compressed(cfg, "index_source_layers", cfg.index_source_layers)
 
 
-def kv_owner(cfg: ModelConfig, layer: int) -> int | None:
+def _kv_owner(cfg: ModelConfig, layer: int) -> int | None:
     """The most recent KV source at or before `layer` with the same ratio (None if there is none)."""
     ratio = cfg.compress_ratios[layer]
     owners = [s for s in cfg.kv_source_layers if s <= layer and cfg.compress_ratios[s] == ratio]
@@ -303,7 +303,7 @@ def _check_kv_owners(cfg: ModelConfig) -> None:
     """Owners precede consumers with the same ratio; this also puts every top-k owner at or after
     its kv owner, because each KV source is itself an index source."""
     for layer, ratio in enumerate(cfg.compress_ratios):
-        if ratio and kv_owner(cfg, layer) is None:
+        if ratio and _kv_owner(cfg, layer) is None:
             _fail("kv_source_layers", f"layer {layer} (ratio {ratio}) has no KV source with ratio "
                   f"{ratio} at or before it")
 
@@ -327,9 +327,9 @@ def _check_candidates(cfg: ModelConfig) -> None:
               f"{cfg.candidate_topk_blocks * cfg.candidate_block_size} must be >= index_topk "
               f"= {cfg.index_topk}")
     # the published blocks index the source's kv owner's rows, so every consumer must read those
-    owner = kv_owner(cfg, cand)
+    owner = _kv_owner(cfg, cand)
     foreign = [l for l in range(cand + 1, cfg.n_layers)
-               if cfg.compress_ratios[l] and kv_owner(cfg, l) != owner]
+               if cfg.compress_ratios[l] and _kv_owner(cfg, l) != owner]
     if foreign:
         _fail("candidate_source_layer", f"candidate consumers must share the source's kv owner "
               f"{owner}; layers {foreign} read another")
