@@ -16,6 +16,14 @@ Rounding is done arithmetically (scale by the grid's power-of-two quantum, `roun
 scale back), never by an fp32 -> fp8 dtype conversion: the result is then independent of how a
 backend lowers float8 conversions, and the cast of the already-on-grid value is exact.
 
+Two XLA behaviours this module works around or states, and callers elsewhere should know:
+  * XLA rewrites `a / c` (c a constant, or a broadcast) into `a * (1/c)`, which is not correctly
+    rounded. The reference divides by the non-power-of-two e4m3 scale (and amax by 6); `_true_div`
+    keeps those real divisions. Divisions by powers of two are exact either way.
+  * XLA on CPU flushes fp32 subnormals to zero (inputs and results). The codecs here only touch
+    subnormals for |x| < 2^-126 or E8M0 codes below ~10 (scales < 2^-117), which no real weight or
+    activation reaches; `e8m0_to_f32` itself returns 2^-127 exactly for code 0.
+
 The QDQ helpers (`fp8_act_qdq`, `fp4_qdq_e4m3`, `fp4_qdq_ue8m0`) compute in fp32 and return
 x.dtype, exactly like the reference's `inplace=True` calls on bf16 tensors.
 """
@@ -120,13 +128,16 @@ def dequant_fp8_blocks(weight, scale, block: int = 32, dtype=jnp.bfloat16) -> ja
 
 
 def dequant_fp4_rows(weight, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
-    """Packed FP4 weight [out, in/2] (I8) x E8M0 [out, in/group] -> dtype [out, in]."""
+    """Packed FP4 weight [..., out, in/2] (I8) x E8M0 [..., out, in/group] -> dtype [..., out, in].
+
+    Leading dims stack experts: one call dequantizes a whole layer's routed experts."""
     w = e2m1_to_f32(unpack_fp4(weight))
-    out_f, in_f = w.shape
-    if tuple(scale.shape) != (out_f, in_f // group) or in_f % group:
-        raise ValueError(f"dequant_fp4_rows: weight [{out_f}, {in_f}] (packed {tuple(weight.shape)}) "
-                         f"needs scale {(out_f, in_f // group)}, got {tuple(scale.shape)}")
-    return (w * _repeat_to(e8m0_to_f32(scale), (1, group), w.shape)).astype(dtype)
+    want = (*w.shape[:-1], w.shape[-1] // group)
+    if tuple(scale.shape) != want or w.shape[-1] % group:
+        raise ValueError(f"dequant_fp4_rows: weight {w.shape} (packed {tuple(weight.shape)}) "
+                         f"needs scale {want}, got {tuple(scale.shape)}")
+    wg = w.reshape(*want, group) * e8m0_to_f32(scale)[..., None]
+    return wg.reshape(w.shape).astype(dtype)
 
 
 def dequant_fp8_rows(weight, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:

@@ -1,0 +1,88 @@
+"""Orbax cache of converted params, so a second start skips reading and dequantizing the shards.
+
+    cfg, params = load_params_cached(ckpt_dir, cache_dir)
+
+The first call runs `load_params` and saves the device params (everything but the host Engram
+tables) with orbax into `cache_dir/params`, next to `cache_dir/source.json`, which records a
+fingerprint of the source checkpoint (config.json, the index and every shard's size and header)
+and the config used. A later call whose fingerprint matches restores the params bit-exactly and
+re-attaches the Engram tables as memmaps of the source shards; a mismatch reconverts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import orbax.checkpoint as ocp
+
+from ..config import ModelConfig
+from .load import ENGRAM_KEY, EngramTables, load_params
+from .safetensors_io import INDEX_NAME, Checkpoint
+
+_SOURCE = "source.json"
+_PARAMS = "params"
+
+
+def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig) -> str:
+    """sha256 over the config used, config.json, the index and each shard's name, size and header
+    bytes: it changes whenever a tensor's name, dtype, shape or placement does, or the config does.
+    Tensor bytes are not read (a shard rewritten in place with equal headers is not detected)."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    h = hashlib.sha256(repr(cfg).encode())
+    for fname in ("config.json", INDEX_NAME):
+        path = os.path.join(ckpt_dir, fname)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                h.update(fname.encode() + b"\0" + f.read())
+    for shard in sorted(Checkpoint(ckpt_dir).files.values(), key=lambda f: f.path):
+        h.update(os.path.basename(shard.path).encode() + b"\0" + str(os.path.getsize(shard.path)).encode())
+        with open(shard.path, "rb") as f:
+            h.update(f.read(shard.data_start))
+    return h.hexdigest()
+
+
+def save_converted(cache_dir: str | os.PathLike, params: dict, source: str) -> None:
+    """Save the device params (Engram tables excluded) and the source fingerprint."""
+    cache_dir = os.path.abspath(os.fspath(cache_dir))
+    target = os.path.join(cache_dir, _PARAMS)
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    os.makedirs(cache_dir, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(target, {k: v for k, v in params.items() if k != ENGRAM_KEY})
+        ckptr.wait_until_finished()
+    with open(os.path.join(cache_dir, _SOURCE), "w") as f:
+        json.dump({"fingerprint": source}, f)
+
+
+def restore_converted(cache_dir: str | os.PathLike) -> dict:
+    """The saved device params, as saved (structure, dtypes and values), without Engram tables."""
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(os.path.join(os.path.abspath(os.fspath(cache_dir)), _PARAMS))
+
+
+def cached_fingerprint(cache_dir: str | os.PathLike) -> str | None:
+    try:
+        with open(os.path.join(os.fspath(cache_dir), _SOURCE)) as f:
+            return json.load(f)["fingerprint"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def load_params_cached(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike,
+                       cfg: ModelConfig | None = None, *, progress: bool = True) -> tuple[ModelConfig, dict]:
+    """`load_params`, served from the orbax cache when it was made from this same checkpoint."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    if cfg is None:
+        cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))
+    source = fingerprint(ckpt_dir, cfg)
+    if cached_fingerprint(cache_dir) != source:
+        cfg, params = load_params(ckpt_dir, cfg, progress=progress)
+        save_converted(cache_dir, params, source)
+        return cfg, params
+    params = restore_converted(cache_dir)
+    params[ENGRAM_KEY] = EngramTables.from_checkpoint(Checkpoint(ckpt_dir), cfg)
+    return cfg, params

@@ -1,0 +1,158 @@
+"""Published checkpoint -> params pytree (DESIGN.md, "Checkpoint -> params").
+
+`load_params(ckpt_dir, cfg=None) -> (cfg, params)`:
+
+  * config from `ckpt_dir/config.json` (ModelConfig.from_file) unless given, then `validate(cfg)`;
+  * every tensor checked against `checkpoint_schema(cfg)` before any data is read;
+  * params are nested dicts mirroring the checkpoint names, `layers` and `mtp` Python lists:
+      params["embed"]["weight"]                          bf16 [V, D]
+      params["head"]["weight"]                           f32  [V, D]
+      params["layers"][i]["attn"]["wq_a"]["weight"]      bf16 [Q, D]   (FP8 blocks dequantized)
+      params["layers"][i]["hc_attn_fn"]                  f32  [24, 4D]
+      params["layers"][i]["ffn"]["gate"]["bias"]         f32  [E]
+      params["layers"][i]["ffn"]["experts"]              {"w1": bf16 [E, F, D], "w3": [E, F, D], "w2": [E, D, F]}
+      params["mtp"][m]["markov_head"]["head"]["weight"]  f32  [V, R]
+    A quantized weight's `.scale` is consumed by its dequantization and has no leaf. Routed experts
+    are stacked along a new leading axis (`.weight` dropped), as DESIGN.md specifies.
+  * dtypes: every dequantized weight and every BF16 tensor is bf16 (exact: e4m3 / e2m1 times a
+    power of two fits in bf16), except the tensors the reference holds in fp32 (`head`,
+    `markov_head.head`, ratio > 1 `compressor.wkv/wgate`, `confidence_head.proj`), which are fp32;
+    the F32 tensors (`hc_*`, `attn_sink`, `gate.bias[_vl]`) stay fp32. `TensorSpec.held` owns this.
+  * Engram tables (`layers.L.engram.embed.weight/scale`) are NOT device arrays: they stay on the host
+    as read-only memmaps (FP8 E4M3 rows, one E8M0 per 32 lanes) in `params["engram_tables"]`, an
+    `EngramTables` registered as a static pytree node. It has no leaves, so `jax.jit`,
+    `jax.tree.map` and `device_put` over params pass it through untouched (its hash is its
+    identity); the model gathers rows on the host with `EngramTables.gather` and passes them in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from .. import quant
+from ..config import ModelConfig, validate
+from .safetensors_io import Checkpoint
+from .schema import TensorSpec, validate_checkpoint
+
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
+_HELD = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+ENGRAM_KEY = "engram_tables"
+
+_dequant_fp8 = jax.jit(quant.dequant_fp8_blocks)
+_dequant_fp4 = jax.jit(quant.dequant_fp4_rows)
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True, repr=False)
+class EngramTables:
+    """Host-resident Engram tables per Engram layer id: FP8 E4M3 [rows, head_dim] and E8M0
+    [rows, head_dim/32], zero-copy views of the checkpoint's memmap. Equal (and hashing equal,
+    as jit's cache needs) when they map the same bytes of the same files."""
+    weight: Mapping[int, np.ndarray] = field(compare=False)
+    scale: Mapping[int, np.ndarray] = field(compare=False)
+    source: tuple[tuple[str, str, int], ...]   # (tensor name, file, byte offset) of every table
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, cfg: ModelConfig) -> "EngramTables":
+        names = {l: (f"layers.{l}.engram.embed.weight", f"layers.{l}.engram.embed.scale")
+                 for l in cfg.engram_layer_ids if l < cfg.n_layers}
+        infos = [ckpt.info(n) for pair in names.values() for n in pair]
+        return cls({l: ckpt.get(w) for l, (w, _) in names.items()},
+                   {l: ckpt.get(s) for l, (_, s) in names.items()},
+                   tuple((t.name, os.path.abspath(t.path), t.begin) for t in infos))
+
+    def __repr__(self) -> str:
+        shapes = {l: (tuple(w.shape), str(w.dtype)) for l, w in self.weight.items()}
+        return f"EngramTables({shapes})"
+
+    def gather(self, layer_id: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows for hash ids [...] -> (E4M3 [..., head_dim], E8M0 [..., head_dim/32]) as numpy;
+        dequantize on device with `quant.dequant_fp8_rows`."""
+        ids = np.asarray(ids)
+        return self.weight[layer_id][ids], self.scale[layer_id][ids]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One params leaf and the stored weights it is built from."""
+    names: tuple[str, ...]    # `.weight` (or plain) names; E of them, in expert order, when stacked
+    stacked: bool             # routed experts: stacked on a new leading axis
+
+
+def param_units(schema: Mapping[str, TensorSpec]) -> dict[str, Unit]:
+    """Dotted params path -> Unit. Scales and Engram tables build no leaf."""
+    units: dict[str, list[tuple[int, str]]] = {}
+    stacked: set[str] = set()
+    for name, spec in schema.items():
+        if spec.held not in _HELD:
+            continue
+        m = _EXPERT.fullmatch(name)
+        if m:
+            key, order = f"{m[1]}.{m[3]}", int(m[2])
+            stacked.add(key)
+        else:
+            key, order = name, 0
+        units.setdefault(key, []).append((order, name))
+    return {k: Unit(tuple(n for _, n in sorted(v)), k in stacked) for k, v in units.items()}
+
+
+def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec) -> jax.Array:
+    """Read (and stack) the stored tensors of one unit, dequantize, cast to `spec.held`."""
+    def read(names) -> np.ndarray:
+        return np.stack([ckpt.get(n) for n in names]) if unit.stacked else ckpt.get(names[0])
+
+    w = read(unit.names)
+    scales = [n.removesuffix(".weight") + ".scale" for n in unit.names]
+    if spec.dtype == "F8_E4M3":
+        out = _dequant_fp8(w, read(scales))
+    elif spec.dtype == "I8":
+        out = _dequant_fp4(w, read(scales))
+    else:
+        out = jnp.asarray(w)
+    return out.astype(_HELD[spec.held])
+
+
+def nest(flat: Mapping[str, Any]) -> dict:
+    """Dotted names -> nested dicts; a dict whose keys are all integers becomes a list."""
+    tree: dict = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    def listify(node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: listify(v) for k, v in node.items()}
+        if node and all(k.isdigit() for k in node):
+            return [node[str(i)] for i in range(len(node))]
+        return node
+
+    return listify(tree)
+
+
+def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
+                progress: bool = True) -> tuple[ModelConfig, dict]:
+    """Read, check and convert a published checkpoint; see the module docstring for the layout."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    if cfg is None:
+        cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))
+    validate(cfg)
+    ckpt = Checkpoint(ckpt_dir)
+    _, schema = validate_checkpoint(ckpt, cfg)
+    flat = {path: _convert(ckpt, unit, schema[unit.names[0]])
+            for path, unit in tqdm(param_units(schema).items(), desc="checkpoint", unit="param",
+                                    disable=not progress)}
+    params = nest(flat)
+    params[ENGRAM_KEY] = EngramTables.from_checkpoint(ckpt, cfg)
+    return cfg, params
