@@ -1,0 +1,205 @@
+"""Lightning-indexer scores straight from the paged index plane, and the top-k on top of them.
+
+ARCHITECTURE.md §3.7, RUNTIME.md §5; jnp reference: `v41_jax.model.indexer`.
+
+Cache-side input layout
+-----------------------
+  key_pages    [P, rpp, Di]  one owner's index plane (`cache.index[o]`, typed rows), rpp rows/page
+  block_table  [B, MP] int32 page ids of each request (logical row j lives in page
+               block_table[b, j // rpp] at row j % rpp)
+  visible      [B, S] int32  rows each query may see, (p + 1) // r
+  candidates   [B, S, NB] int32, optional: ascending logical block ids (block_size rows each) kept
+               by the candidate source for each query, -1 padded (REINDEX consumers).
+Without candidates the score columns are the logical rows 0 .. MP*rpp-1 (a FULL layer's scan);
+with them the columns are the kept blocks' rows, compacted: column c is row
+candidates[c // bs] * bs + c % bs (ATOM's "kept list as block table", RUNTIME.md §5.3), so a
+consumer reads 16,384 key rows per query however long the context is.
+
+Scores are Σ_h w_h · ReLU(q_h · k) with the reference's rounding points (the dot, each weighted
+term and the head sum round once to the score dtype; bf16 in reference numerics), -inf where the
+row is not visible (or the candidate slot is empty).
+
+Kernel (Pallas, Triton lowering): grid (requests, query blocks, column tiles). Queries of one
+request share its pages, so a query block of TS tokens stacks TS x Hi query heads as the M
+dimension of one [TS*Hi, Di] @ [Di, TN] product per key tile; the key rows of a tile are
+gathered through the block table (no dense copy of the keys). Tiles wholly past every query's
+visible count skip the loads. With candidates each query has its own columns (TS = 1).
+Top-k is `jax.lax.top_k` (ties to the lower column = lower row, since the compaction keeps row
+order) followed by an ascending sort, as the reference's `select_topk`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas import backend as _backend
+from kernels_pallas._compat import SQUEEZED, compiler_params, load
+from v41_jax.model import indexer as ref
+from v41_jax.model.numerics import HIGHEST, Numerics
+
+
+def _score_tile(q, w, keys, dt):
+    """q [M, Di] (M = TS*Hi), w [M] fp32, keys [TN, Di] -> weighted terms [M, TN] fp32."""
+    dots = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32).astype(dt)
+    return (jnp.maximum(dots, 0).astype(jnp.float32) * w[:, None]).astype(dt).astype(jnp.float32)
+
+
+def _index_kernel(*refs, ts: int, hi: int, tn: int, rpp: int, bs: int, with_cand: bool, dt):
+    if with_cand:
+        q_ref, w_ref, vis_ref, bt_ref, cand_ref, keys_ref, o_ref = refs
+    else:
+        q_ref, w_ref, vis_ref, bt_ref, keys_ref, o_ref = refs
+    j = pl.program_id(2)
+    col = j * tn + jax.lax.broadcasted_iota(jnp.int32, (tn,), 0)       # [TN] score columns
+    if with_cand:
+        block = load(cand_ref.at[col // bs])                            # logical block per column
+        row = jnp.where(block >= 0, block * bs + col % bs, -1)
+    else:
+        row = col
+    vis = vis_ref[...]                                                  # [TS]
+    live = (row >= 0)[None, :] & (row[None, :] < vis[:, None])          # [TS, TN]
+    live_i = live.astype(jnp.int32)                                     # (no i1 reductions in Triton)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (keys_ref.shape[1],), 0)
+
+    def compute():
+        safe = jnp.maximum(row, 0)
+        any_live = live_i.max(axis=0) > 0                               # rows some query sees
+        page = load(bt_ref.at[safe // rpp], mask=any_live, other=0)
+        phys = page * rpp + safe % rpp
+        keys = load(keys_ref.at[phys[:, None], lanes[None, :]], mask=any_live[:, None], other=0)
+        q = q_ref[...].reshape(ts * hi, -1)                             # [TS*Hi, Di]
+        terms = _score_tile(q, w_ref[...].reshape(ts * hi).astype(jnp.float32),
+                            keys.astype(q.dtype), dt)
+        scores = terms.reshape(ts, hi, tn).sum(axis=1).astype(dt)       # fp32 head sum, one rounding
+        return jnp.where(live, scores, -jnp.inf)
+
+    def skip():
+        return jnp.full((ts, tn), -jnp.inf, dt)
+
+    # a tile no query can see reads nothing (short requests in a long block table)
+    o_ref[...] = jax.lax.cond(live_i.max() > 0, compute, skip)
+
+
+@functools.partial(jax.jit, static_argnames=("ts", "tn", "bs", "dt", "num_warps", "num_stages",
+                                             "interpret"))
+def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, ts, tn, bs, dt,
+                         num_warps, num_stages, interpret):
+    b, s, hi, di = q.shape
+    _, rpp, _ = key_pages.shape
+    with_cand = candidates is not None
+    n_cols = candidates.shape[-1] * bs if with_cand else block_table.shape[1] * rpp
+    s_pad, n_pad = -s % ts, -n_cols % tn
+    q = jnp.pad(q, ((0, 0), (0, s_pad), (0, 0), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, s_pad), (0, 0)))
+    visible = jnp.pad(visible.astype(jnp.int32), ((0, 0), (0, s_pad)))   # padded queries see nothing
+    keys = key_pages.reshape(-1, di)                                    # free: contiguous pages
+    sq = SQUEEZED
+    grid = (b, (s + s_pad) // ts, (n_cols + n_pad) // tn)
+    in_specs = [pl.BlockSpec((sq, ts, hi, di), lambda i, si, j: (i, si, 0, 0)),
+                pl.BlockSpec((sq, ts, hi), lambda i, si, j: (i, si, 0)),
+                pl.BlockSpec((sq, ts), lambda i, si, j: (i, si)),
+                pl.BlockSpec((sq, block_table.shape[1]), lambda i, si, j: (i, 0))]
+    args = [q, w, visible, block_table.astype(jnp.int32)]
+    if with_cand:
+        cand = jnp.pad(candidates.astype(jnp.int32), ((0, 0), (0, s_pad), (0, -(-n_pad // bs))),
+                       constant_values=-1)
+        in_specs.append(pl.BlockSpec((sq, sq, cand.shape[-1]), lambda i, si, j: (i, si, 0)))
+        args.append(cand)
+    in_specs.append(pl.BlockSpec(keys.shape, lambda i, si, j: (0, 0)))
+    args.append(keys)
+    kernel = functools.partial(_index_kernel, ts=ts, hi=hi, tn=tn, rpp=rpp, bs=bs,
+                               with_cand=with_cand, dt=dt)
+    out = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs,
+        out_specs=pl.BlockSpec((sq, ts, tn), lambda i, si, j: (i, si, j)),
+        out_shape=jax.ShapeDtypeStruct((b, s + s_pad, n_cols + n_pad), dt),
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+        name="index_scores",
+    )(*args)
+    return out[:, :s, :n_cols]
+
+
+def _gather_keys_xla(key_pages, block_table, candidates, bs):
+    """Dense keys per request [B, N, Di] (or per query [B, S, N, Di] with candidates)."""
+    _, rpp, di = key_pages.shape
+    if candidates is None:
+        return key_pages[block_table].reshape(block_table.shape[0], -1, di)
+    rows = candidates[..., None] * bs + jnp.arange(bs)                  # [B, S, NB, bs]
+    safe = jnp.maximum(rows, 0)
+    pages = jax.vmap(lambda bt, r: bt[r // rpp])(block_table, safe)
+    return key_pages[pages, safe % rpp].reshape(*candidates.shape[:2], -1, di)
+
+
+def candidate_rows(candidates: jax.Array, block_size: int) -> jax.Array:
+    """[B, S, NB] kept block ids -> [B, S, NB*bs] logical row per compacted column (-1 empty)."""
+    rows = candidates[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    return jnp.where(candidates[..., None] >= 0, rows, -1).reshape(*candidates.shape[:-1], -1)
+
+
+def index_scores_paged_xla(q, w, key_pages, block_table, visible, *, numerics: Numerics,
+                           candidates=None, block_size: int = 8):
+    """The XLA path: gather the keys, then the model's `index_scores`."""
+    keys = _gather_keys_xla(key_pages, block_table, candidates, block_size)
+    if candidates is None:
+        return ref.index_scores(q, keys, w, visible, numerics)
+    b, s = q.shape[:2]
+    flat = lambda x: x.reshape(b * s, 1, *x.shape[2:])
+    rows = candidate_rows(candidates, block_size)
+    # per query its own keys: one "request" per query; visibility by row id, not column
+    scores = ref.index_scores(flat(q), keys.reshape(b * s, -1, keys.shape[-1]), flat(w),
+                              jnp.full((b * s, 1), rows.shape[-1], jnp.int32), numerics)
+    scores = scores.reshape(b, s, -1)
+    return jnp.where((rows >= 0) & (rows < visible[..., None]), scores, -jnp.inf)
+
+
+def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_table: jax.Array,
+                       visible: jax.Array, *, numerics: Numerics, candidates: jax.Array | None = None,
+                       block_size: int = 8, backend: str | None = None, query_block: int | None = None,
+                       col_tile: int = 128, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """Indexer scores of each query over its request's paged index keys.
+
+    q [B, S, Hi, Di], w [B, S, Hi] (already scaled by Di^-0.5 Hi^-0.5), key_pages [P, rpp, Di],
+    block_table [B, MP] int32, visible [B, S] int32, candidates [B, S, NB] int32 or None.
+    Returns [B, S, N] in the score dtype: N = MP*rpp logical rows, or NB*block_size compacted
+    candidate columns (see `candidate_rows`); -inf where not visible.
+    """
+    if _backend.resolve(backend) == "xla":
+        return index_scores_paged_xla(q, w, key_pages, block_table, visible, numerics=numerics,
+                                      candidates=candidates, block_size=block_size)
+    s = q.shape[1]
+    ts = 1 if candidates is not None else (query_block or min(4, 1 << (s - 1).bit_length()))
+    return _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, ts=ts,
+                                tn=col_tile, bs=block_size, dt=numerics.index_score_dtype,
+                                num_warps=num_warps, num_stages=num_stages,
+                                interpret=_backend.interpret())
+
+
+def select_topk_compacted(scores: jax.Array, rows: jax.Array, visible: jax.Array, k: int) -> jax.Array:
+    """Top-k over compacted candidate columns, lifted to row ids: ascending, -1 padded.
+
+    Columns keep row order, so top_k's lower-column tie rule is the lower-row rule. A pick is kept
+    when its row is a real, visible row (the reference's by-position validity)."""
+    _, cols = jax.lax.top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
+    picked = jnp.take_along_axis(rows, cols, axis=-1)
+    keep = (picked >= 0) & (picked < visible[..., None])
+    big = jnp.iinfo(jnp.int32).max
+    picked = jnp.sort(jnp.where(keep, picked, big), axis=-1)
+    return jnp.where(picked == big, -1, picked).astype(jnp.int32)
+
+
+def index_topk_paged(q, w, key_pages, block_table, visible, k: int, *, numerics: Numerics,
+                     candidates=None, block_size: int = 8, backend: str | None = None, **kernel_kw):
+    """Selected row ids [B, S, min(k, N)] ascending, -1 padded (a FULL or REINDEX layer's pick).
+    Returns (ids, scores); a candidate source (FULL layer 20) feeds the scores to
+    `v41_jax.model.indexer.candidate_blocks`."""
+    scores = index_scores_paged(q, w, key_pages, block_table, visible, numerics=numerics,
+                                candidates=candidates, block_size=block_size, backend=backend,
+                                **kernel_kw)
+    if candidates is None:
+        return ref.select_topk(scores, visible, k), scores
+    return select_topk_compacted(scores, candidate_rows(candidates, block_size), visible, k), scores

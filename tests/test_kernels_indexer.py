@@ -1,0 +1,185 @@
+"""Pallas paged indexer scores / top-k vs the XLA path (key gather + the model's indexer) and the
+indexer_scores.json / candidate_select.json fixtures.
+
+On CPU the kernel runs in Pallas interpret mode (outputs start as NaN there, so finite / -inf
+everywhere proves every element was written); on a GPU the same tests compile it for real.
+Tolerances: reference scores are bf16 and round three times (dot, weighted term, head sum); the
+kernel differs only in fp32 summation order inside the dot and the head sum, which can move a
+rounding by one bf16 step, so scores are compared at 2^-7 relative (two steps) plus 2^-7 of the
+largest score absolute. Top-k ids are compared exactly where the scores are bitwise equal (CPU),
+and by overlap otherwise. fp32-policy fixture scores are held to 1e-5.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_common import assert_close, fp4_rows, fresh_rng, load_fixture
+from kernels_pallas import backend
+from kernels_pallas.indexer import (candidate_rows, index_scores_paged, index_topk_paged,
+                                    select_topk_compacted)
+from v41_jax.model import indexer as ref
+from v41_jax.model.numerics import Numerics
+
+REF = Numerics.reference()
+F32 = Numerics.fp32()
+
+
+def _paged_case(rng, b=2, s=3, hi=4, di=32, rpp=8, mp=6, vis_max=None, dtype=jnp.bfloat16):
+    """Random queries/keys; each request owns mp shuffled pages, unused pages hold NaN."""
+    n_pages = b * mp + 3
+    keys = rng.standard_normal((n_pages, rpp, di)).astype(np.float32)
+    perm = rng.permutation(np.arange(1, n_pages))[: b * mp]
+    table = perm.reshape(b, mp).astype(np.int32)
+    keys[0] = np.nan                                            # the null page is never read
+    vis = rng.integers(0, (vis_max or mp * rpp) + 1, (b, s)).astype(np.int32)
+    # rows past every query's visible count are unwritten: poison them
+    for i in range(b):
+        for r in range(vis[i].max(initial=0), mp * rpp):
+            keys[table[i, r // rpp], r % rpp] = np.nan
+    q = jnp.asarray(rng.standard_normal((b, s, hi, di)), dtype)
+    w = jnp.asarray(rng.standard_normal((b, s, hi)) * 0.3, dtype)
+    return q, w, jnp.asarray(keys, dtype), jnp.asarray(table), jnp.asarray(vis)
+
+
+def _scores_both(*case, numerics=REF, **kw):
+    got = index_scores_paged(*case, numerics=numerics, backend="pallas", **kw)
+    want = index_scores_paged(*case, numerics=numerics, backend="xla", **kw)
+    return np.asarray(got, np.float32), np.asarray(want, np.float32)
+
+
+def _check_scores(got, want, seed):
+    assert not np.isnan(got).any(), f"unwritten or NaN score (seed {seed})"
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"mask (seed {seed})")
+    fin = np.isfinite(want)
+    top = np.abs(want[fin]).max(initial=1.0)
+    assert_close(got[fin], want[fin], rtol=2 ** -7, atol=2 ** -7 * top, seed=seed)
+
+
+@pytest.mark.parametrize("query_block", [1, 4])
+def test_full_scan_scores(query_block):
+    rng, seed = fresh_rng()
+    case = _paged_case(rng, s=5)
+    got, want = _scores_both(*case, query_block=query_block, col_tile=16)
+    _check_scores(got, want, seed)
+
+
+def test_tiles_past_every_visible_count():
+    """Short requests in a long block table: whole tiles are skipped and must still be -inf."""
+    rng, seed = fresh_rng()
+    case = _paged_case(rng, mp=8, vis_max=10)
+    got, want = _scores_both(*case, col_tile=16)
+    assert np.isneginf(got[..., 16:][np.isneginf(want[..., 16:])]).all()
+    _check_scores(got, want, seed)
+
+
+def _candidates(rng, b, s, n_blocks, keep):
+    """Ascending kept block ids per query, -1 padded (some queries keep fewer)."""
+    out = np.full((b, s, keep), -1, np.int32)
+    for i in range(b):
+        for t in range(s):
+            n = rng.integers(0, keep + 1)
+            out[i, t, :n] = np.sort(rng.choice(n_blocks, n, replace=False))
+    return jnp.asarray(out)
+
+
+def test_candidate_scores_and_topk():
+    """REINDEX consumer: compacted candidate columns vs the XLA path, then the lifted top-k vs
+    the reference rule (full scores masked to the kept blocks, `select_topk`)."""
+    rng, seed = fresh_rng()
+    bs = 8
+    q, w, keys, table, vis = _paged_case(rng, s=4, rpp=16, mp=4)
+    cand = _candidates(rng, 2, 4, n_blocks=8, keep=5)
+    got, want = _scores_both(q, w, keys, table, vis, candidates=cand, block_size=bs, col_tile=16)
+    _check_scores(got, want, seed)
+
+    ids, _ = index_topk_paged(q, w, keys, table, vis, 12, numerics=REF, candidates=cand,
+                              block_size=bs, backend="pallas", col_tile=16)
+    full = index_scores_paged(q, w, keys, table, vis, numerics=REF, backend="pallas", col_tile=16)
+    mask = ref.candidate_mask(cand, full.shape[-1], bs)
+    want_ids = np.asarray(ref.select_topk(jnp.where(mask, full, -jnp.inf), vis, 12))
+    ids = np.asarray(ids)
+    rows = np.asarray(candidate_rows(cand, bs))
+    n_live = ((rows >= 0) & (rows < np.asarray(vis)[..., None])).sum(-1)
+    for i, t in np.ndindex(*n_live.shape):
+        # the reference pads a short pick with -inf rows below `visible` (by-position validity);
+        # the compacted scan has no such rows: compare the real picks only
+        if n_live[i, t] >= 12:
+            np.testing.assert_array_equal(ids[i, t], want_ids[i, t], err_msg=f"seed {seed}")
+        else:
+            w_it = want_ids[i, t]
+            real = w_it[(w_it >= 0) & np.isin(w_it, rows[i, t])]
+            np.testing.assert_array_equal(ids[i, t][ids[i, t] >= 0], real, err_msg=f"seed {seed}")
+
+
+def test_full_topk_matches_reference():
+    rng, seed = fresh_rng()
+    case = _paged_case(rng, s=6, mp=8)
+    ids, scores = index_topk_paged(*case, 20, numerics=REF, backend="pallas", col_tile=32)
+    want_ids, want_scores = index_topk_paged(*case, 20, numerics=REF, backend="xla")
+    got, want = np.asarray(scores, np.float32), np.asarray(want_scores, np.float32)
+    _check_scores(got, want, seed)
+    ids, want_ids = np.asarray(ids), np.asarray(want_ids)
+    vis = np.asarray(case[-1])
+    assert ((ids >= 0).sum(-1) == np.minimum(vis, 20)).all(), "count must be min(visible, k)"
+    if np.array_equal(got, want):
+        np.testing.assert_array_equal(ids, want_ids, err_msg=f"seed {seed}")
+    else:  # a one-step rounding difference can swap near-tied picks, never many
+        overlap = np.mean([len(np.intersect1d(a, b)) / max(len(b), 1) for a, b in
+                           zip(ids.reshape(-1, 20), want_ids.reshape(-1, 20))])
+        assert overlap > 0.95, f"seed {seed}"
+
+
+def test_fixture_indexer_scores():
+    """indexer_scores.json: fp4 keys (ue8m0, group 32), fp32 expected scores; keys paged into
+    shuffled pages of 4 rows; visible = compressLens."""
+    f = load_fixture("indexer_scores.json")
+    d, h, t, n = f["dim"], f["heads"], f["tokens"], f["keys"]
+    keys = fp4_rows(f["keyCodes"], f["keyScales"], d, 32, "ue8m0")
+    pages = np.full((4, 4, d), np.nan, np.float32)
+    table = np.array([[2, 0]], np.int32)                       # logical page 0 -> 2, 1 -> 0
+    pages[2], pages[0, : n - 4] = keys[:4], keys[4:]
+    q = jnp.asarray(f["query"], jnp.float32).reshape(1, t, h, d)
+    w = jnp.asarray(f["headWeights"], jnp.float32).reshape(1, t, h)
+    vis = jnp.asarray(f["compressLens"], jnp.int32).reshape(1, t)
+    got = np.asarray(index_scores_paged(q, w, jnp.asarray(pages), jnp.asarray(table), vis,
+                                        numerics=F32, backend="pallas", col_tile=16))[0, :, :n]
+    masked = np.asarray(f["masked"], bool).reshape(t, n)
+    np.testing.assert_array_equal(np.isneginf(got), masked)
+    want = np.asarray(f["scores"], np.float64).reshape(t, n)
+    assert_close(np.where(masked, 0, got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fixture_candidate_blocks():
+    """candidate_select.json `blocks`: the kept blocks (the model's `candidate_blocks`) lifted to
+    rows by `candidate_rows` cover exactly the fixture's mask."""
+    for c in load_fixture("candidate_select.json")["blocks"]:
+        logits = np.array([-np.inf if v is None else v for v in c["logits"]], np.float32)
+        vis = jnp.asarray([[c["compressLen"]]], jnp.int32)
+        blocks = ref.candidate_blocks(jnp.asarray(logits)[None, None], vis, c["topkBlocks"], c["blockSize"])
+        rows = np.asarray(candidate_rows(blocks, c["blockSize"]))[0, 0]
+        mask = np.zeros(len(logits), bool)
+        mask[rows[(rows >= 0) & (rows < len(logits))]] = True
+        np.testing.assert_array_equal(mask, c["mask"], err_msg=str(c["width"]))
+
+
+def test_fixture_picks():
+    """candidate_select.json `picks` through the compacted selection with identity columns."""
+    for c in load_fixture("candidate_select.json")["picks"]:
+        scores = np.array([-np.inf if v is None else v for v in c["scores"]], np.float32)
+        rows = jnp.arange(len(scores), dtype=jnp.int32)[None, None]
+        ids = select_topk_compacted(jnp.asarray(scores)[None, None], rows,
+                                    jnp.asarray([[c["compressLen"]]]), c["indexTopk"])
+        ids = np.asarray(ids)[0, 0]
+        ids = np.where(ids >= 0, ids + c["offset"], -1)
+        np.testing.assert_array_equal(ids, c["indices"])   # min(k, positions) wide, like the fixture
+
+
+def test_switch_selects_xla(monkeypatch):
+    rng, _ = fresh_rng()
+    case = _paged_case(rng)
+    monkeypatch.setenv(backend.ENV_BACKEND, "xla")
+    out = index_scores_paged(*case, numerics=REF)
+    assert out.shape == (2, 3, 48)
