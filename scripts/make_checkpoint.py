@@ -21,7 +21,6 @@ import json
 import os
 from typing import Mapping, Sequence
 
-import jax
 import ml_dtypes
 import numpy as np
 
@@ -29,12 +28,6 @@ from v41_jax import quant
 from v41_jax.config import _HF_TO_REF, PUBLISHED_QUANTIZATION, ModelConfig, validate
 from v41_jax.checkpoint.safetensors_io import write_checkpoint
 from v41_jax.checkpoint.schema import SchemaOptions, TensorSpec, checkpoint_schema, parameter_aliases
-
-
-# jitted once per shape: a tiny checkpoint has a few dozen distinct shapes, not hundreds of op dispatches
-_QUANT_FP8_WEIGHT = jax.jit(quant.quant_weight_fp8)
-_QUANT_FP8_ROWS = jax.jit(quant.quant_fp8_ue8m0)
-_QUANT_FP4_WEIGHT = jax.jit(quant.quant_weight_fp4)
 
 
 def logical_shape(spec: TensorSpec) -> tuple[int, ...]:
@@ -72,11 +65,11 @@ def encode(schema: Mapping[str, TensorSpec], weights: Mapping[str, np.ndarray]) 
         spec = schema[name]
         scale_name = name.removesuffix(".weight") + ".scale"
         if spec.dtype == "F8_E4M3":
-            encoder = _QUANT_FP8_ROWS if spec.held == "host" else _QUANT_FP8_WEIGHT
+            encoder = quant.quant_fp8_ue8m0 if spec.held == "host" else quant.quant_weight_fp8
             codes, scales = encoder(w)
             out[name] = np.asarray(codes).view(ml_dtypes.float8_e4m3fn)
         elif spec.dtype == "I8":
-            codes, scales = _QUANT_FP4_WEIGHT(w)
+            codes, scales = quant.quant_weight_fp4(w)
             out[name] = np.asarray(codes).view(np.int8)
         elif spec.dtype == "BF16":
             out[name] = w.astype(ml_dtypes.bfloat16)

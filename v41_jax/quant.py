@@ -8,8 +8,9 @@ Bit-exact ports of the reference quantizers (`act_quant`, `fp4_act_quant` in the
   * E2M1 (OCP fp4) nibble: bit 3 = sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}; packed two per
     byte with the even element in the low nibble.
 
-Every function is jax.numpy, so it traces under jit; it also takes numpy input (the writer quantizes
-host arrays with the same code). Codes come back as uint8 bit patterns, scales of the e8m0/e4m3
+Every function is jax.numpy, so it traces under jit; the public encoders, QDQ helpers and dequantizers
+are jitted themselves (one compile per shape when called eagerly) and take numpy input too (the
+writer quantizes host arrays with the same code). Codes come back as uint8 bit patterns, scales of the e8m0/e4m3
 formats as uint8 codes as well, so Pallas kernels, numpy and safetensors views all read them alike.
 
 Rounding is done arithmetically (scale by the grid's power-of-two quantum, `round` half to even,
@@ -29,6 +30,8 @@ x.dtype, exactly like the reference's `inplace=True` calls on bf16 tensors.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +118,7 @@ def _repeat_to(scale, block: tuple[int, ...], shape: tuple[int, ...]) -> jax.Arr
     return scale[tuple(slice(0, n) for n in shape)]
 
 
+@partial(jax.jit, static_argnames=("block", "dtype"))
 def dequant_fp8_blocks(weight, scale, block: int = 32, dtype=jnp.bfloat16) -> jax.Array:
     """FP8 weight [out, in] x E8M0 [ceil(out/b), ceil(in/b)] (one scale per b x b block) -> dtype.
 
@@ -127,6 +131,7 @@ def dequant_fp8_blocks(weight, scale, block: int = 32, dtype=jnp.bfloat16) -> ja
     return (w * _repeat_to(e8m0_to_f32(scale), (block, block), w.shape)).astype(dtype)
 
 
+@partial(jax.jit, static_argnames=("group", "dtype"))
 def dequant_fp4_rows(weight, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
     """Packed FP4 weight [..., out, in/2] (I8) x E8M0 [..., out, in/group] -> dtype [..., out, in].
 
@@ -140,6 +145,7 @@ def dequant_fp4_rows(weight, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.
     return wg.reshape(w.shape).astype(dtype)
 
 
+@partial(jax.jit, static_argnames=("group", "dtype"))
 def dequant_fp8_rows(weight, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
     """FP8 rows [..., d] x E8M0 [..., d/group] (Engram table rows, window-KV rows) -> dtype."""
     w = e4m3_to_f32(weight)
@@ -150,6 +156,7 @@ def dequant_fp8_rows(weight, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.
     return wg.reshape(w.shape).astype(dtype)
 
 
+@partial(jax.jit, static_argnames=("group", "dtype"))
 def dequant_fp4_e4m3_rows(packed, scale, group: int = 16, dtype=jnp.bfloat16) -> jax.Array:
     """Packed FP4 rows [..., d/2] x E4M3 scales [..., d/group] (compressed KV rows) -> dtype."""
     v = e2m1_to_f32(unpack_fp4(packed))
@@ -157,6 +164,7 @@ def dequant_fp4_e4m3_rows(packed, scale, group: int = 16, dtype=jnp.bfloat16) ->
     return vg.reshape(v.shape).astype(dtype)
 
 
+@partial(jax.jit, static_argnames=("group", "dtype"))
 def dequant_fp4_ue8m0_rows(packed, scale, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
     """Packed FP4 rows [..., d/2] x E8M0 scales [..., d/group] (index keys) -> dtype."""
     v = e2m1_to_f32(unpack_fp4(packed))
@@ -246,6 +254,7 @@ def _fp4_ue8m0_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:
     return round_e2m1(jnp.clip(xg / s[..., None], -FP4_MAX, FP4_MAX)), s, code
 
 
+@partial(jax.jit, static_argnames=("block",))
 def quant_fp8_ue8m0(x, block: int = 32) -> tuple[jax.Array, jax.Array]:
     """A8 / window-KV / Engram-row encoder: x [..., n] -> (E4M3 codes uint8 [..., n],
     E8M0 codes uint8 [..., n/block])."""
@@ -253,12 +262,14 @@ def quant_fp8_ue8m0(x, block: int = 32) -> tuple[jax.Array, jax.Array]:
     return e4m3_codes(q).reshape(jnp.shape(x)), code
 
 
+@partial(jax.jit, static_argnames=("group",))
 def quant_fp4_e4m3(x, group: int = 16) -> tuple[jax.Array, jax.Array]:
     """Compressed-KV encoder: x [..., n] -> (packed E2M1 uint8 [..., n/2], E4M3 codes uint8 [..., n/group])."""
     q, _, code = _fp4_e4m3_groups(_groups(x, group, "quant_fp4_e4m3"))
     return pack_fp4(e2m1_codes(q).reshape(jnp.shape(x))), code
 
 
+@partial(jax.jit, static_argnames=("group",))
 def quant_fp4_ue8m0(x, group: int = 32) -> tuple[jax.Array, jax.Array]:
     """Index-key/query encoder: x [..., n] -> (packed E2M1 uint8 [..., n/2], E8M0 codes uint8 [..., n/group])."""
     q, _, code = _fp4_ue8m0_groups(_groups(x, group, "quant_fp4_ue8m0"))
@@ -273,16 +284,19 @@ def _qdq(x, group: int, encode, what: str) -> jax.Array:
     return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
 
 
+@partial(jax.jit, static_argnames=("block",))
 def fp8_act_qdq(x, block: int = 32) -> jax.Array:
     """act_quant(x, block, "ue8m0", inplace=True): fp8 e4m3 per `block` lanes, power-of-two scale."""
     return _qdq(x, block, _fp8_ue8m0_groups, "fp8_act_qdq")
 
 
+@partial(jax.jit, static_argnames=("group",))
 def fp4_qdq_e4m3(x, group: int = 16) -> jax.Array:
     """fp4_act_quant(x, group, inplace=True, scale_dtype=e4m3): compressed KV rows."""
     return _qdq(x, group, _fp4_e4m3_groups, "fp4_qdq_e4m3")
 
 
+@partial(jax.jit, static_argnames=("group",))
 def fp4_qdq_ue8m0(x, group: int = 32) -> jax.Array:
     """fp4_act_quant(x, group, inplace=True) with E8M0 scales: index keys and queries."""
     return _qdq(x, group, _fp4_ue8m0_groups, "fp4_qdq_ue8m0")
@@ -290,6 +304,7 @@ def fp4_qdq_ue8m0(x, group: int = 32) -> jax.Array:
 
 # ---- weight quantizers (the checkpoint writer) ---------------------------------------------------
 
+@partial(jax.jit, static_argnames=("block",))
 def quant_weight_fp8(w, block: int = 32) -> tuple[jax.Array, jax.Array]:
     """Dense weight [out, in] -> (E4M3 codes uint8 [out, in], E8M0 codes [ceil(out/b), ceil(in/b)]).
 
@@ -305,6 +320,7 @@ def quant_weight_fp8(w, block: int = 32) -> tuple[jax.Array, jax.Array]:
     return e4m3_codes(q), code
 
 
+@partial(jax.jit, static_argnames=("group",))
 def quant_weight_fp4(w, group: int = 32) -> tuple[jax.Array, jax.Array]:
     """Expert weight [out, in] -> (packed E2M1 uint8 [out, in/2], E8M0 codes [out, in/group])."""
     return quant_fp4_ue8m0(jnp.asarray(w, jnp.float32), group)

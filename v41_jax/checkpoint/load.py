@@ -46,9 +46,6 @@ _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
 _HELD = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 ENGRAM_KEY = "engram_tables"
 
-_dequant_fp8 = jax.jit(quant.dequant_fp8_blocks)
-_dequant_fp4 = jax.jit(quant.dequant_fp4_rows)
-
 
 @jax.tree_util.register_static
 @dataclass(frozen=True, repr=False)
@@ -112,9 +109,9 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec) -> jax.Array:
     w = read(unit.names)
     scales = [n.removesuffix(".weight") + ".scale" for n in unit.names]
     if spec.dtype == "F8_E4M3":
-        out = _dequant_fp8(w, read(scales))
+        out = quant.dequant_fp8_blocks(w, read(scales))
     elif spec.dtype == "I8":
-        out = _dequant_fp4(w, read(scales))
+        out = quant.dequant_fp4_rows(w, read(scales))
     else:
         out = jnp.asarray(w)
     return out.astype(_HELD[spec.held])
