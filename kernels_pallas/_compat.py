@@ -6,7 +6,7 @@ rename in a later jax touches one file:
     explicitly: with them `pallas_call` lowers through Triton on CUDA *and* ROCm; without them
     ROCm is refused ("Mosaic GPU does not yet support AMD ROCm devices").
     Older jax named the class `TritonCompilerParams` (under `pallas.gpu`).
-  * `load(ref, mask=, other=)`: masked (gather) load.
+  * `load(ref, mask=, other=)` / `store(ref, val, mask=)`: masked (gather / scatter) access.
   * `SQUEEZED`: the block-shape marker for a dimension the kernel does not see.
 """
 
@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - very old jax
 _PARAMS_CLS = getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "TritonCompilerParams")
 
 load = _pltriton.load
+store = _pltriton.store
 SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 
 # The custom-call target every Triton-lowered pallas_call becomes (also the name jax.export must

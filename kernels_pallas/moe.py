@@ -1,0 +1,287 @@
+"""Routed-expert SwiGLU FFN as a grouped GEMM over expert-sorted (token, expert) pairs.
+
+ARCHITECTURE.md §3.10; jnp reference: `v41_jax.model.moe.routed_experts` (same signature here,
+plus `backend=` / `impl=`).
+
+Steps (one call):
+  1. XLA: each token's k picks sorted by expert id (the reference's combine order), the T*k pairs
+     stably sorted by expert; group sizes -> a static-length tile table (tile -> expert, first
+     row, group end); fp8 fake-quant of x once per token (A8 per 32 lanes, as `lin4`).
+  2. Pallas gate/up kernel, grid (tiles, F/BN): rows of one expert's group gathered from x by
+     token id (no sorted copy of x in HBM), [BM, D] @ w1[e]^T and w3[e]^T in one K loop; epilogue:
+     g, u rounded to the activation dtype, u clamped to ±limit, g to <= limit,
+     a = act(routing weight * silu(g) * u), stored to the pair's row.
+  3. XLA: fp8 fake-quant of a (A8 per 32 lanes, the next linear's input).
+  4. Pallas down kernel, grid (tiles, D/BN): a rows [BM, F] @ w2[e]^T -> act dtype.
+  5. XLA: pairs back to [T, k, D], summed in fp32 in ascending expert order.
+Tiles never straddle two experts; the last tile of a group stores only its group's rows; tiles
+past the live count (the table has a static length) and empty experts read no weights.
+
+Accumulation: one fp32 dot per GEMM (the `fast` policy; only fp32 summation order differs from the
+XLA path). Under `numerics.block_gemm` (the reference's K-block order) the dispatcher takes the
+XLA path, which implements that order.
+
+Alternatives measured by scripts/bench_kernels.py (impl=): "ragged_dot" (jax.lax.ragged_dot_general
+on the sorted pairs) and "dense" (every expert on every token, unrouted pairs weighted 0).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas import backend as _backend
+from kernels_pallas._compat import compiler_params, load, store
+from v41_jax.model import moe as ref
+from v41_jax.model.numerics import HIGHEST, Numerics
+from v41_jax.quant import fp8_act_qdq
+
+IMPLS = ("pallas", "ragged_dot", "dense")
+DEFAULT_IMPL = "pallas"
+_K_BLOCK = 32  # A8 fake-quant group
+
+
+def _silu(x):
+    return x / (1 + jnp.exp(-x))
+
+
+def _act_in(x: jax.Array, numerics: Numerics) -> jax.Array:
+    """The input side of a `lin4` site: activation dtype, then A8 fake-quant."""
+    x = numerics.act(x)
+    return fp8_act_qdq(x, _K_BLOCK) if numerics.fake_quant else x
+
+
+def _swiglu_epilogue(g, u, weight, numerics: Numerics, limit: float):
+    """g, u fp32 GEMM outputs, weight [rows] -> act(weight * silu(g) * u), as `swiglu_ffn`."""
+    g = numerics.act(g).astype(jnp.float32)
+    u = numerics.act(u).astype(jnp.float32)
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
+    return numerics.act(weight[:, None] * (_silu(g) * u))
+
+
+# ---- routing bookkeeping (XLA) ----------------------------------------------------------------
+
+def sort_pairs(idx: jax.Array, w: jax.Array, n_experts: int):
+    """idx, w [T, k] -> per-token ascending picks and the expert-sorted pair order.
+
+    Returns (idx_t [T, k], w_t [T, k], order [T*k] pair ids by expert, sizes [E] int32)."""
+    per_tok = jnp.argsort(idx, axis=-1, stable=True)
+    idx_t = jnp.take_along_axis(idx, per_tok, -1).astype(jnp.int32)
+    w_t = jnp.take_along_axis(w, per_tok, -1)
+    order = jnp.argsort(idx_t.reshape(-1), stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(idx_t.reshape(-1), length=n_experts).astype(jnp.int32)
+    return idx_t, w_t, order, sizes
+
+
+def tile_table(sizes: jax.Array, block_m: int, n_pairs: int):
+    """Group sizes [E] -> (expert, first row, group end) per tile, static length
+    ceil(n_pairs / BM) + min(E, n_pairs); unused tiles get expert -1 and an empty row range."""
+    n_exp = sizes.shape[0]
+    n_tiles = -(-n_pairs // block_m) + min(n_exp, n_pairs)
+    per = -(-sizes // block_m)                                        # tiles per expert
+    ends = jnp.cumsum(per)
+    starts = jnp.cumsum(sizes) - sizes                                # first sorted row per expert
+    i = jnp.arange(n_tiles, dtype=jnp.int32)
+    e = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+    live = e < n_exp
+    ec = jnp.minimum(e, n_exp - 1)
+    first = starts[ec] + (i - (ends[ec] - per[ec])) * block_m
+    end = starts[ec] + sizes[ec]
+    return (jnp.where(live, e, -1), jnp.where(live, first, 0).astype(jnp.int32),
+            jnp.where(live, end, 0).astype(jnp.int32))
+
+
+def combine(y_sorted: jax.Array, order: jax.Array, t: int, k: int) -> jax.Array:
+    """Pair outputs in sorted order [T*k, D] -> fp32 [T, D], each token's k outputs added in
+    ascending expert order (the reference's expert loop)."""
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    pairs = y_sorted[inv].reshape(t, k, -1)
+    out = jnp.zeros(pairs[:, 0].shape, jnp.float32)
+    for j in range(k):
+        out = out + pairs[:, j].astype(jnp.float32)
+    return out
+
+
+# ---- Pallas kernels -------------------------------------------------------------------------
+
+def _dot_t(a, b, dt):
+    """a [M, K] @ b[N, K]^T in fp32 (fp32 operands stay IEEE, no TF32)."""
+    return jax.lax.dot_general(a, b.astype(dt), (((1,), (1,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
+                    bm, bn, bk, limit, numerics):
+    i, j = pl.program_id(0), pl.program_id(1)
+    e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)   # sorted pair rows
+        live = rows < end
+        tok = load(tok_ref.at[rows], mask=live, other=0)                # token of each pair
+        cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
+        kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        dt = x_ref.dtype
+
+        def body(kb, acc):
+            acc_g, acc_u = acc
+            k0 = kb * bk
+            xt = load(x_ref.at[tok[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
+            w1t = w1_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
+            w3t = w3_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
+            return acc_g + _dot_t(xt, w1t, dt), acc_u + _dot_t(xt, w3t, dt)
+
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        acc_g, acc_u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
+        wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
+        a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
+        store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
+
+
+def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics):
+    i, j = pl.program_id(0), pl.program_id(1)
+    e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
+        live = rows < end
+        safe = jnp.where(live, rows, 0)
+        cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
+        kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+
+        def body(kb, acc):
+            k0 = kb * bk
+            at = load(a_ref.at[safe[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
+            w2t = w2_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
+            return acc + _dot_t(at, w2t, a_ref.dtype)
+
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        store(y_ref.at[rows[:, None], cols[None, :]], numerics.act(acc).astype(y_ref.dtype),
+                 mask=live[:, None])
+
+
+def _full(shape):
+    return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+
+
+def default_block_m(n_pairs: int, n_experts: int) -> int:
+    """Rows per tile: the mean group size rounded up to a power of two, within [16, 128]
+    (16 = the smallest MMA M; past 128 the fp32 accumulators crowd the registers)."""
+    mean = max(1, -(-n_pairs // n_experts))
+    return int(min(128, max(16, 1 << (mean - 1).bit_length())))
+
+
+@functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn", "bk", "num_warps",
+                                             "num_stages", "interpret"))
+def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
+                   interpret):
+    t, d = x.shape
+    k = idx.shape[1]
+    n_exp, f, _ = w1.shape
+    idx_t, w_t, order, sizes = sort_pairs(idx, w, n_exp)
+    te, tf, tend = tile_table(sizes, bm, t * k)
+    tok = order // k                                                  # token of each sorted pair
+    pw = w_t.reshape(-1)[order].astype(jnp.float32)                  # its routing weight
+    xq = _act_in(x, numerics)
+    cp = compiler_params(num_warps, num_stages)
+    tables = [_full(te.shape)] * 3
+    a = pl.pallas_call(
+        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
+        grid=(te.shape[0], f // bn),
+        in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape),
+                           _full(w3.shape)],
+        out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
+        compiler_params=cp, interpret=interpret, name="moe_gate_up",
+    )(te, tf, tend, tok, pw, xq, w1, w3)
+    a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
+        grid=(te.shape[0], d // bn),
+        in_specs=tables + [_full(a.shape), _full(w2.shape)],
+        out_specs=_full((t * k, d)), out_shape=jax.ShapeDtypeStruct((t * k, d), numerics.act_dtype),
+        compiler_params=cp, interpret=interpret, name="moe_down",
+    )(te, tf, tend, a, w2)
+    return combine(y, order, t, k)
+
+
+# ---- XLA alternatives (benchmarked against the kernel) ----------------------------------------
+
+def _ragged(lhs, rhs, sizes):
+    """lhs [M, K] grouped rows, rhs [E, N, K] -> [M, N] fp32 (rhs contracted on its last dim)."""
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(lhs, rhs.astype(lhs.dtype), sizes, dn, precision=HIGHEST,
+                                      preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("numerics", "limit"))
+def _routed_ragged_dot(x, idx, w, w1, w3, w2, *, numerics, limit):
+    t, k = idx.shape
+    idx_t, w_t, order, sizes = sort_pairs(idx, w, w1.shape[0])
+    xs = _act_in(x, numerics)[order // k]                              # [T*k, D] sorted copy
+    pw = w_t.reshape(-1)[order].astype(jnp.float32)
+    a = _swiglu_epilogue(_ragged(xs, w1, sizes), _ragged(xs, w3, sizes), pw, numerics, limit)
+    y = numerics.act(_ragged(_act_in(a, numerics), w2, sizes))
+    return combine(y, order, t, k)
+
+
+@functools.partial(jax.jit, static_argnames=("numerics", "limit"))
+def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
+    """Every expert on every token; an unrouted pair has weight 0, so its a and y are exactly 0
+    and add nothing to the fp32 sum."""
+    t, k = idx.shape
+    n_exp = w1.shape[0]
+    idx_t, w_t, _, _ = sort_pairs(idx, w, n_exp)
+    xq = _act_in(x, numerics)
+    dense_w = jnp.zeros((t, n_exp), jnp.float32).at[jnp.arange(t)[:, None], idx_t].add(w_t.astype(jnp.float32))
+    mm = lambda a, b: jnp.einsum("tk,enk->ten", a, b.astype(a.dtype), precision=HIGHEST,
+                                 preferred_element_type=jnp.float32)
+    g, u = mm(xq, w1), mm(xq, w3)                                     # [T, E, F]
+    a = _swiglu_epilogue(g.reshape(t * n_exp, -1), u.reshape(t * n_exp, -1), dense_w.reshape(-1),
+                         numerics, limit).reshape(t, n_exp, -1)
+    aq = _act_in(a, numerics)
+    y = numerics.act(jnp.einsum("tef,edf->ted", aq, w2.astype(aq.dtype), precision=HIGHEST,
+                                preferred_element_type=jnp.float32))
+    # ascending expert order per token: only the k routed terms are nonzero
+    picked = jnp.take_along_axis(y, idx_t[..., None], axis=1)         # [T, k, D]
+    out = jnp.zeros((t, y.shape[-1]), jnp.float32)
+    for j in range(k):
+        out = out + picked[:, j].astype(jnp.float32)
+    return out
+
+
+def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
+                   w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
+                   backend: str | None = None, impl: str | None = None, block_m: int | None = None,
+                   block_n: int = 128, block_k: int = 64, num_warps: int = 4,
+                   num_stages: int = 3) -> jax.Array:
+    """x [T, D], idx [T, k] int32, w [T, k] fp32 routing weights, w1/w3 [E, F, D], w2 [E, D, F]
+    -> fp32 [T, D]: Σ over each token's experts (ascending id) of the SwiGLU expert output.
+
+    backend "xla" (or numerics.block_gemm) -> the model's reference loop; "pallas" -> `impl`
+    (default DEFAULT_IMPL, the fastest exact one measured on the H200)."""
+    if _backend.resolve(backend) == "xla" or numerics.block_gemm:
+        return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
+    impl = impl or DEFAULT_IMPL
+    kw = dict(numerics=numerics, limit=float(swiglu_limit))
+    if impl == "ragged_dot":
+        return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)
+    if impl == "dense":
+        return _routed_dense(x, idx, w, w1, w3, w2, **kw)
+    if impl != "pallas":
+        raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
+    d, f = x.shape[1], w1.shape[1]
+    bn = min(block_n, d, f)
+    if d % bn or f % bn or d % block_k or f % block_k:
+        raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={block_k}")
+    bm = block_m or default_block_m(idx.size, w1.shape[0])
+    return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm, bn=bn, bk=block_k, num_warps=num_warps,
+                          num_stages=num_stages, interpret=_backend.interpret(), **kw)
