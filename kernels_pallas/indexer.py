@@ -25,7 +25,8 @@ dimension of one [TS*Hi, Di] @ [Di, TN] product per key tile; the key rows of a 
 gathered through the block table (no dense copy of the keys). Tiles wholly past every query's
 visible count skip the loads. With candidates each query has its own columns (TS = 1).
 Top-k is `jax.lax.top_k` (ties to the lower column = lower row, since the compaction keeps row
-order) followed by an ascending sort, as the reference's `select_topk`.
+order), optionally in two exact stages over column tiles (`topk_ids`), followed by an ascending
+sort, as the reference's `select_topk`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from kernels_pallas import backend as _backend
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from v41_jax.model import indexer as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
+
+TOPK_TILE: int | None = None  # two-stage top-k tile for the Pallas backend (None = one lax.top_k)
 
 
 def _score_tile(q, w, keys, dt):
@@ -179,27 +182,61 @@ def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_t
                                 interpret=_backend.interpret())
 
 
-def select_topk_compacted(scores: jax.Array, rows: jax.Array, visible: jax.Array, k: int) -> jax.Array:
+def topk_ids(scores: jax.Array, k: int, tile: int | None = None) -> jax.Array:
+    """Column ids of the k largest scores per row, ties to the lower column (lax.top_k's rule).
+
+    tile=None: one `lax.top_k` over the row. tile=c: exact two-stage selection: top-k inside each
+    c-column tile, then top-k over the tiles' picks. The global top-k is inside the union of the
+    per-tile ones, and the union keeps column order among equal scores (tiles in column order,
+    ties inside a tile in column order), so the tie rule survives. Pays when rows are long."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    s = scores.astype(jnp.float32)
+    if tile is None or n <= tile or tile < k:
+        return jax.lax.top_k(s, k)[1].astype(jnp.int32)
+    lead = s.shape[:-1]
+    s = jnp.pad(s, [(0, 0)] * len(lead) + [(0, -n % tile)], constant_values=-jnp.inf)
+    v, i = jax.lax.top_k(s.reshape(*lead, -1, tile), k)               # [..., n_tiles, k]
+    i = i + (jnp.arange(v.shape[-2], dtype=i.dtype) * tile)[:, None]
+    _, j = jax.lax.top_k(v.reshape(*lead, -1), k)
+    return jnp.take_along_axis(i.reshape(*lead, -1), j, axis=-1).astype(jnp.int32)
+
+
+def _ascending_kept(ids: jax.Array, keep: jax.Array) -> jax.Array:
+    big = jnp.iinfo(jnp.int32).max
+    ids = jnp.sort(jnp.where(keep, ids, big), axis=-1)
+    return jnp.where(ids == big, -1, ids).astype(jnp.int32)
+
+
+def select_topk(scores: jax.Array, visible: jax.Array, k: int, tile: int | None = None) -> jax.Array:
+    """The reference's `select_topk` (ascending ids, -1 where id >= visible) on `topk_ids`."""
+    ids = topk_ids(scores, k, tile)
+    return _ascending_kept(ids, ids < visible[..., None])
+
+
+def select_topk_compacted(scores: jax.Array, rows: jax.Array, visible: jax.Array, k: int,
+                          tile: int | None = None) -> jax.Array:
     """Top-k over compacted candidate columns, lifted to row ids: ascending, -1 padded.
 
     Columns keep row order, so top_k's lower-column tie rule is the lower-row rule. A pick is kept
     when its row is a real, visible row (the reference's by-position validity)."""
-    _, cols = jax.lax.top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
-    picked = jnp.take_along_axis(rows, cols, axis=-1)
-    keep = (picked >= 0) & (picked < visible[..., None])
-    big = jnp.iinfo(jnp.int32).max
-    picked = jnp.sort(jnp.where(keep, picked, big), axis=-1)
-    return jnp.where(picked == big, -1, picked).astype(jnp.int32)
+    picked = jnp.take_along_axis(rows, topk_ids(scores, k, tile), axis=-1)
+    return _ascending_kept(picked, (picked >= 0) & (picked < visible[..., None]))
 
 
 def index_topk_paged(q, w, key_pages, block_table, visible, k: int, *, numerics: Numerics,
-                     candidates=None, block_size: int = 8, backend: str | None = None, **kernel_kw):
+                     candidates=None, block_size: int = 8, backend: str | None = None,
+                     topk_tile: int | None = TOPK_TILE, **kernel_kw):
     """Selected row ids [B, S, min(k, N)] ascending, -1 padded (a FULL or REINDEX layer's pick).
     Returns (ids, scores); a candidate source (FULL layer 20) feeds the scores to
-    `v41_jax.model.indexer.candidate_blocks`."""
+    `v41_jax.model.indexer.candidate_blocks`. The XLA backend selects with the model's
+    `select_topk`; the Pallas backend with `topk_ids(tile=topk_tile)` (same picks)."""
     scores = index_scores_paged(q, w, key_pages, block_table, visible, numerics=numerics,
                                 candidates=candidates, block_size=block_size, backend=backend,
                                 **kernel_kw)
+    xla = _backend.resolve(backend) == "xla"
     if candidates is None:
-        return ref.select_topk(scores, visible, k), scores
-    return select_topk_compacted(scores, candidate_rows(candidates, block_size), visible, k), scores
+        ids = ref.select_topk(scores, visible, k) if xla else select_topk(scores, visible, k, topk_tile)
+        return ids, scores
+    rows = candidate_rows(candidates, block_size)
+    return select_topk_compacted(scores, rows, visible, k, None if xla else topk_tile), scores

@@ -15,8 +15,8 @@ its concatenated list (window part first, then the compressed part, when the cal
 in that order). Each K is padded to a multiple of 64 with -1 here. Rows the lists do not name
 are never read, so unwritten pages may hold anything (NaN included).
 
-Kernel (Pallas, Triton lowering): grid (tokens, splits). One program holds one token's 64 heads
-as the M dimension of both products (MQA: every head shares the rows), so each gathered
+Kernel (Pallas, Triton lowering): grid (tokens, head blocks, splits). One program holds one
+token's 64 heads (or a head block of them) as the M dimension of both products (MQA: every head shares the rows), so each gathered
 [64, 512] row tile feeds a [64 x 512] @ [512 x 64] logit product and a [64 x 64] @ [64 x 512]
 value product. The online softmax keeps (m, l, acc) in fp32; probabilities are rounded to bf16
 before P.V (reference mode) relative to the running max; the sink is folded in at the end.
@@ -66,7 +66,7 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
     q = q_ref[...]                                                     # [H, D]
     h, d = q.shape
-    split = pl.program_id(1)
+    split = pl.program_id(2)
     lanes = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
 
     def make_body(idx_ref, kv_ref):
@@ -133,9 +133,9 @@ def default_splits(tokens: int, n_chunks: int, n_cores: int = 132) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "head_block"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret):
+                        num_stages, interpret, head_block=None):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -148,26 +148,28 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     n_splits = max(1, min(num_splits, total))
     per_split = -(-total // n_splits)
 
+    hb = max(16, min(head_block or hp, hp))                            # heads per program (pow2)
+    grid = (t, hp // hb, n_splits)
     sq = SQUEEZED
-    in_specs = ([pl.BlockSpec((sq, hp, d), lambda i, s: (i, 0, 0)),
-                 pl.BlockSpec((hp,), lambda i, s: (0,))]
-                + [pl.BlockSpec((sq, x.shape[1]), lambda i, s: (i, 0)) for x in idx]
-                + [pl.BlockSpec(r.shape, lambda i, s: (0, 0)) for r in rows])
+    in_specs = ([pl.BlockSpec((sq, hb, d), lambda i, g, s: (i, g, 0)),
+                 pl.BlockSpec((hb,), lambda i, g, s: (g,))]
+                + [pl.BlockSpec((sq, x.shape[1]), lambda i, g, s: (i, 0)) for x in idx]
+                + [pl.BlockSpec(r.shape, lambda i, g, s: (0, 0)) for r in rows])
     if n_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t, hp, d), q.dtype)
-        out_specs = pl.BlockSpec((sq, hp, d), lambda i, s: (i, 0, 0))
+        out_specs = pl.BlockSpec((sq, hb, d), lambda i, g, s: (i, g, 0))
     else:
         out_shape = (jax.ShapeDtypeStruct((t, n_splits, hp, d), jnp.float32),
                      jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32))
-        out_specs = (pl.BlockSpec((sq, sq, hp, d), lambda i, s: (i, s, 0, 0)),
-                     pl.BlockSpec((sq, sq, hp), lambda i, s: (i, s, 0)),
-                     pl.BlockSpec((sq, sq, hp), lambda i, s: (i, s, 0)))
+        out_specs = (pl.BlockSpec((sq, sq, hb, d), lambda i, g, s: (i, s, g, 0)),
+                     pl.BlockSpec((sq, sq, hb), lambda i, g, s: (i, s, g)),
+                     pl.BlockSpec((sq, sq, hb), lambda i, g, s: (i, s, g)))
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
                                bf16_probs=bf16_probs)
     out = pl.pallas_call(
-        kernel, grid=(t, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="sparse_latent_attn",
     )(q, sink_p, *idx, *rows)
@@ -207,7 +209,7 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
 def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float, *,
                       numerics: Numerics, backend: str | None = None,
                       num_splits: int | None = None, num_warps: int = 8,
-                      num_stages: int = 2) -> jax.Array:
+                      num_stages: int = 2, head_block: int | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -215,7 +217,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     scale: softmax scale of q.k (Dh^-0.5). Returns [..., H, D] in the activation dtype; 0 for a
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).
-    num_splits None = `default_splits`; num_warps / num_stages: Triton launch parameters.
+    num_splits None = `default_splits`; head_block: heads per program (None = all: the rows are
+    read once per token); num_warps / num_stages: Triton launch parameters.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
@@ -225,5 +228,5 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,
                               num_splits=splits, num_warps=num_warps, num_stages=num_stages,
-                              interpret=_backend.interpret())
+                              interpret=_backend.interpret(), head_block=head_block)
     return out.reshape(*lead, *q.shape[-2:])

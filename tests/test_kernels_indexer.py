@@ -19,7 +19,7 @@ import pytest
 from kernels_common import assert_close, fp4_rows, fresh_rng, load_fixture
 from kernels_pallas import backend
 from kernels_pallas.indexer import (candidate_rows, index_scores_paged, index_topk_paged,
-                                    select_topk_compacted)
+                                    select_topk, select_topk_compacted, topk_ids)
 from v41_jax.model import indexer as ref
 from v41_jax.model.numerics import Numerics
 
@@ -130,6 +130,17 @@ def test_full_topk_matches_reference():
         overlap = np.mean([len(np.intersect1d(a, b)) / max(len(b), 1) for a, b in
                            zip(ids.reshape(-1, 20), want_ids.reshape(-1, 20))])
         assert overlap > 0.95, f"seed {seed}"
+
+
+@pytest.mark.parametrize("tile", [8, 64, 100])
+def test_two_stage_topk_is_exact_with_ties(tile):
+    """bf16 scores on a coarse grid with many exact ties (ReLU zeros, repeated values)."""
+    rng, seed = fresh_rng()
+    scores = jnp.asarray(np.round(rng.standard_normal((5, 700)) * 2) / 2, jnp.bfloat16)
+    scores = jnp.maximum(scores, 0)
+    np.testing.assert_array_equal(topk_ids(scores, 40, tile), topk_ids(scores, 40), err_msg=f"seed {seed}")
+    vis = jnp.asarray(rng.integers(0, 701, 5), jnp.int32)
+    np.testing.assert_array_equal(select_topk(scores, vis, 40, tile), ref.select_topk(scores, vis, 40))
 
 
 def test_fixture_indexer_scores():

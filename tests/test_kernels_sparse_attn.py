@@ -55,6 +55,13 @@ def test_matches_xla_path(splits):
         assert np.mean(got == want) > 0.95, f"seed {seed}"
 
 
+def test_head_blocks():
+    """32 heads in two programs of 16 per token: each reads the rows, each writes its heads."""
+    rng, seed = fresh_rng()
+    got, want = _both(*_case(rng, h=32), head_block=16)
+    assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
+
+
 def test_fp32_policy():
     rng, seed = fresh_rng()
     got, want = _both(*_case(rng, dtype=jnp.float32), numerics=F32, num_splits=1)
