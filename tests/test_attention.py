@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
@@ -11,14 +12,18 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import v41_jax.model.attention as attention_mod
 from v41_jax.config import ModelConfig
-from v41_jax.model.compressor import compress, init_state, pool_groups
+from v41_jax.model.attention import attention, draft_attention, empty_context
+from v41_jax.model.compressor import compress, init_state, pool_groups, stored_rows
 from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_scores, select_topk,
                                    visible_rows)
 from v41_jax.model.linear import lin_f32
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.model.window import draft_context_idx, ring_idx, window_idx
+from v41_jax.quant import fp4_qdq_e4m3, fp4_qdq_ue8m0
+from v41_jax.topology import Candidates, Mode, resolve_topology
 
 REF, F32 = Numerics.reference(), Numerics.fp32()
 
@@ -190,6 +195,11 @@ def test_draft_context_idx_is_ring_slot_order():
 
 # ---- compressor ------------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnums=5)
+def _pool(x, wkv, wgate, state, start, ratio):
+    return pool_groups(lin_f32(x, wkv), lin_f32(x, wgate), state, start, ratio)
+
+
 def test_compressor_pool_fixture():
     """Prefill then one-token steps, the partial group carried in the state (norm bypassed)."""
     for c in _fixture("compressor_pool.json")["cases"]:
@@ -200,8 +210,7 @@ def test_compressor_pool_fixture():
         state = init_state(1, r, hd)
         for st in c["steps"]:
             xs = jnp.asarray(x[:, st["startPos"]: st["startPos"] + st["len"]])
-            pooled, row_ids, state = pool_groups(lin_f32(xs, wkv), lin_f32(xs, wgate), state,
-                                                 jnp.asarray([st["startPos"]]), r)
+            pooled, row_ids, state = _pool(xs, wkv, wgate, state, jnp.asarray([st["startPos"]]), r)
             n = int((row_ids >= 0).sum())
             assert n == st["rows"], (c["name"], st)
             assert list(np.asarray(row_ids[0, :n])) == list(range(st["startPos"] // r, st["startPos"] // r + n))
@@ -220,11 +229,12 @@ def test_compressor_chunking_invariant(ratio):
     h = jnp.asarray(rng.normal(size=(2, 11, cfg.dim)), jnp.float32)
     start0 = jnp.zeros(2, jnp.int32)
     state0 = None if ratio == 1 else init_state(2, ratio, cfg.head_dim)
-    whole, ids, _ = compress(p, cfg, ratio, h, state0, start0, F32)
+    run = jax.jit(compress, static_argnums=(1, 2, 6))
+    whole, ids, _ = run(p, cfg, ratio, h, state0, start0, F32)
     want = np.asarray(whole[:, : 11 // ratio])
     got, state, pos = [], state0, 0
-    for n in (3, 1, 4, 2, 1):
-        lat, ids, state = compress(p, cfg, ratio, h[:, pos: pos + n], state, start0 + pos, F32)
+    for n in (5, 1, 5):  # carries a partial group across both cuts for r = 2 and the first for r = 3
+        lat, ids, state = run(p, cfg, ratio, h[:, pos: pos + n], state, start0 + pos, F32)
         got += [np.asarray(lat[:, j]) for j in range(lat.shape[1]) if ids[0, j] >= 0]
         pos += n
     np.testing.assert_array_equal(np.stack(got, 1), want)
@@ -278,8 +288,9 @@ def _masked_scores(values, visible):
 def test_candidate_blocks_fixture():
     for c in _fixture("candidate_select.json")["blocks"]:
         s, vis = _masked_scores(c["logits"], c["compressLen"])
-        blocks = candidate_blocks(jnp.asarray(s)[None], jnp.asarray([vis]), c["topkBlocks"], c["blockSize"])
-        got = candidate_mask(blocks, c["width"], c["blockSize"])[0]
+        blocks = jax.jit(candidate_blocks, static_argnums=(2, 3))(
+            jnp.asarray(s)[None], jnp.asarray([vis]), c["topkBlocks"], c["blockSize"])
+        got = jax.jit(candidate_mask, static_argnums=(1, 2))(blocks, c["width"], c["blockSize"])[0]
         np.testing.assert_array_equal(np.asarray(got), np.asarray(c["mask"]), err_msg=str(c))
         b = np.asarray(blocks[0])
         kept = b[b >= 0]
@@ -300,3 +311,246 @@ def test_topk_ties_go_to_lower_index():
     np.testing.assert_array_equal(np.asarray(select_topk(scores, vis, 4)), [[[0, 1, 3, 6]]])
     # blocks of 2: scores 2, 2, 1, 0 -> newest block (3) pinned, then the tie 0 vs 1 goes to 0
     np.testing.assert_array_equal(np.asarray(candidate_blocks(scores, vis, 2, 2)), [[[0, 3]]])
+
+
+# ---- attention sublayer ----------------------------------------------------------------------
+
+def _attn_params(rng, cfg, topo):
+    """Random weights with the loader's layout (bf16 [out, in]; fp32 sink and ratio-2 compressor)."""
+    hd, q, g = cfg.n_heads * cfg.head_dim, cfg.q_lora_rank, cfg.o_groups
+    p = {"wq_a": {"weight": _w(rng, q, cfg.dim)}, "q_norm": _norm_w(rng, q),
+         "wq_b": {"weight": _w(rng, hd, q)}, "wkv": {"weight": _w(rng, cfg.head_dim, cfg.dim)},
+         "kv_norm": _norm_w(rng, cfg.head_dim), "wo_a": {"weight": _w(rng, g * cfg.o_lora_rank, hd // g)},
+         "wo_b": {"weight": _w(rng, cfg.dim, g * cfg.o_lora_rank)},
+         "attn_sink": jnp.asarray(rng.normal(size=cfg.n_heads), jnp.float32)}
+    if topo.scores:
+        # a large query scale spreads the index scores, so that top-k choices are not all ties
+        p["indexer"] = {"wq_b": {"weight": _w(rng, cfg.index_n_heads * cfg.index_head_dim, q, scale=0.5)},
+                        "weights_proj": {"weight": _w(rng, cfg.index_n_heads, cfg.dim)}}
+    if topo.mode is Mode.FULL:
+        p["compressor"] = _compressor_params(rng, cfg, topo.ratio)
+        p["indexer"].update(wk={"weight": _w(rng, cfg.index_head_dim, cfg.head_dim)},
+                            k_norm=_norm_w(rng, cfg.index_head_dim))
+    return p
+
+
+class _Stack:
+    """The backbone's attention sublayers alone (each fed its own input), jitted per layer, with a
+    spy on what each layer hands to sparse_attn."""
+
+    def __init__(self, cfg, numerics, b, s, seed=0):
+        rng = np.random.default_rng(seed)
+        self.cfg, self.numerics = cfg, numerics
+        self.topos = [t for t in resolve_topology(cfg) if not t.is_draft]
+        self.params = [_attn_params(rng, cfg, t) for t in self.topos]
+        self.calls = []
+
+        def recording(q, kv, sink, idx, scale, *, numerics):
+            jax.debug.callback(lambda kv, idx: self.calls.append((np.asarray(kv, np.float32), np.asarray(idx))),
+                               kv, idx)
+            return sparse_attn(q, kv, sink, idx, scale, numerics=numerics)
+
+        def attend(p, topo, h, ctx):
+            return attention(p, cfg, topo, h, ctx, numerics)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention_mod, "sparse_attn", recording)
+            self._attend = jax.jit(attend, static_argnums=1)
+            self.run(self.inputs(b, s, seed=2))  # trace every layer at (b, s) while the spy is in place
+        self.calls.clear()
+
+    def inputs(self, b, s, seed=1):
+        rng = np.random.default_rng(seed)
+        return [jnp.asarray(rng.normal(size=(b, s, self.cfg.dim)), self.numerics.act_dtype) for _ in self.topos]
+
+    def run(self, hs):
+        ctx, outs = empty_context(), []
+        for topo, p, h in zip(self.topos, self.params, hs):
+            out, ctx = self._attend(p, topo, h, ctx)
+            outs.append(out.block_until_ready())
+        return outs, ctx
+
+
+# candidate_topk_blocks 5 x 2 >= index_topk + block_size - 1: the kept blocks always hold at least
+# index_topk rows (the tiny config's 4 x 2 does not when the newest block is partial, see
+# test_select_topk_fills_by_position_like_the_reference)
+CAND_CFG = dict(candidate_topk_blocks=5)
+B, S = 2, 40
+
+
+@pytest.fixture(scope="module")
+def fp32_run():
+    stack = _Stack(_cfg(**CAND_CFG), F32, B, S)
+    hs = stack.inputs(B, S)
+    outs, ctx = stack.run(hs)
+    return stack, hs, outs, ctx, list(stack.calls)
+
+
+def test_attention_modes_wiring(fp32_run):
+    stack, _, _, ctx, calls = fp32_run
+    cfg, topos, w = stack.cfg, stack.topos, stack.cfg.window_size
+    assert set(ctx.rows) == set(ctx.keys) == set(cfg.kv_source_layers)
+    assert set(ctx.selected) == set(cfg.index_source_layers)
+    assert set(ctx.candidates) == {cfg.candidate_source_layer}
+    win = np.broadcast_to(np.asarray(window_idx(jnp.arange(S), w, w)), (B, S, w))
+    assert len(calls) == len(topos)
+    for topo, (kv, idx) in zip(topos, calls):
+        np.testing.assert_array_equal(idx[..., :w], win)
+        if topo.mode is Mode.WINDOW:
+            assert idx.shape[-1] == w and kv.shape[1] == S
+            continue
+        sel = np.asarray(ctx.selected[topo.topk_owner])
+        assert sel.shape == (B, S, min(cfg.index_topk, S // topo.ratio))
+        # every compressed layer reads its kv owner's rows with exactly its top-k owner's ids,
+        # offset past the window part
+        np.testing.assert_array_equal(kv[:, S:], np.asarray(ctx.rows[topo.kv_owner]))
+        np.testing.assert_array_equal(idx[..., w:], np.where(sel >= 0, sel + S, -1))
+
+
+def test_selections_visible_ascending_full(fp32_run):
+    stack, _, _, ctx, _ = fp32_run
+    for l, sel in ctx.selected.items():
+        sel = np.asarray(sel)
+        vis = (np.arange(S) + 1) // stack.topos[l].ratio
+        valid = sel >= 0
+        assert np.all(np.where(valid[..., 1:], np.diff(sel, axis=-1) > 0, True))   # ascending
+        assert np.all(valid[..., :-1] >= valid[..., 1:])                            # -1 only at the end
+        assert np.all(np.where(valid, sel < vis[:, None], True))                    # visible only
+        np.testing.assert_array_equal(valid.sum(-1), np.broadcast_to(np.minimum(vis, sel.shape[-1]), (B, S)))
+
+
+def _check_candidates(cfg, topos, ctx, b, s):
+    src = cfg.candidate_source_layer
+    blocks = np.asarray(ctx.candidates[src])
+    vis = (np.arange(s) + 1) // topos[src].ratio
+    n_blocks = -(-vis // cfg.candidate_block_size)
+    # all visible blocks while they fit, else exactly candidate_topk_blocks; newest always kept
+    np.testing.assert_array_equal((blocks >= 0).sum(-1), np.broadcast_to(
+        np.minimum(n_blocks, cfg.candidate_topk_blocks), (b, s)))
+    assert all((v - 1) // cfg.candidate_block_size in blocks[bi, i] for bi in range(b) for i, v in enumerate(vis))
+    consumers = [t.layer for t in topos if t.scores and t.candidates is Candidates.CONSUME]
+    assert consumers
+    for l in consumers:
+        sel = np.asarray(ctx.selected[l])
+        inside = (sel[..., :, None] // cfg.candidate_block_size == blocks[..., None, :]).any(-1)
+        assert np.all(inside | (sel < 0)), l
+        # the restriction bites: somewhere a consumer picks a row its unrestricted scores would not need
+        assert not np.array_equal(sel, np.asarray(ctx.selected[src]))
+
+
+def test_reindex_selects_inside_candidate_blocks(fp32_run):
+    stack, _, _, ctx, _ = fp32_run
+    _check_candidates(stack.cfg, stack.topos, ctx, B, S)
+
+
+def _check_causal(stack, hs, outs, ctx, t):
+    """Changing every input at positions >= t leaves everything before t unchanged, bit for bit
+    (same shapes, so the same compiled program and the same index-list layout)."""
+    moved = [h.at[:, t:].set(jnp.asarray(np.random.default_rng(9).normal(size=h[:, t:].shape), h.dtype))
+             for h in hs]
+    outs2, ctx2 = stack.run(moved)
+    for a, c in zip(outs, outs2):
+        np.testing.assert_array_equal(np.asarray(a[:, :t], np.float32), np.asarray(c[:, :t], np.float32))
+        assert not np.array_equal(np.asarray(a[:, t:], np.float32), np.asarray(c[:, t:], np.float32))
+    for table, table2 in ((ctx.selected, ctx2.selected), (ctx.candidates, ctx2.candidates)):
+        for l in table:
+            np.testing.assert_array_equal(np.asarray(table[l][:, :t]), np.asarray(table2[l][:, :t]))
+    for l in ctx.rows:
+        n = t // stack.topos[l].ratio
+        np.testing.assert_array_equal(np.asarray(ctx.rows[l][:, :n], np.float32), np.asarray(ctx2.rows[l][:, :n], np.float32))
+        np.testing.assert_array_equal(np.asarray(ctx.keys[l][:, :n], np.float32), np.asarray(ctx2.keys[l][:, :n], np.float32))
+
+
+def test_attention_is_causal_fp32(fp32_run):
+    stack, hs, outs, ctx, _ = fp32_run
+    _check_causal(stack, hs, outs, ctx, 23)  # odd: splits a ratio-2 group
+
+
+def test_full_layer_rows_and_keys(fp32_run):
+    """One row per complete group, equal to the compressor's latent rotated at r*j (fp32 mode: no
+    QDQ); the reference-mode grids are checked in test_reference_mode_stack."""
+    stack, hs, _, ctx, _ = fp32_run
+    cfg = stack.cfg
+    for l in cfg.kv_source_layers:
+        r, p = stack.topos[l].ratio, stack.params[l]
+        state = None if r == 1 else init_state(B, r, cfg.head_dim)
+
+        @jax.jit
+        def want(p, h):
+            lat, ids, _ = compress(p["compressor"], cfg, r, h, state, jnp.zeros(B, jnp.int32), F32)
+            return stored_rows(cfg, r, lat, ids, F32)[:, : S // r]
+
+        rows = np.asarray(ctx.rows[l])
+        assert rows.shape == (B, S // r, cfg.head_dim)
+        assert ctx.keys[l].shape == (B, S // r, cfg.index_head_dim)
+        np.testing.assert_allclose(rows, np.asarray(want(p, hs[l])), rtol=1e-6, atol=1e-6)
+
+
+def test_reference_mode_stack():
+    """Reference numerics on the ratio-1 candidate pair (FULL producer + REINDEX consumer):
+    bf16 activations, fp4 grids of stored rows / keys, candidate restriction and causality."""
+    cfg = _cfg(**CAND_CFG).replace(n_layers=2, n_mtp_layers=0, compress_ratios=(1, 1), kv_source_layers=(0,),
+                                   index_source_layers=(0, 1), candidate_source_layer=0, engram_layer_ids=(),
+                                   engram_num_embeddings=(), dspark_target_layer_ids=())
+    b, s = 1, 24
+    stack = _Stack(cfg, REF, b, s)
+    assert [t.mode for t in stack.topos] == [Mode.FULL, Mode.REINDEX]
+    hs = stack.inputs(b, s)
+    outs, ctx = stack.run(hs)
+    assert all(o.dtype == jnp.bfloat16 for o in outs)
+    rows, keys = ctx.rows[0], ctx.keys[0]
+    assert rows.dtype == keys.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(fp4_qdq_e4m3(rows, 16), np.float32))
+    np.testing.assert_array_equal(np.asarray(keys, np.float32), np.asarray(fp4_qdq_ue8m0(keys, 32), np.float32))
+    _check_candidates(cfg, stack.topos, ctx, b, s)
+    _check_causal(stack, hs, outs, ctx, 13)
+
+
+def test_select_topk_fills_by_position_like_the_reference():
+    """When the candidate blocks hold fewer finite rows than k (tiny config: 4 blocks x 2 rows with a
+    partial newest block = 7 rows < index_topk 8), the reference keeps its -inf filler picks that
+    lie below the visible count as valid ids: lowest index first under the lower-index tie rule."""
+    vis = 21
+    scores = np.random.default_rng(0).normal(size=vis).astype(np.float32)
+    blocks = jnp.asarray([[1, 4, 6, 10]])
+    keep = np.asarray(candidate_mask(blocks, vis, 2))
+    masked = jnp.asarray(np.where(keep, scores, -np.inf))
+    sel = np.asarray(select_topk(masked, jnp.asarray([vis]), 8))[0]
+    inside = np.flatnonzero(keep[0])
+    assert len(inside) == 7
+    np.testing.assert_array_equal(sel, np.sort(np.append(inside, 0)))
+
+
+# ---- draft attention -------------------------------------------------------------------------
+
+def test_draft_attention(monkeypatch):
+    cfg = _cfg()
+    rng = np.random.default_rng(3)
+    topo = resolve_topology(cfg)[cfg.n_layers]
+    assert topo.is_draft and topo.mode is Mode.WINDOW
+    p = _attn_params(rng, cfg, topo)
+    b, blk, w, anchor, n_ctx = 2, cfg.dspark_block_size, cfg.window_size, 5, 12
+    ctx_kv = jnp.asarray(rng.normal(size=(b, n_ctx, cfg.head_dim)), jnp.float32)
+    ctx_idx = jnp.broadcast_to(draft_context_idx(jnp.asarray(anchor), w), (b, w))
+    x = jnp.asarray(rng.normal(size=(b, blk, cfg.dim)), jnp.float32)
+    start = jnp.full((b,), anchor + 1, jnp.int32)
+    seen = []
+
+    def recording(q, kv, sink, idx, scale, *, numerics):
+        jax.debug.callback(lambda i: seen.append(np.asarray(i)), idx)
+        return sparse_attn(q, kv, sink, idx, scale, numerics=numerics)
+
+    monkeypatch.setattr(attention_mod, "sparse_attn", recording)
+    draft = jax.jit(lambda x, ctx_kv: draft_attention(p, cfg, x, ctx_kv, ctx_idx, start, F32))
+    out = draft(x, ctx_kv).block_until_ready()
+    assert out.shape == (b, blk, cfg.dim)
+    # every block row lists context rows 0..anchor (slot order), then the block rows right after
+    # them, -1 to the end
+    want = list(range(anchor + 1)) + list(range(n_ctx, n_ctx + blk))
+    assert seen[0].shape == (b, blk, w + blk)
+    assert np.all(seen[0] == np.asarray(want + [-1] * (w + blk - len(want))))
+    # bidirectional inside the block: the last draft row moves the first row's output
+    moved = draft(x.at[:, -1].add(1.0), ctx_kv)
+    assert not np.allclose(np.asarray(moved[:, 0]), np.asarray(out[:, 0]))
+    # unlisted context rows (past the anchor) are never read
+    np.testing.assert_array_equal(np.asarray(draft(x, ctx_kv.at[:, anchor + 1:].set(jnp.nan))), np.asarray(out))

@@ -1,0 +1,170 @@
+"""The attention sublayer (ARCHITECTURE.md §3.5, §3.8) for the full-sequence forward, all four CSA2
+modes, and the DSpark draft attention (§5.3).
+
+The compressed branch shares work down the stack: a FULL layer publishes its compressed rows and
+index keys, an index source its selection, the candidate source its blocks. `AttnContext` carries
+them; the caller threads it through the layers (it also is what the checker records). Every layer
+reads the rows and index keys of its own kv owner (the prefill-consistent semantics, §9.1).
+
+API (B batch, S sequence from position 0, D model width, H x Dh heads, K = min(index_topk, S // r))
+  AttnContext(rows, keys, selected, candidates)   dicts keyed by the owning layer:
+      rows[kv_owner]         [B, S//r, Dh]  compressed KV rows (RoPE'd at r*j, fp4 QDQ)
+      keys[kv_owner]         [B, S//r, Di]  index keys
+      selected[topk_owner]   [B, S, K]      compressed row ids, ascending, -1 past visible
+      candidates[source]     [B, S, Kb]     candidate block ids, ascending, -1 for dropped picks
+  empty_context() -> AttnContext
+  attention(p, cfg, topo, h, ctx, numerics) -> (out [B, S, D], ctx)
+      p = params["layers"][l]["attn"], topo = resolve_topology(cfg)[l], h = attn_norm output.
+  query(p, cfg, h, cos, sin, numerics) -> (c_q [B, T, Q], q [B, T, H, Dh])
+  window_kv(p, cfg, h, cos, sin, numerics) -> [B, T, Dh]   kv_norm(Lin8(h, wkv)) -> RoPE -> fp8 QDQ:
+      the window cache row (and, on a draft stage's params, its context row from main_x).
+  output_proj(p, cfg, o, cos, sin, numerics) -> [B, T, D]  inverse RoPE, grouped wo_a, wo_b.
+  draft_attention(p, cfg, x, ctx_kv, ctx_idx, start, numerics) -> [B, blk, D]
+      a draft stage's attention: every block row sees the listed context rows and all block rows.
+  (cos, sin come from rope.rope_cos_sin at the rows' positions, the layer's table.)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from v41_jax.config import ModelConfig
+from v41_jax.model.compressor import compress, init_state, stored_rows
+from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_keys, index_query, index_scores,
+                                   index_weights, select_topk, visible_rows)
+from v41_jax.model.linear import lin8
+from v41_jax.model.norm import rms_norm
+from v41_jax.model.numerics import HIGHEST, Numerics
+from v41_jax.model.rope import apply_rope, rope_cos_sin
+from v41_jax.model.sparse_attn import sparse_attn
+from v41_jax.model.window import window_idx
+from v41_jax.quant import fp8_act_qdq
+from v41_jax.topology import Candidates, LayerTopology, Mode
+
+WINDOW_FP8_BLOCK = 32  # window / draft KV rows: fp8 with one ue8m0 scale per 32 lanes
+
+
+class AttnContext(NamedTuple):
+    rows: dict
+    keys: dict
+    selected: dict
+    candidates: dict
+
+
+def empty_context() -> AttnContext:
+    return AttnContext({}, {}, {}, {})
+
+
+def _heads(cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row angles [..., T, R/2] -> broadcastable over a head axis."""
+    return cos[..., None, :], sin[..., None, :]
+
+
+def query(p: dict, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
+          numerics: Numerics) -> tuple[jax.Array, jax.Array]:
+    c_q = rms_norm(lin8(h, p["wq_a"]["weight"], numerics), p["q_norm"]["weight"], cfg.norm_eps)
+    q = lin8(c_q, p["wq_b"]["weight"], numerics)
+    q = q.reshape(*q.shape[:-1], cfg.n_heads, cfg.head_dim)
+    return c_q, apply_rope(q, *_heads(cos, sin))
+
+
+def window_kv(p: dict, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
+              numerics: Numerics) -> jax.Array:
+    kv = rms_norm(lin8(h, p["wkv"]["weight"], numerics), p["kv_norm"]["weight"], cfg.norm_eps)
+    kv = apply_rope(kv, cos, sin)
+    # the whole row, RoPE lanes included
+    return fp8_act_qdq(kv, WINDOW_FP8_BLOCK) if numerics.fake_quant else kv
+
+
+def output_proj(p: dict, cfg: ModelConfig, o: jax.Array, cos: jax.Array, sin: jax.Array,
+                numerics: Numerics) -> jax.Array:
+    # K = V carries RoPE: rotating back by the query's angle leaves a position-free output
+    o = apply_rope(o, *_heads(cos, sin), inverse=True)
+    g = cfg.o_groups
+    o = o.reshape(*o.shape[:-2], g, -1)                                  # [B, T, G, H/G * Dh]
+    wo_a = p["wo_a"]["weight"].reshape(g, cfg.o_lora_rank, -1)           # block-diagonal over groups
+    u = jnp.einsum("btgd,grd->btgr", o, wo_a.astype(o.dtype), precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
+    return lin8(numerics.act(u).reshape(*u.shape[:-2], -1), p["wo_b"]["weight"], numerics)
+
+
+def _publish(table: dict, layer: int, value: jax.Array) -> dict:
+    return {**table, layer: value}
+
+
+def _compress(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
+              numerics: Numerics) -> AttnContext:
+    """FULL: the rows of every complete group, and their index keys from the pre-RoPE latent."""
+    b, s, _ = h.shape
+    r = topo.ratio
+    state = None if r == 1 else init_state(b, r, cfg.head_dim)
+    latent, row_ids, _ = compress(p["compressor"], cfg, r, h, state, jnp.zeros(b, jnp.int32), numerics)
+    latent, row_ids = latent[:, : s // r], row_ids[:, : s // r]
+    return ctx._replace(rows=_publish(ctx.rows, topo.layer, stored_rows(cfg, r, latent, row_ids, numerics)),
+                        keys=_publish(ctx.keys, topo.layer,
+                                      index_keys(p["indexer"], cfg, latent, row_ids, r, numerics)))
+
+
+def _select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: jax.Array,
+            positions: jax.Array, ctx: AttnContext, numerics: Numerics) -> AttnContext:
+    """FULL / REINDEX: own indexer over the kv owner's keys; the candidate source publishes its
+    blocks from the unrestricted scores, later scorers keep only rows inside them."""
+    visible = jnp.broadcast_to(visible_rows(positions, topo.ratio), h.shape[:2])
+    keys = ctx.keys[topo.kv_owner]
+    scores = index_scores(index_query(p["indexer"], cfg, c_q, positions, numerics), keys,
+                          index_weights(p["indexer"], cfg, h, numerics), visible, numerics)
+    if topo.candidates is Candidates.PRODUCE:
+        blocks = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        ctx = ctx._replace(candidates=_publish(ctx.candidates, topo.layer, blocks))
+    elif topo.candidates is Candidates.CONSUME:
+        keep = candidate_mask(ctx.candidates[cfg.candidate_source_layer], keys.shape[1],
+                              cfg.candidate_block_size)
+        scores = jnp.where(keep, scores, -jnp.inf)
+    return ctx._replace(selected=_publish(ctx.selected, topo.layer, select_topk(scores, visible, cfg.index_topk)))
+
+
+def attention(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
+              numerics: Numerics) -> tuple[jax.Array, AttnContext]:
+    b, s, _ = h.shape
+    positions = jnp.arange(s)
+    cos, sin = rope_cos_sin(cfg, positions, global_table=topo.rope_global)
+    c_q, q = query(p, cfg, h, cos, sin, numerics)
+    kv = window_kv(p, cfg, h, cos, sin, numerics)                         # [B, S, Dh], row i = position i
+    w = min(s, cfg.window_size)
+    idx = jnp.broadcast_to(window_idx(positions, cfg.window_size, w), (b, s, w))
+    # no complete group yet: the reference attends over the window alone
+    if topo.mode is not Mode.WINDOW and s // topo.ratio:
+        if topo.mode is Mode.FULL:
+            ctx = _compress(p, cfg, topo, h, ctx, numerics)
+        if topo.scores:
+            ctx = _select(p, cfg, topo, h, c_q, positions, ctx, numerics)
+        sel = ctx.selected[topo.topk_owner]
+        # the compressed rows follow the window rows in one list, ids offset by its length
+        kv = jnp.concatenate([kv, ctx.rows[topo.kv_owner]], axis=1)
+        idx = jnp.concatenate([idx, jnp.where(sel >= 0, sel + s, -1)], axis=-1)
+    o = sparse_attn(q, kv, p["attn_sink"], idx, cfg.head_dim ** -0.5, numerics=numerics)
+    return output_proj(p, cfg, o, cos, sin, numerics), ctx
+
+
+def draft_attention(p: dict, cfg: ModelConfig, x: jax.Array, ctx_kv: jax.Array, ctx_idx: jax.Array,
+                    start: jax.Array, numerics: Numerics) -> jax.Array:
+    """x [B, blk, D] (attn_norm output of the draft rows, positions start .. start+blk-1),
+    ctx_kv [B, Nc, Dh] this stage's context rows (window_kv of main_x), ctx_idx [B, Kc] the rows of
+    ctx_kv the block sees, valid ones first then -1 (window.draft_context_idx in a linear layout),
+    start [B] = anchor + 1. No causal mask inside the block. Window RoPE table."""
+    b, blk, _ = x.shape
+    cos, sin = rope_cos_sin(cfg, start[:, None] + jnp.arange(blk), global_table=False)
+    _, q = query(p, cfg, x, cos, sin, numerics)
+    kv = jnp.concatenate([ctx_kv, window_kv(p, cfg, x, cos, sin, numerics)], axis=1)
+    # the block rows directly after the valid context entries, as the reference lists them
+    n_ctx = (ctx_idx >= 0).sum(-1, keepdims=True)
+    col = jnp.arange(ctx_idx.shape[-1] + blk)
+    listed = jnp.pad(ctx_idx, ((0, 0), (0, blk)), constant_values=-1)
+    block_rows = jnp.where(col < n_ctx + blk, ctx_kv.shape[1] + col - n_ctx, -1)
+    idx = jnp.where(col < n_ctx, listed, block_rows).astype(jnp.int32)
+    o = sparse_attn(q, kv, p["attn_sink"], jnp.broadcast_to(idx[:, None], (b, blk, idx.shape[-1])),
+                    cfg.head_dim ** -0.5, numerics=numerics)
+    return output_proj(p, cfg, o, cos, sin, numerics)
