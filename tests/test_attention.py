@@ -14,7 +14,7 @@ import pytest
 
 import v41_jax.model.attention as attention_mod
 from v41_jax.config import ModelConfig
-from v41_jax.model.attention import attention, draft_attention, empty_context
+from v41_jax.model.attention import draft_attention, empty_context, full_attention
 from v41_jax.model.compressor import compress, init_state, pool_groups, stored_rows
 from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_scores, select_topk,
                                    visible_rows)
@@ -351,7 +351,7 @@ class _Stack:
             return sparse_attn(q, kv, sink, idx, scale, numerics=numerics)
 
         def attend(p, topo, h, ctx):
-            return attention(p, cfg, topo, h, ctx, numerics)
+            return full_attention(p, cfg, topo, h, ctx, numerics)
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(attention_mod, "sparse_attn", recording)
@@ -366,7 +366,9 @@ class _Stack:
     def run(self, hs):
         ctx, outs = empty_context(), []
         for topo, p, h in zip(self.topos, self.params, hs):
-            out, ctx = self._attend(p, topo, h, ctx)
+            out, ctx, record = self._attend(p, topo, h, ctx)
+            assert set(record) == {k for k, table in (("index_topk", ctx.selected),
+                                                      ("candidate_blocks", ctx.candidates)) if topo.layer in table}
             outs.append(out.block_until_ready())
         return outs, ctx
 
@@ -531,9 +533,8 @@ def test_draft_attention(monkeypatch):
     p = _attn_params(rng, cfg, topo)
     b, blk, w, anchor, n_ctx = 2, cfg.dspark_block_size, cfg.window_size, 5, 12
     ctx_kv = jnp.asarray(rng.normal(size=(b, n_ctx, cfg.head_dim)), jnp.float32)
-    ctx_idx = jnp.broadcast_to(draft_context_idx(jnp.asarray(anchor), w), (b, w))
     x = jnp.asarray(rng.normal(size=(b, blk, cfg.dim)), jnp.float32)
-    start = jnp.full((b,), anchor + 1, jnp.int32)
+    anchors = jnp.full((b,), anchor, jnp.int32)
     seen = []
 
     def recording(q, kv, sink, idx, scale, *, numerics):
@@ -541,7 +542,7 @@ def test_draft_attention(monkeypatch):
         return sparse_attn(q, kv, sink, idx, scale, numerics=numerics)
 
     monkeypatch.setattr(attention_mod, "sparse_attn", recording)
-    draft = jax.jit(lambda x, ctx_kv: draft_attention(p, cfg, x, ctx_kv, ctx_idx, start, F32))
+    draft = jax.jit(lambda x, ctx_kv: draft_attention(p, cfg, x, ctx_kv, anchors, F32))
     out = draft(x, ctx_kv).block_until_ready()
     assert out.shape == (b, blk, cfg.dim)
     # every block row lists context rows 0..anchor (slot order), then the block rows right after
@@ -554,3 +555,20 @@ def test_draft_attention(monkeypatch):
     assert not np.allclose(np.asarray(moved[:, 0]), np.asarray(out[:, 0]))
     # unlisted context rows (past the anchor) are never read
     np.testing.assert_array_equal(np.asarray(draft(x, ctx_kv.at[:, anchor + 1:].set(jnp.nan))), np.asarray(out))
+
+
+def test_draft_attention_ring_context_equals_linear():
+    """A ring-resident context (slot s = newest position = s mod window) listed by slot gives the
+    same output as the linear layout, bit for bit: same rows in the same list order."""
+    cfg = _cfg()
+    rng = np.random.default_rng(4)
+    p = _attn_params(rng, cfg, resolve_topology(cfg)[cfg.n_layers])
+    b, w, anchor = 1, cfg.window_size, 11
+    linear = jnp.asarray(rng.normal(size=(b, anchor + 1, cfg.head_dim)), jnp.float32)
+    slots = np.asarray(draft_context_idx(jnp.asarray(anchor), w))            # position held by slot s
+    ring = linear[:, slots]
+    x = jnp.asarray(rng.normal(size=(b, cfg.dspark_block_size, cfg.dim)), jnp.float32)
+    a = jnp.asarray([anchor])
+    run = jax.jit(lambda ctx, idx: draft_attention(p, cfg, x, ctx, a, F32, ctx_idx=idx))
+    np.testing.assert_array_equal(np.asarray(run(ring, jnp.arange(w)[None])),
+                                  np.asarray(run(linear, draft_context_idx(a, w))))

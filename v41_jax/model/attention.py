@@ -13,14 +13,17 @@ API (B batch, S sequence from position 0, D model width, H x Dh heads, K = min(i
       selected[topk_owner]   [B, S, K]      compressed row ids, ascending, -1 past visible
       candidates[source]     [B, S, Kb]     candidate block ids, ascending, -1 for dropped picks
   empty_context() -> AttnContext
-  attention(p, cfg, topo, h, ctx, numerics) -> (out [B, S, D], ctx)
-      p = params["layers"][l]["attn"], topo = resolve_topology(cfg)[l], h = attn_norm output.
+  full_attention(p, cfg, topo, h, ctx, numerics) -> (out [B, S, D], ctx, record)
+      p = params["layers"][l]["attn"], topo = resolve_topology(cfg)[l], h = attn_norm output,
+      ctx = the context so far (None or empty at the first layer). record: this layer's own
+      {"index_topk": [B, S, K]} (index sources) and {"candidate_blocks": [B, S, Kb]} (the source).
   query(p, cfg, h, cos, sin, numerics) -> (c_q [B, T, Q], q [B, T, H, Dh])
   window_kv(p, cfg, h, cos, sin, numerics) -> [B, T, Dh]   kv_norm(Lin8(h, wkv)) -> RoPE -> fp8 QDQ:
       the window cache row (and, on a draft stage's params, its context row from main_x).
   output_proj(p, cfg, o, cos, sin, numerics) -> [B, T, D]  inverse RoPE, grouped wo_a, wo_b.
-  draft_attention(p, cfg, x, ctx_kv, ctx_idx, start, numerics) -> [B, blk, D]
-      a draft stage's attention: every block row sees the listed context rows and all block rows.
+  draft_attention(p, cfg, x, ctx_kv, anchor, numerics, *, ctx_idx=None) -> [B, blk, D]
+      a draft stage's attention: every block row sees the context rows (anchor - window, anchor]
+      and all block rows.
   (cos, sin come from rope.rope_cos_sin at the rows' positions, the layer's table.)
 """
 
@@ -40,7 +43,7 @@ from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
-from v41_jax.model.window import window_idx
+from v41_jax.model.window import draft_context_idx, window_idx
 from v41_jax.quant import fp8_act_qdq
 from v41_jax.topology import Candidates, LayerTopology, Mode
 
@@ -126,8 +129,9 @@ def _select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: j
     return ctx._replace(selected=_publish(ctx.selected, topo.layer, select_topk(scores, visible, cfg.index_topk)))
 
 
-def attention(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
-              numerics: Numerics) -> tuple[jax.Array, AttnContext]:
+def full_attention(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext | None,
+                   numerics: Numerics) -> tuple[jax.Array, AttnContext, dict]:
+    ctx = ctx or empty_context()
     b, s, _ = h.shape
     positions = jnp.arange(s)
     cos, sin = rope_cos_sin(cfg, positions, global_table=topo.rope_global)
@@ -146,17 +150,30 @@ def attention(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx:
         kv = jnp.concatenate([kv, ctx.rows[topo.kv_owner]], axis=1)
         idx = jnp.concatenate([idx, jnp.where(sel >= 0, sel + s, -1)], axis=-1)
     o = sparse_attn(q, kv, p["attn_sink"], idx, cfg.head_dim ** -0.5, numerics=numerics)
-    return output_proj(p, cfg, o, cos, sin, numerics), ctx
+    return output_proj(p, cfg, o, cos, sin, numerics), ctx, _record(topo, ctx)
 
 
-def draft_attention(p: dict, cfg: ModelConfig, x: jax.Array, ctx_kv: jax.Array, ctx_idx: jax.Array,
-                    start: jax.Array, numerics: Numerics) -> jax.Array:
-    """x [B, blk, D] (attn_norm output of the draft rows, positions start .. start+blk-1),
-    ctx_kv [B, Nc, Dh] this stage's context rows (window_kv of main_x), ctx_idx [B, Kc] the rows of
-    ctx_kv the block sees, valid ones first then -1 (window.draft_context_idx in a linear layout),
-    start [B] = anchor + 1. No causal mask inside the block. Window RoPE table."""
+def _record(topo: LayerTopology, ctx: AttnContext) -> dict:
+    """What this layer chose, for the checker: its own selection and candidate blocks."""
+    aux = {}
+    if topo.layer in ctx.selected:
+        aux["index_topk"] = ctx.selected[topo.layer]
+    if topo.layer in ctx.candidates:
+        aux["candidate_blocks"] = ctx.candidates[topo.layer]
+    return aux
+
+
+def draft_attention(p: dict, cfg: ModelConfig, x: jax.Array, ctx_kv: jax.Array, anchor: jax.Array,
+                    numerics: Numerics, *, ctx_idx: jax.Array | None = None) -> jax.Array:
+    """x [B, blk, D] (attn_norm output of the draft rows, positions anchor+1 .. anchor+blk),
+    ctx_kv [B, Nc, Dh] this stage's context rows (window_kv of main_x), anchor [B] the last position
+    the target processed. ctx_idx [B, Kc]: the rows of ctx_kv the block sees, valid ones first then
+    -1; by default the linear layout (row i = position i) in the reference's ring-slot order; a
+    ring-resident context passes its own. No causal mask inside the block. Window RoPE table."""
     b, blk, _ = x.shape
-    cos, sin = rope_cos_sin(cfg, start[:, None] + jnp.arange(blk), global_table=False)
+    if ctx_idx is None:
+        ctx_idx = draft_context_idx(anchor, cfg.window_size)
+    cos, sin = rope_cos_sin(cfg, anchor[:, None] + 1 + jnp.arange(blk), global_table=False)
     _, q = query(p, cfg, x, cos, sin, numerics)
     kv = jnp.concatenate([ctx_kv, window_kv(p, cfg, x, cos, sin, numerics)], axis=1)
     # the block rows directly after the valid context entries, as the reference lists them
