@@ -97,8 +97,11 @@ def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, t
     with_cand = candidates is not None
     n_cols = candidates.shape[-1] * bs if with_cand else block_table.shape[1] * rpp
     s_pad, n_pad = -s % ts, -n_cols % tn
-    q = jnp.pad(q, ((0, 0), (0, s_pad), (0, 0), (0, 0)))
-    w = jnp.pad(w, ((0, 0), (0, s_pad), (0, 0)))
+    # the dot's M = ts*hi must be a power of two >= 16: zero heads with zero weight add exact zeros
+    h_pad = max(1 << (hi - 1).bit_length(), -(-16 // ts)) - hi
+    q = jnp.pad(q, ((0, 0), (0, s_pad), (0, h_pad), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, s_pad), (0, h_pad)))
+    hi += h_pad
     visible = jnp.pad(visible.astype(jnp.int32), ((0, 0), (0, s_pad)))   # padded queries see nothing
     keys = key_pages.reshape(-1, di)                                    # free: contiguous pages
     sq = SQUEEZED

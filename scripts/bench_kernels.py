@@ -1,0 +1,453 @@
+"""Benchmark the Pallas kernels against their XLA paths at real V4.1 widths (bench_slice config).
+
+    python scripts/bench_kernels.py --out bench.json [--sections peak,attn,indexer,moe]
+                                    [--budget SECONDS] [--smoke]
+
+Every case: median wall time of `--reps` calls via block_until_ready after warm-up. One call
+runs L independent "layers" (separate inputs, one jit) so host dispatch is amortised; times are
+per layer. Reported: ms, achieved TFLOP/s and GB/s (minimum bytes: every input row read once,
+every output written once), ratio to the measured bf16 GEMM peak and copy bandwidth, and the
+speed-up over the XLA path in the same run. Sections stop starting new cases once the time
+budget is spent; results are written after every case. --smoke: tiny shapes, for CPU checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels_pallas import indexer as kidx  # noqa: E402
+from kernels_pallas import moe as kmoe  # noqa: E402
+from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
+from v41_jax.model.numerics import Numerics  # noqa: E402
+
+REF = Numerics.reference()
+FAST = Numerics.fast()
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "v41_jax", "configs", "bench_slice.config.json")
+
+
+class Bench:
+    def __init__(self, out: str, budget: float, reps: int, smoke: bool):
+        self.out, self.deadline, self.reps, self.smoke = out, time.time() + budget, reps, smoke
+        self.results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                        "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                        "cases": []}
+        self.peak_tflops = self.peak_gbs = None
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self):
+        with open(self.out, "w") as f:
+            json.dump(self.results, f, indent=1)
+
+    def time(self, fn, *args) -> float:
+        """Median seconds of one call (compile and warm-up excluded)."""
+        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
+        ts = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    def record(self, **row):
+        if self.peak_tflops and row.get("tflops") is not None:
+            row["pct_peak_flops"] = round(100 * row["tflops"] / self.peak_tflops, 1)
+        if self.peak_gbs and row.get("gbs") is not None:
+            row["pct_copy_bw"] = round(100 * row["gbs"] / self.peak_gbs, 1)
+        self.results["cases"].append(row)
+        self.save()
+        print(json.dumps(row), flush=True)
+
+    def case(self, name: str, fn, args, *, layers: int, flops: float, bytes_: float, **meta):
+        """Time fn(*args) (which runs `layers` layers) -> per-layer row; errors are recorded."""
+        if self.left() < 0:
+            self.record(name=name, skipped="time budget", **meta)
+            return None
+        try:
+            t = self.time(fn, *args) / layers
+        except Exception as err:  # one failing variant must not end the run
+            self.record(name=name, error=f"{type(err).__name__}: {str(err)[:400]}", **meta)
+            traceback.print_exc()
+            return None
+        self.record(name=name, ms=round(t * 1e3, 4), tflops=round(flops / t / 1e12, 2),
+                    gbs=round(bytes_ / t / 1e9, 1), **meta)
+        return t
+
+
+# ---- ceilings ---------------------------------------------------------------------------------
+
+def bench_peak(b: Bench):
+    n = 512 if b.smoke else 8192
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (n, n), jnp.bfloat16)
+    y = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, c: jnp.dot(a, c, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t = b.time(mm, x, y)
+    b.peak_tflops = 2 * n ** 3 / t / 1e12
+    m = (1 << 20) if b.smoke else (1 << 30)                           # 2 GiB bf16
+    big = jax.random.normal(key, (m,), jnp.bfloat16)
+    cp = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t2 = b.time(cp, big)
+    b.peak_gbs = 2 * m * 2 / t2 / 1e9
+    b.results["peak"] = {"bf16_gemm_tflops": round(b.peak_tflops, 1), "gemm_n": n,
+                         "copy_gbs_read_plus_write": round(b.peak_gbs, 1), "copy_bytes": 2 * m * 2}
+    b.save()
+    print("peak", b.results["peak"], flush=True)
+
+
+# ---- sparse attention -------------------------------------------------------------------------
+
+def _attn_inputs(key, layers, t, h, d, n_win, n_comp, ring_rows, comp_rows, ctx, per_token_req, window_kind):
+    """Per layer: q [T,H,D], window ids [T,n_win], compressed ids [T,n_comp] (ascending, random)."""
+    qs, wids, cids = [], [], []
+    tok = jnp.arange(t, dtype=jnp.int32)
+    req = tok if per_token_req else jnp.zeros_like(tok)
+    for l in range(layers):
+        k1, k2, key = jax.random.split(key, 3)
+        qs.append(jax.random.normal(k1, (t, h, d), jnp.bfloat16))
+        c = jnp.sort(jax.random.randint(k2, (t, n_comp), 0, ctx), axis=-1) + req[:, None] * ctx
+        cids.append(c.astype(jnp.int32) % comp_rows)
+        if window_kind == "ring":    # decode/verify: the request's ring slots
+            w = (req[:, None] * 133 + jnp.arange(n_win)[None, :]) % ring_rows
+        else:                        # prefill: positions p-127..p of this chunk's rows
+            w = jnp.clip(tok[:, None] - jnp.arange(n_win)[None, ::-1], 0, ring_rows - 1)
+        wids.append(w.astype(jnp.int32))
+    return tuple(qs), tuple(wids), tuple(cids)
+
+
+def bench_attn(b: Bench, cfg: dict):
+    h, d, w, k = cfg["num_attention_heads"], cfg["head_dim"], cfg["sliding_window"], cfg["index_topk"]
+    if b.smoke:
+        h, d, w, k = 16, 64, 64, 128
+    scale = d ** -0.5
+    key = jax.random.key(2)
+    comp_rows = (1 << 14) if b.smoke else (1 << 22)                   # 4M rows x 1 KiB = 4 GiB pool
+    comp = jax.random.normal(key, (comp_rows, d), jnp.bfloat16)
+    ring_rows = 8192 * 2 if not b.smoke else 1024
+    ring = jax.random.normal(jax.random.key(3), (ring_rows, d), jnp.bfloat16)
+    sink = jax.random.normal(jax.random.key(4), (h,), jnp.float32)
+
+    def runner(backend, **kw):
+        def run(qs, wids, cids):
+            return tuple(sparse_attn_paged(q, sink, [(ring, wi), (comp, ci)], scale, numerics=REF,
+                                           backend=backend, **kw) for q, wi, ci in zip(qs, wids, cids))
+        return jax.jit(run)
+
+    def shape_case(kind, t, ctx, per_tok, wkind, variants, xla=True, layers=None):
+        layers = layers or (8 if t <= 256 else 2)
+        ins = _attn_inputs(jax.random.key(t + ctx), layers, t, h, d, w, k, ring_rows, comp_rows, ctx,
+                           per_tok, wkind)
+        flops = 4.0 * t * h * (w + k) * d
+        bytes_ = t * (w + k) * d * 2 + 2 * t * h * d * 2 + t * (w + k) * 4
+        meta = dict(kernel="sparse_attn", kind=kind, tokens=t, ctx=ctx, heads=h, dh=d, ids=w + k)
+        times = {}
+        for label, kw in variants:
+            times[label] = b.case(f"attn/{kind}/pallas[{label}]", runner("pallas", **kw), ins,
+                                  layers=layers, flops=flops, bytes_=bytes_, variant=label, **meta)
+        if xla:
+            tx = b.case(f"attn/{kind}/xla", runner("xla"), ins, layers=layers, flops=flops,
+                        bytes_=bytes_, variant="xla", **meta)
+            best = min((v for v in times.values() if v), default=None)
+            if tx and best:
+                b.results["cases"][-1]["pallas_speedup"] = round(tx / best, 2)
+                b.save()
+        return times
+
+    # 1. launch-parameter sweep at one decode shape
+    sweep = [("w8s2", dict(num_warps=8, num_stages=2, num_splits=1)),
+             ("w8s1", dict(num_warps=8, num_stages=1, num_splits=1)),
+             ("w8s3", dict(num_warps=8, num_stages=3, num_splits=1)),
+             ("w4s2", dict(num_warps=4, num_stages=2, num_splits=1)),
+             ("w4s2h32", dict(num_warps=4, num_stages=2, num_splits=1, head_block=32)),
+             ("w8s2h32", dict(num_warps=8, num_stages=2, num_splits=1, head_block=32))]
+    t_sweep = 8 if b.smoke else 64
+    times = shape_case("decode-sweep", t_sweep, 32768 if not b.smoke else 64, True, "ring", sweep, xla=False)
+    ok = {k_: v for k_, v in times.items() if v}
+    best = dict(sweep)[min(ok, key=ok.get)] if ok else dict(num_warps=8, num_stages=2)
+    best = {k_: v for k_, v in best.items() if k_ != "num_splits"}
+    b.results["attn_best_config"] = best
+    split_variants = [("best", dict(best, num_splits=1)), ("best+split2", dict(best, num_splits=2)),
+                      ("best+split4", dict(best, num_splits=4))]
+    one = [("best", dict(best, num_splits=1))]
+    ctx_s = 64 if b.smoke else 32768
+    shapes = ([("decode", bb, ctx_s, True, "ring", split_variants if bb <= 32 else one) for bb in (1, 8, 32, 64, 128)]
+              + [("decode", 32, c, True, "ring", one) for c in ((8192, 131072) if not b.smoke else (32,))]
+              + [("verify", bb * 6, ctx_s, True, "ring", one) for bb in (8, 32)]
+              + [("prefill", tt, c, False, "extend", one) for tt, c in
+                 (((1024, 32768), (4096, 32768), (8192, 131072)) if not b.smoke else ((64, 64),))])
+    for kind, t, ctx, per_tok, wkind, variants in shapes:
+        if b.left() < 0:
+            break
+        shape_case(kind, t, ctx, per_tok, wkind, variants, xla=t <= 1024)
+
+    # correctness at real size: kernel vs XLA path
+    t = 8
+    ins = _attn_inputs(jax.random.key(99), 1, t, h, d, w, k, ring_rows, comp_rows, 4096, True, "ring")
+    got = runner("pallas", **dict(best, num_splits=1))(*ins)[0]
+    want = runner("xla")(*ins)[0]
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+    b.results["attn_check"] = {"tokens": t, "max_abs_diff_vs_xla": err,
+                               "max_abs_out": float(jnp.max(jnp.abs(want.astype(jnp.float32))))}
+    b.save()
+
+
+# ---- indexer ----------------------------------------------------------------------------------
+
+def bench_indexer(b: Bench, cfg: dict):
+    hi, di, k = cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"]
+    nblk, bs = cfg["candidate_topk_blocks"], cfg["candidate_block_size"]
+    rpp = 256                                                          # page of 256 tokens, ratio 1
+    if b.smoke:
+        hi, di, k, nblk, rpp = 8, 32, 16, 8, 16
+    n_pages = (1 << 14) + 1 if not b.smoke else 257
+    pages = jax.random.normal(jax.random.key(5), (n_pages, rpp, di), jnp.bfloat16)
+
+    def inputs(key, layers, bsz, s, ctx):
+        mp = ctx // rpp
+        out = []
+        for _ in range(layers):
+            k1, k2, k3, key = jax.random.split(key, 4)
+            q = jax.random.normal(k1, (bsz, s, hi, di), jnp.bfloat16)
+            wt = jax.random.normal(k2, (bsz, s, hi), jnp.bfloat16) * 0.1
+            table = (1 + jax.random.permutation(k3, n_pages - 1)[: bsz * mp]).reshape(bsz, mp).astype(jnp.int32)
+            vis = jnp.broadcast_to(ctx - s + 1 + jnp.arange(s, dtype=jnp.int32), (bsz, s))
+            out.append((q, wt, table, vis))
+        return tuple(out)
+
+    def cands(key, bsz, s, ctx):
+        n_all = ctx // bs
+        r = jax.random.uniform(key, (bsz, s, n_all))
+        return jnp.sort(jax.lax.top_k(r, min(nblk, n_all))[1], axis=-1).astype(jnp.int32)
+
+    def runner(backend, what, cand=None, tile=None, **kw):
+        def run(layers):
+            outs = []
+            for q, wt, table, vis in layers:
+                if what == "scores":
+                    outs.append(kidx.index_scores_paged(q, wt, pages, table, vis, numerics=REF,
+                                                        candidates=cand, block_size=bs,
+                                                        backend=backend, **kw))
+                else:
+                    outs.append(kidx.index_topk_paged(q, wt, pages, table, vis, k, numerics=REF,
+                                                      candidates=cand, block_size=bs, backend=backend,
+                                                      topk_tile=tile, **kw)[0])
+            return tuple(outs)
+        return jax.jit(run)
+
+    def topk_runner(tile):
+        return jax.jit(lambda ss, vv: tuple(kidx.select_topk(s_, v_, k, tile) for s_, v_ in zip(ss, vv)))
+
+    def shape_case(kind, bsz, s, ctx, reindex=False, sweep=(), xla=True):
+        layers = 4 if bsz * s <= 256 else 1
+        ins = inputs(jax.random.key(bsz * 7 + s + ctx), layers, bsz, s, ctx)
+        cand = cands(jax.random.key(11), bsz, s, ctx) if reindex else None
+        n_cols = nblk * bs if reindex else ctx
+        flops = 2.0 * bsz * s * hi * n_cols * di
+        key_bytes = (bsz * s if reindex else bsz) * n_cols * di * 2
+        bytes_ = key_bytes + bsz * s * n_cols * 2
+        meta = dict(kernel="indexer", kind=kind, batch=bsz, queries=s, ctx=ctx, cols=n_cols)
+        times = {}
+        for label, kw in (sweep or [("tn128w4", dict(col_tile=128, num_warps=4))]):
+            times[label] = b.case(f"index/{kind}/pallas-scores[{label}]",
+                                  runner("pallas", "scores", cand, **kw), (ins,), layers=layers,
+                                  flops=flops, bytes_=bytes_, variant=label, **meta)
+        ok = {k_: v for k_, v in times.items() if v}
+        best = dict(sweep)[min(ok, key=ok.get)] if (sweep and ok) else dict(col_tile=128, num_warps=4)
+        if xla:
+            tx = b.case(f"index/{kind}/xla-scores", runner("xla", "scores", cand), (ins,),
+                        layers=layers, flops=flops, bytes_=bytes_, variant="xla", **meta)
+            if tx and ok:
+                b.results["cases"][-1]["pallas_speedup"] = round(tx / min(ok.values()), 2)
+        # selection alone, on fixed scores
+        scores = runner("pallas", "scores", cand, **best)(ins)
+        vis = tuple(v for *_, v in ins)
+        for tile in (None, 2048, 8192):
+            if tile and tile >= n_cols:
+                continue
+            b.case(f"index/{kind}/topk[tile={tile}]", topk_runner(tile), (scores, vis), layers=layers,
+                   flops=0.0, bytes_=bsz * s * n_cols * 2, variant=f"topk tile={tile}", **meta)
+        for tile in (None, 8192):
+            if tile and tile >= n_cols:
+                continue
+            b.case(f"index/{kind}/pallas-scores+topk[tile={tile}]",
+                   runner("pallas", "topk", cand, tile, **best), (ins,), layers=layers, flops=flops,
+                   bytes_=bytes_, variant=f"scores+topk tile={tile}", **meta)
+        if xla:
+            b.case(f"index/{kind}/xla-scores+topk", runner("xla", "topk", cand), (ins,),
+                   layers=layers, flops=flops, bytes_=bytes_, variant="xla scores+topk", **meta)
+        return best
+
+    # correctness at real widths: kernel scores vs the XLA path, and the picks they give
+    ins = inputs(jax.random.key(77), 1, 4, 2, 8192 if not b.smoke else 64)
+    got = runner("pallas", "scores")(ins)[0].astype(jnp.float32)
+    want = runner("xla", "scores")(ins)[0].astype(jnp.float32)
+    fin = jnp.isfinite(want)
+    ids_p = runner("pallas", "topk")(ins)[0]
+    ids_x = runner("xla", "topk")(ins)[0]
+    b.results["index_check"] = {
+        "max_abs_diff_vs_xla": float(jnp.max(jnp.where(fin, jnp.abs(got - want), 0))),
+        "max_abs_score": float(jnp.max(jnp.where(fin, jnp.abs(want), 0))),
+        "same_inf_mask": bool(jnp.all(jnp.isinf(got) == jnp.isinf(want))),
+        # near-ties (bf16 scores) may swap picks between equal-quality rows: report set overlap
+        "ids_overlap": float(jnp.mean(jax.vmap(lambda a, c: jnp.isin(a, c))(
+            ids_p.reshape(-1, ids_p.shape[-1]), ids_x.reshape(-1, ids_x.shape[-1]))))}
+    b.save()
+
+    sw = [("tn128w4", dict(col_tile=128, num_warps=4)), ("tn256w4", dict(col_tile=256, num_warps=4)),
+          ("tn256w8", dict(col_tile=256, num_warps=8)), ("tn64w4", dict(col_tile=64, num_warps=4))]
+    if b.smoke:
+        shape_case("decode", 4, 1, 64, sweep=sw[:2])
+        shape_case("reindex", 2, 1, 128, reindex=True)
+        shape_case("prefill", 1, 16, 64)
+        return
+    best = shape_case("decode", 32, 1, 32768, sweep=sw)
+    for bsz, ctx in ((1, 32768), (128, 32768), (32, 8192), (32, 131072)):
+        if b.left() < 0:
+            return
+        shape_case("decode", bsz, 1, ctx, sweep=[("best", best)])
+    for kind, bsz, s, ctx, re in (("verify", 32, 6, 32768, False), ("reindex", 32, 1, 131072, True),
+                                  ("prefill", 1, 1024, 16384, False), ("prefill", 1, 4096, 16384, False)):
+        if b.left() < 0:
+            return
+        shape_case(kind, bsz, s, ctx, reindex=re, sweep=[("best", best)], xla=bsz * s <= 1024)
+
+
+# ---- MoE ----------------------------------------------------------------------------------------
+
+def bench_moe(b: Bench, cfg: dict):
+    d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    limit = cfg["swiglu_limit"]
+    if b.smoke:
+        d, f, e, k = 256, 128, 8, 2
+    kw1, kw3, kw2 = jax.random.split(jax.random.key(6), 3)
+    w1 = (jax.random.normal(kw1, (e, f, d), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
+    w3 = (jax.random.normal(kw3, (e, f, d), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(kw2, (e, d, f), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
+
+    def inputs(key, t):
+        k1, k2, k3 = jax.random.split(key, 3)
+        x = jax.random.normal(k1, (t, d), jnp.bfloat16)
+        idx = jax.lax.top_k(jax.random.uniform(k2, (t, e)), k)[1].astype(jnp.int32)
+        wt = jax.random.uniform(k3, (t, k), jnp.float32)
+        return x, idx, wt
+
+    def runner(backend, impl=None, **kw):
+        return jax.jit(lambda x, idx, wt: kmoe.routed_experts(x, idx, wt, w1, w3, w2, FAST, limit,
+                                                              backend=backend, impl=impl, **kw))
+
+    def shape_case(t, sweep=None):
+        x, idx, wt = inputs(jax.random.key(t), t)
+        active = int(jnp.sum(jnp.bincount(idx.reshape(-1), length=e) > 0))
+        flops = 6.0 * t * k * d * f
+        wbytes = active * 3 * d * f * 2
+        meta = dict(kernel="moe", tokens=t, experts=e, topk=k, active_experts=active,
+                    weight_bytes=wbytes)
+        times = {}
+        for label, kw in (sweep or [("auto", {})]):
+            times[label] = b.case(f"moe/T{t}/pallas[{label}]", runner("pallas", "pallas", **kw),
+                                  (x, idx, wt), layers=1, flops=flops, bytes_=wbytes,
+                                  variant=f"pallas {label}", **meta)
+        tr = b.case(f"moe/T{t}/ragged_dot", runner("pallas", "ragged_dot"), (x, idx, wt), layers=1,
+                    flops=flops, bytes_=wbytes, variant="ragged_dot", **meta)
+        td = None
+        if t <= (64 if b.smoke else 2048):
+            td = b.case(f"moe/T{t}/dense", runner("pallas", "dense"), (x, idx, wt), layers=1,
+                        flops=flops, bytes_=wbytes, variant="dense all-experts", **meta)
+        if t <= 8:
+            b.case(f"moe/T{t}/xla-reference", runner("xla"), (x, idx, wt), layers=1, flops=flops,
+                   bytes_=wbytes, variant="xla reference loop", **meta)
+        ok = {k_: v for k_, v in times.items() if v}
+        if ok:
+            for other, name in ((tr, "ragged_dot"), (td, "dense")):
+                if other:
+                    b.results.setdefault("moe_speedups", {})[f"T{t}/pallas_vs_{name}"] = round(other / min(ok.values()), 2)
+            b.save()
+        return times
+
+    if b.smoke:
+        shape_case(16, [("auto", {}), ("bm32", dict(block_m=32))])
+        # correctness: pallas vs ragged_dot
+    else:
+        sweep = [("auto", {}), ("bm64bn128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
+                 ("bm128bn128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+                 ("bm128bn256w8s3", dict(block_m=128, block_n=256, num_warps=8, num_stages=3)),
+                 ("bm64bn128bk128w4s3", dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3))]
+        shape_case(2048, sweep)
+        shape_case(32, [("auto", {}), ("bk128s4", dict(block_k=128, num_stages=4)),
+                        ("w8", dict(num_warps=8))])
+        for t in (1, 8, 128, 512, 8192):
+            if b.left() < 0:
+                break
+            shape_case(t)
+    x, idx, wt = inputs(jax.random.key(1234), 64)
+    got = runner("pallas", "pallas")(x, idx, wt)
+    want = runner("pallas", "ragged_dot")(x, idx, wt)
+    b.results["moe_check"] = {"tokens": 64, "max_abs_diff_vs_ragged_dot": float(jnp.max(jnp.abs(got - want))),
+                              "max_abs_out": float(jnp.max(jnp.abs(want)))}
+    b.save()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_kernels.json")
+    ap.add_argument("--sections", default="peak,attn,indexer,moe")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; later cases are skipped")
+    ap.add_argument("--section-budget", type=str, default="", help="e.g. attn=150,indexer=120")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    with open(CONFIG) as f:
+        cfg = json.load(f)["text_config"]
+    b = Bench(args.out, args.budget, args.reps, args.smoke)
+    caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
+    funcs = {"peak": bench_peak, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe}
+    for name in args.sections.split(","):
+        if b.left() < 0:
+            print(f"skip {name}: budget", flush=True)
+            continue
+        start_deadline = b.deadline
+        if name in caps:
+            b.deadline = min(b.deadline, time.time() + float(caps[name]))
+        t0 = time.time()
+        try:
+            fn = funcs[name]
+            fn(b) if name == "peak" else fn(b, cfg)
+        except Exception:
+            traceback.print_exc()
+            b.results.setdefault("section_errors", {})[name] = traceback.format_exc()[-1500:]
+        b.deadline = start_deadline
+        b.results.setdefault("section_seconds", {})[name] = round(time.time() - t0, 1)
+        b.save()
+    print_table(b.results)
+
+
+def print_table(res):
+    print(f"\n{res['device']} jax {res['jax']} {res['date']}  peak {res.get('peak')}")
+    for c in res["cases"]:
+        if "ms" in c:
+            extra = f" x{c['pallas_speedup']}" if "pallas_speedup" in c else ""
+            print(f"{c['name']:<48} {c['ms']:>9.4f} ms {c['tflops']:>7.1f} TF/s {c['gbs']:>8.1f} GB/s{extra}")
+        else:
+            print(f"{c['name']:<48} {c.get('error') or c.get('skipped')}"[:160])
+    for k in ("attn_best_config", "attn_check", "index_check", "moe_check", "moe_speedups"):
+        if k in res:
+            print(k, res[k])
+
+
+if __name__ == "__main__":
+    main()
