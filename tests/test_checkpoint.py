@@ -109,6 +109,15 @@ def test_official_schema_and_load(name):
         assert codes.shape == (1, 2, cfg.engram_head_dim) and scales.shape == (1, 2, cfg.engram_head_dim // 32)
 
 
+def test_lazy_subsets(tiny):
+    ckpt = Checkpoint(tiny[0])
+    expert = ckpt.get_prefix("layers.1.ffn.experts.3.")
+    assert sorted(expert) == [f"layers.1.ffn.experts.3.{w}.{k}" for w in ("w1", "w2", "w3") for k in ("scale", "weight")]
+    layer = ckpt.get_prefix("layers.1.")
+    assert set(expert) < set(layer) and not any(n.startswith("layers.1") and not n.startswith("layers.1.") for n in layer)
+    assert all(isinstance(a, np.memmap) for a in layer.values())
+
+
 def test_reader_bytes_equal_safetensors_library(tiny):
     """Our memmap reader returns exactly the bytes the safetensors library reads (official + written)."""
     for d in (OFFICIAL / "small_a" / "checkpoint", tiny[0]):

@@ -131,15 +131,27 @@ def test_qdq_matches_oracle_bf16(bf16_inputs, name):
     assert same_bits(fn(bf16_inputs), want)                       # numpy fp32 in -> fp32 out
 
 
-def test_true_division_is_kept_under_jit(bf16_inputs):
-    """The e4m3-scaled fp4 encoder divides by non-powers of two (amax / 6, x / s). XLA rewrites a
-    division by a constant or a broadcast into a multiplication by the reciprocal (jax 0.10.2 CPU:
-    ~1/3 of these quotients change); _true_div must stay an IEEE division under jit."""
+def test_rounded_quotient_exact_from_approximate_division(bf16_inputs):
+    """XLA's fp32 division is approximate on GPU and a reciprocal multiply for constant/broadcast
+    divisors; _round_quotient must give grid(fl32(num/den)) from any quotient a few ulps off,
+    including the exact ties (x/s = 2.5, amax/6 on an e4m3 midpoint) bf16 data hits often."""
     xg = bf16_inputs.reshape(-1, 16)
-    s = np.linspace(1.125, 448, xg.shape[0], dtype=np.float32)
-    got = jax.jit(lambda a, b: (quant._true_div(a, b[:, None]), quant._true_div(b, np.float32(6))))(xg, s)
-    assert np.array_equal(np.asarray(got[0]), xg / s[:, None])
-    assert np.array_equal(np.asarray(got[1]), s / np.float32(6))
+    amax = np.maximum(np.abs(xg).max(-1), np.float32(6 * 2.0**-9))
+    six = np.float32(6)
+    s = np.clip(amax / six, 0, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want_s = s
+    want_v = np.clip(xg / s[:, None], -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    ties = np.abs(xg / s[:, None]) * 4 % 2 == 1                  # exactly on an e2m1 midpoint
+    assert ties.sum() > 100
+    fn = jax.jit(quant._round_quotient, static_argnums=(3, 4))
+    for ulps in (-3, -1, 0, 1, 3):
+        def off(q):
+            for _ in range(abs(ulps)):
+                q = np.nextafter(q, np.float32(np.sign(ulps) * np.inf), dtype=np.float32)
+            return q
+        assert same_bits(fn(amax, six, off(amax / six), quant._e4m3_step_exp, 448.0), want_s)
+        sg = s[:, None]
+        assert same_bits(fn(xg, sg, off(xg / sg), quant._e2m1_step_exp, 6.0), want_v)
 
 
 # ---- decoders: hand-computed cases --------------------------------------------------------------

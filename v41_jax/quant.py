@@ -13,14 +13,17 @@ are jitted themselves (one compile per shape when called eagerly) and take numpy
 writer quantizes host arrays with the same code). Codes come back as uint8 bit patterns, scales of the e8m0/e4m3
 formats as uint8 codes as well, so Pallas kernels, numpy and safetensors views all read them alike.
 
-Rounding is done arithmetically (scale by the grid's power-of-two quantum, `round` half to even,
+Rounding is done arithmetically (scale by the grid's power-of-two step, `round` half to even,
 scale back), never by an fp32 -> fp8 dtype conversion: the result is then independent of how a
-backend lowers float8 conversions, and the cast of the already-on-grid value is exact.
+backend lowers float8 conversions, and the cast of the already-on-grid value is exact. Scaling by a
+power of two multiplies by its exact reciprocal.
 
 Two XLA behaviours this module works around or states, and callers elsewhere should know:
-  * XLA rewrites `a / c` (c a constant, or a broadcast) into `a * (1/c)`, which is not correctly
-    rounded. The reference divides by the non-power-of-two e4m3 scale (and amax by 6); `_true_div`
-    keeps those real divisions. Divisions by powers of two are exact either way.
+  * XLA's fp32 division is not always correctly rounded: it rewrites `a / c` (c a constant or a
+    broadcast) into `a * (1/c)`, and division on GPU is approximate (H200, jax 0.11.2: a third of
+    quotients differ by an ulp). The reference divides in IEEE fp32 by the non-power-of-two e4m3
+    scale (and amax by 6); `_round_quotient` reproduces the rounded result from an approximate
+    quotient with exact comparisons.
   * XLA on CPU flushes fp32 subnormals to zero (inputs and results). The codecs here only touch
     subnormals for |x| < 2^-126 or E8M0 codes below ~10 (scales < 2^-117), which no real weight or
     activation reaches; `e8m0_to_f32` itself returns 2^-127 exactly for code 0.
@@ -174,34 +177,65 @@ def dequant_fp4_ue8m0_rows(packed, scale, group: int = 32, dtype=jnp.bfloat16) -
 
 # ---- rounding onto the grids (fp32 in, fp32 on-grid out) -----------------------------------------
 
-def _true_div(a, b) -> jax.Array:
-    """a / b, correctly rounded elementwise, as the reference computes it. XLA's simplifier turns a
-    division by a constant or by a broadcast into a multiplication by the (inexact) reciprocal; a
-    divisor materialized at full shape behind an optimization barrier is neither, so it stays an IEEE
-    division. Only needed where b is not a power of two."""
-    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
-    return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), shape))
+def _pow2(e) -> jax.Array:
+    """2^e as fp32 for integer e in the normal range (built from bits: exact on every backend)."""
+    return _f32_from_bits((jnp.asarray(e, jnp.int32) + 127).astype(jnp.uint32) << 23)
 
 
-def _pow2_from_exponent(e) -> jax.Array:
-    """2^e as fp32 for integer e in the normal range."""
-    return _f32_from_bits((e + 127).astype(jnp.uint32) << 23)
+def _ulp(x) -> jax.Array:
+    """Unit in the last place of normal fp32 x > 0."""
+    return _f32_from_bits((_bits_from_f32(x) & 0x7F800000) - (23 << 23))
+
+
+def _e4m3_step_exp(a) -> jax.Array:
+    """log2 of the E4M3 grid step at |a|: 3 mantissa bits, subnormal step 2^-9 below 2^-6."""
+    return jnp.maximum(((_bits_from_f32(a) >> 23) & 0xFF).astype(jnp.int32) - 127, -6) - 3
+
+
+def _e2m1_step_exp(a) -> jax.Array:
+    """log2 of the E2M1 grid step at |a|: 0.5 below 2, 1 below 4, 2 up to 6."""
+    return jnp.where(a < 2, -1, jnp.where(a < 4, 0, 1))
+
+
+def _round_grid(x, step_exp, max_val: float) -> jax.Array:
+    """fp32 -> nearest grid value, ties to even, |x| saturated at max_val (the satfinite cast)."""
+    a = jnp.minimum(jnp.abs(x.astype(jnp.float32)), max_val)
+    k = step_exp(a)
+    return jnp.copysign(jnp.round(a * _pow2(-k)) * _pow2(k), x)
 
 
 def round_e4m3(x) -> jax.Array:
     """fp32 -> nearest E4M3FN value (RNE), saturating at +-448 like the CUDA satfinite cast."""
-    x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
-    exp = ((_bits_from_f32(x) >> 23) & 0xFF).astype(jnp.int32) - 127
-    # 3 mantissa bits; below 2^-6 the subnormal quantum 2^-9 applies
-    quantum = _pow2_from_exponent(jnp.maximum(exp, -6) - 3)
-    return jnp.round(x / quantum) * quantum
+    return _round_grid(x, _e4m3_step_exp, FP8_MAX)
 
 
 def round_e2m1(x) -> jax.Array:
-    """fp32 in [-6, 6] -> nearest E2M1 value, ties to the even code (0.25->0, 0.75->1, 5->4)."""
-    a = jnp.abs(x)
-    quantum = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(jnp.float32)
-    return jnp.round(x / quantum) * quantum
+    """fp32 -> nearest E2M1 value, ties to the even code (0.25->0, 0.75->1, 5->4), saturating at +-6."""
+    return _round_grid(x, _e2m1_step_exp, FP4_MAX)
+
+
+def _round_quotient(num, den, q, step_exp, max_val: float) -> jax.Array:
+    """The grid rounding (RNE, saturating) of fl32(num / den), den > 0 with few significant bits.
+
+    The reference divides in IEEE fp32 and then rounds onto the grid. XLA's divisions are not all
+    correctly rounded (GPU division is approximate; division by a constant or a broadcast becomes a
+    reciprocal multiply), and an error of one ulp flips exact ties such as 2.5 -> 2 or 3, which are
+    common with bf16 data. So `q` may be any approximation of num / den within a small fraction of a
+    grid step; the decision is made exactly: the two grid points around q and their midpoint m;
+    a correctly rounded quotient lands on m iff |num/den - m| <= ulp(m)/2 (m has few bits, so its
+    last bit is even and halfway cases round onto it), i.e. iff |num - m*den| <= den*ulp(m)/2.
+    m*den and den*ulp(m)/2 are exact (few-bit factors); the difference is exact where it matters
+    (Sterbenz), so the comparisons are exact on every backend."""
+    a = jnp.minimum(jnp.abs(q), max_val)
+    k = step_exp(a)
+    step = _pow2(k)
+    lo_index = jnp.floor(a * _pow2(-k))
+    lo = lo_index * step
+    mid = lo + step * 0.5
+    d = jnp.abs(num) - mid * den
+    h = den * (_ulp(mid) * 0.5)
+    up = (d > h) | ((d >= -h) & (jnp.mod(lo_index, 2) == 1))          # a tie goes to the even point
+    return jnp.copysign(jnp.minimum(jnp.where(up, lo + step, lo), max_val), num)
 
 
 def e4m3_codes(x_on_grid) -> jax.Array:
@@ -216,12 +250,13 @@ def e2m1_codes(x_on_grid) -> jax.Array:
     return mag | (jnp.signbit(x_on_grid).astype(jnp.uint8) << 3)
 
 
-def ue8m0_scale(amax, max_inv) -> tuple[jax.Array, jax.Array]:
-    """2^ceil(log2(amax * max_inv)) as (fp32 scale, E8M0 code): the exponent of the product, plus one
-    when its mantissa is non-zero (the reference's fast_round_scale)."""
+def ue8m0_scale(amax, max_inv) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """2^ceil(log2(amax * max_inv)) as (fp32 scale, its exact reciprocal, E8M0 code): the exponent of
+    the product, plus one when its mantissa is non-zero (the reference's fast_round_scale). Dividing
+    by the scale is multiplying by the reciprocal, exactly (codes 1..253; finite amax stays inside)."""
     bits = _bits_from_f32(amax.astype(jnp.float32) * max_inv)
     code = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
-    return _f32_from_bits(code << 23), code.astype(jnp.uint8)
+    return _f32_from_bits(code << 23), _f32_from_bits((254 - code) << 23), code.astype(jnp.uint8)
 
 
 # ---- grouped encoders (shared by QDQ, cache writers and the weight writer) -----------------------
@@ -236,22 +271,24 @@ def _groups(x, group: int, what: str) -> jax.Array:
 def _fp8_ue8m0_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:
     """xg fp32 [..., g] -> (on-grid e4m3 values [..., g], fp32 scale [...], E8M0 code [...])."""
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), _FP8_AMAX_FLOOR)
-    s, code = ue8m0_scale(amax, _FP8_MAX_INV)
-    return round_e4m3(xg / s[..., None]), s, code
+    s, inv, code = ue8m0_scale(amax, _FP8_MAX_INV)
+    return round_e4m3(xg * inv[..., None]), s, code
 
 
 def _fp4_e4m3_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:
     """xg fp32 [..., g] -> (on-grid e2m1 values, fp32 scale = e4m3(amax/6) saturating, E4M3 code)."""
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), _FP4_E4M3_AMAX_FLOOR)
-    s = round_e4m3(_true_div(amax, np.float32(FP4_MAX)))
-    return round_e2m1(jnp.clip(_true_div(xg, s[..., None]), -FP4_MAX, FP4_MAX)), s, e4m3_codes(s)
+    six = np.float32(FP4_MAX)
+    s = _round_quotient(amax, six, amax / six, _e4m3_step_exp, FP8_MAX)
+    sg = s[..., None]
+    return _round_quotient(xg, sg, xg / sg, _e2m1_step_exp, FP4_MAX), s, e4m3_codes(s)
 
 
 def _fp4_ue8m0_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:
     """xg fp32 [..., g] -> (on-grid e2m1 values, fp32 power-of-two scale, E8M0 code)."""
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), _FP4_UE8M0_AMAX_FLOOR)
-    s, code = ue8m0_scale(amax, _FP4_MAX_INV)
-    return round_e2m1(jnp.clip(xg / s[..., None], -FP4_MAX, FP4_MAX)), s, code
+    s, inv, code = ue8m0_scale(amax, _FP4_MAX_INV)
+    return round_e2m1(xg * inv[..., None]), s, code
 
 
 @partial(jax.jit, static_argnames=("block",))
@@ -315,8 +352,8 @@ def quant_weight_fp8(w, block: int = 32) -> tuple[jax.Array, jax.Array]:
     pad = ((0, -out_f % block), (0, -in_f % block))
     blocks = jnp.pad(w, pad).reshape(-(-out_f // block), block, -(-in_f // block), block)
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(1, 3)), _FP8_AMAX_FLOOR)
-    s, code = ue8m0_scale(amax, _FP8_MAX_INV)
-    q = round_e4m3(w / _repeat_to(s, (block, block), w.shape))
+    _, inv, code = ue8m0_scale(amax, _FP8_MAX_INV)
+    q = round_e4m3(w * _repeat_to(inv, (block, block), w.shape))
     return e4m3_codes(q), code
 
 

@@ -198,6 +198,11 @@ class Checkpoint:
         """Zero-copy read-only view of one tensor; only its own shard pages are touched."""
         return self._by_path[self.info(name).path].get(name)
 
+    def get_prefix(self, prefix: str) -> dict[str, np.ndarray]:
+        """Every tensor whose name starts with `prefix`, e.g. one layer ("layers.3.") or one expert
+        ("layers.3.ffn.experts.7."), as zero-copy views; no other tensor is read."""
+        return {n: self.get(n) for n in self.names() if n.startswith(prefix)}
+
 
 # ---- writer ------------------------------------------------------------------------------------
 
