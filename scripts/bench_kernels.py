@@ -96,7 +96,9 @@ def bench_peak(b: Bench):
     key = jax.random.key(0)
     x = jax.random.normal(key, (n, n), jnp.bfloat16)
     y = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a, c: jnp.dot(a, c, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    mm = jax.jit(lambda a, c: jnp.dot(a, c))
+    for _ in range(20):                                                # let the clocks ramp up
+        jax.block_until_ready(mm(x, y))
     t = b.time(mm, x, y)
     b.peak_tflops = 2 * n ** 3 / t / 1e12
     m = (1 << 20) if b.smoke else (1 << 30)                           # 2 GiB bf16
@@ -143,10 +145,12 @@ def bench_attn(b: Bench, cfg: dict):
     sink = jax.random.normal(jax.random.key(4), (h,), jnp.float32)
 
     def runner(backend, **kw):
-        def run(qs, wids, cids):
-            return tuple(sparse_attn_paged(q, sink, [(ring, wi), (comp, ci)], scale, numerics=REF,
+        # pools are arguments, never closure constants (a captured 4 GiB pool is baked into HLO)
+        def run(qs, wids, cids, ring_, comp_, sink_):
+            return tuple(sparse_attn_paged(q, sink_, [(ring_, wi), (comp_, ci)], scale, numerics=REF,
                                            backend=backend, **kw) for q, wi, ci in zip(qs, wids, cids))
-        return jax.jit(run)
+        jitted = jax.jit(run)
+        return lambda qs, wids, cids: jitted(qs, wids, cids, ring, comp, sink)
 
     def shape_case(kind, t, ctx, per_tok, wkind, variants, xla=True, layers=None):
         layers = layers or (8 if t <= 256 else 2)
@@ -172,7 +176,6 @@ def bench_attn(b: Bench, cfg: dict):
     sweep = [("w8s2", dict(num_warps=8, num_stages=2, num_splits=1)),
              ("w8s1", dict(num_warps=8, num_stages=1, num_splits=1)),
              ("w8s3", dict(num_warps=8, num_stages=3, num_splits=1)),
-             ("w4s2", dict(num_warps=4, num_stages=2, num_splits=1)),
              ("w4s2h32", dict(num_warps=4, num_stages=2, num_splits=1, head_block=32)),
              ("w8s2h32", dict(num_warps=8, num_stages=2, num_splits=1, head_block=32))]
     t_sweep = 8 if b.smoke else 64
@@ -186,7 +189,7 @@ def bench_attn(b: Bench, cfg: dict):
     one = [("best", dict(best, num_splits=1))]
     ctx_s = 64 if b.smoke else 32768
     shapes = ([("decode", bb, ctx_s, True, "ring", split_variants if bb <= 32 else one) for bb in (1, 8, 32, 64, 128)]
-              + [("decode", 32, c, True, "ring", one) for c in ((8192, 131072) if not b.smoke else (32,))]
+              + [("decode", 32, c, True, "ring", one) for c in ((131072,) if not b.smoke else (32,))]
               + [("verify", bb * 6, ctx_s, True, "ring", one) for bb in (8, 32)]
               + [("prefill", tt, c, False, "extend", one) for tt, c in
                  (((1024, 32768), (4096, 32768), (8192, 131072)) if not b.smoke else ((64, 64),))])
@@ -235,7 +238,7 @@ def bench_indexer(b: Bench, cfg: dict):
         return jnp.sort(jax.lax.top_k(r, min(nblk, n_all))[1], axis=-1).astype(jnp.int32)
 
     def runner(backend, what, cand=None, tile=None, **kw):
-        def run(layers):
+        def run(layers, pages, cand):
             outs = []
             for q, wt, table, vis in layers:
                 if what == "scores":
@@ -247,7 +250,8 @@ def bench_indexer(b: Bench, cfg: dict):
                                                       candidates=cand, block_size=bs, backend=backend,
                                                       topk_tile=tile, **kw)[0])
             return tuple(outs)
-        return jax.jit(run)
+        jitted = jax.jit(run)
+        return lambda layers: jitted(layers, pages, cand)
 
     def topk_runner(tile):
         return jax.jit(lambda ss, vv: tuple(kidx.select_topk(s_, v_, k, tile) for s_, v_ in zip(ss, vv)))
@@ -309,7 +313,7 @@ def bench_indexer(b: Bench, cfg: dict):
     b.save()
 
     sw = [("tn128w4", dict(col_tile=128, num_warps=4)), ("tn256w4", dict(col_tile=256, num_warps=4)),
-          ("tn256w8", dict(col_tile=256, num_warps=8)), ("tn64w4", dict(col_tile=64, num_warps=4))]
+          ("tn256w8", dict(col_tile=256, num_warps=8))]
     if b.smoke:
         shape_case("decode", 4, 1, 64, sweep=sw[:2])
         shape_case("reindex", 2, 1, 128, reindex=True)
@@ -347,8 +351,9 @@ def bench_moe(b: Bench, cfg: dict):
         return x, idx, wt
 
     def runner(backend, impl=None, **kw):
-        return jax.jit(lambda x, idx, wt: kmoe.routed_experts(x, idx, wt, w1, w3, w2, FAST, limit,
-                                                              backend=backend, impl=impl, **kw))
+        jitted = jax.jit(lambda x, idx, wt, w1_, w3_, w2_: kmoe.routed_experts(
+            x, idx, wt, w1_, w3_, w2_, FAST, limit, backend=backend, impl=impl, **kw))
+        return lambda x, idx, wt: jitted(x, idx, wt, w1, w3, w2)
 
     def shape_case(t, sweep=None):
         x, idx, wt = inputs(jax.random.key(t), t)
@@ -386,7 +391,7 @@ def bench_moe(b: Bench, cfg: dict):
         sweep = [("auto", {}), ("bm64bn128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
                  ("bm128bn128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
                  ("bm128bn256w8s3", dict(block_m=128, block_n=256, num_warps=8, num_stages=3)),
-                 ("bm64bn128bk128w4s3", dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3))]
+]
         shape_case(2048, sweep)
         shape_case(32, [("auto", {}), ("bk128s4", dict(block_k=128, num_stages=4)),
                         ("w8", dict(num_warps=8))])
