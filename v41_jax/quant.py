@@ -8,10 +8,10 @@ Bit-exact ports of the reference quantizers (`act_quant`, `fp4_act_quant` in the
   * E2M1 (OCP fp4) nibble: bit 3 = sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}; packed two per
     byte with the even element in the low nibble.
 
-Every function is jax.numpy, so it traces under jit; the public encoders, QDQ helpers and dequantizers
-are jitted themselves (one compile per shape when called eagerly) and take numpy input too (the
-writer quantizes host arrays with the same code). Codes come back as uint8 bit patterns, scales of the e8m0/e4m3
-formats as uint8 codes as well, so Pallas kernels, numpy and safetensors views all read them alike.
+Every function is jax.numpy, so it traces under jit; the public encoders, QDQ helpers and
+dequantizers are jitted themselves (one compile per shape when called eagerly) and take numpy input
+too (the writer quantizes host arrays with the same code). Codes come back as uint8 bit patterns,
+E8M0 / E4M3 scales as uint8 codes too, so Pallas kernels, numpy and safetensors views read them alike.
 
 Rounding is done arithmetically (scale by the grid's power-of-two step, `round` half to even,
 scale back), never by an fp32 -> fp8 dtype conversion: the result is then independent of how a
@@ -225,7 +225,9 @@ def _round_quotient(num, den, q, step_exp, max_val: float) -> jax.Array:
     a correctly rounded quotient lands on m iff |num/den - m| <= ulp(m)/2 (m has few bits, so its
     last bit is even and halfway cases round onto it), i.e. iff |num - m*den| <= den*ulp(m)/2.
     m*den and den*ulp(m)/2 are exact (few-bit factors); the difference is exact where it matters
-    (Sterbenz), so the comparisons are exact on every backend."""
+    (Sterbenz), so the comparisons are exact on every backend. (Just below a power-of-two m the
+    fp32 spacing halves and the tie band is narrower, but such an m only sits above lo = 0, the
+    even point, so a tie and a round-down agree.)"""
     a = jnp.minimum(jnp.abs(q), max_val)
     k = step_exp(a)
     step = _pow2(k)

@@ -21,8 +21,9 @@
   * Engram tables (`layers.L.engram.embed.weight/scale`) are NOT device arrays: they stay on the host
     as read-only memmaps (FP8 E4M3 rows, one E8M0 per 32 lanes) in `params["engram_tables"]`, an
     `EngramTables` registered as a static pytree node. It has no leaves, so `jax.jit`,
-    `jax.tree.map` and `device_put` over params pass it through untouched (its hash is its
-    identity); the model gathers rows on the host with `EngramTables.gather` and passes them in.
+    `jax.tree.map` and `device_put` over params pass it through untouched (it compares and hashes
+    by the file bytes it maps, so two loads of one checkpoint have equal treedefs); the model gathers
+    rows on the host with `EngramTables.gather` and dequantizes them with `quant.dequant_fp8_rows`.
 """
 
 from __future__ import annotations
