@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from v41_jax import quant
-from v41_jax.config import _HF_TO_REF, PUBLISHED_QUANTIZATION, ModelConfig, validate
+from v41_jax.config import ModelConfig, to_hf_root, validate
 from v41_jax.checkpoint.safetensors_io import write_checkpoint
 from v41_jax.checkpoint.schema import SchemaOptions, TensorSpec, checkpoint_schema, parameter_aliases
 
@@ -88,25 +88,7 @@ def hf_root_config(raw: Mapping, cfg: ModelConfig) -> dict:
     """The HF root config.json for `cfg`: `raw` itself when it already is one, else built from cfg."""
     if "text_config" in raw:
         return dict(raw)
-    ref_to_hf = {v: k for k, v in _HF_TO_REF.items()}
-    text = {"model_type": "deepseek_v41_text", "num_key_value_heads": 1}
-    for k, v in vars(cfg).items():
-        if k in ("quantized", "bos_token_id", "eos_token_id", "pad_token_id",
-                 "rope_factor", "beta_fast", "beta_slow", "original_seq_len"):
-            continue
-        text[ref_to_hf.get(k, k)] = list(v) if isinstance(v, tuple) else v
-    text["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.beta_fast,
-                            "beta_slow": cfg.beta_slow, "original_max_position_embeddings": cfg.original_seq_len}
-    root = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "dtype": "bfloat16",
-            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
-    if cfg.quantized:
-        root["quantization_config"] = dict(PUBLISHED_QUANTIZATION)
-    else:
-        text["dtype"] = "bf16"
-    root["text_config"] = text
-    if ModelConfig.from_dict(root) != cfg:
-        raise ValueError("config: the HF root layout built for this config does not load back equal")
-    return root
+    return to_hf_root(cfg)
 
 
 def engram_token_map(cfg: ModelConfig) -> list[int]:

@@ -426,3 +426,26 @@ def _check_quantized_widths(cfg: ModelConfig) -> None:
     for name, width in widths.items():
         if width % 32:
             _fail(name, f"width {width} must be a multiple of 32 for the published quantization")
+
+
+def to_hf_root(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF root `config.json` layout for `cfg` (the inverse of `from_dict`, checked)."""
+    ref_to_hf = {v: k for k, v in _HF_TO_REF.items()}
+    text = {"model_type": "deepseek_v41_text", "num_key_value_heads": 1}
+    for k, v in vars(cfg).items():
+        if k in ("quantized", "bos_token_id", "eos_token_id", "pad_token_id",
+                 "rope_factor", "beta_fast", "beta_slow", "original_seq_len"):
+            continue
+        text[ref_to_hf.get(k, k)] = list(v) if isinstance(v, tuple) else v
+    text["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.beta_fast,
+                            "beta_slow": cfg.beta_slow, "original_max_position_embeddings": cfg.original_seq_len}
+    root = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "dtype": "bfloat16",
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    if cfg.quantized:
+        root["quantization_config"] = dict(PUBLISHED_QUANTIZATION)
+    else:
+        text["dtype"] = "bf16"
+    root["text_config"] = text
+    if ModelConfig.from_dict(root) != cfg:
+        raise ValueError("config: the HF root layout built for this config does not load back equal")
+    return root
