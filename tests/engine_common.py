@@ -1,0 +1,78 @@
+"""Shared set-up for the cache / step / generation tests: a seeded checkpoint, an engine with the
+standard test geometry and buckets, the full-forward oracle and a teacher-forced run through the
+cache.
+
+Every engine here uses the same geometry, numerics and bucket set, so the step compiles to the
+same executables in every test file; the persistent XLA cache below then compiles each once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scripts.make_checkpoint import make_checkpoint
+from v41_jax.cache.geometry import EngineSettings
+from v41_jax.checkpoint.load import load_params
+from v41_jax.engram_hash import EngramHasher, load_token_map
+from v41_jax.model.engram import sequence_rows
+from v41_jax.model.forward import forward
+from v41_jax.model.numerics import Numerics
+from v41_jax.runtime.engine import Engine
+from v41_jax.runtime.metadata import Bucket, BucketSet
+
+ROOT = Path(__file__).resolve().parents[1]
+jax.config.update("jax_compilation_cache_dir", str(ROOT / ".pytest_cache" / "xla"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+# One teacher-forcing / prefill bucket (every row's logits) and one decode bucket.
+BUCKETS = BucketSet((Bucket(tokens=48, requests=4, logits=48), Bucket(tokens=4, requests=4, logits=4)))
+SETTINGS = EngineSettings(page_tokens=8, num_pages=96, slots=4, max_context=128,
+                          kv_format="f32", index_format="f32")
+FP32 = Numerics.fp32()
+
+
+def build_model(out_dir: Path, config: str, seed: int = 0):
+    """(cfg, params, token_map) of a seeded checkpoint of v41_jax/configs/<config>.config.json."""
+    make_checkpoint(str(ROOT / f"v41_jax/configs/{config}.config.json"), str(out_dir), seed)
+    cfg, params = load_params(out_dir, progress=False)
+    return cfg, params, load_token_map(out_dir / "engram_token_map.json")
+
+
+def make_engine(cfg, params, token_map, settings=SETTINGS, buckets=BUCKETS, numerics=FP32, **kw) -> Engine:
+    return Engine(params, cfg, settings=settings, buckets=buckets, numerics=numerics,
+                  token_map=token_map, **kw)
+
+
+def forward_logits(params, cfg, token_map, tokens, numerics=FP32) -> np.ndarray:
+    """The full forward from position 0 (the oracle), eagerly: fp32 logits [S, V]."""
+    hasher = EngramHasher(cfg, token_map)
+    _, rows = sequence_rows(params["engram_tables"], hasher, cfg, np.asarray(tokens)[None])
+    logits = forward(params, cfg, jnp.asarray(tokens)[None], numerics=numerics,
+                     engram_rows={k: jnp.asarray(v) for k, v in rows.items()})
+    return np.asarray(logits[0])
+
+
+def teacher_forced(engine: Engine, tokens, chunks, slot: int = 0) -> np.ndarray:
+    """Feed `tokens` through the cache in spans of the given lengths (one request, every row's
+    logits) -> fp32 logits [S, V]. The request's pages come from the engine's allocator."""
+    tokens = np.asarray(tokens)
+    assert sum(chunks) == len(tokens)
+    pages = engine.pages.allocate(engine.geom.pages_for(len(tokens)))
+    out, pos = [], 0
+    for n in chunks:
+        span = engine.make_span("tf", slot, pos, tokens[pos: pos + n], pages,
+                                engine.cursors()[slot], all_logits=True)
+        logits, _ = engine.run([span], BUCKETS.buckets[-1])
+        out.append(np.asarray(logits[:n]))
+        pos += n
+    engine.pages.free(pages, engine.step_id)
+    engine.pages.retire(engine.step_id)
+    return np.concatenate(out)
+
+
+def chunked(length: int, size: int) -> list[int]:
+    return [size] * (length // size) + ([length % size] if length % size else [])

@@ -1,0 +1,285 @@
+"""The jitted step: `step(params, cache, batch) -> (logits_rows, cache)`, cache donated.
+
+One forward over a flat, bucket-shaped batch of token rows from several requests (chunked prefill
+of any length, single-token decode, or both mixed), reading and writing the CSA2 cache in place.
+It is the full forward (`v41_jax.model.forward`) with every piece of context the forward computes
+from the whole sequence read from the cache instead:
+
+* window rows: a query at position x attends to positions max(0, x-W+1)..x; those before its
+  span's first position come from the slot's ring (written by earlier steps), the rest from this
+  step's own rows. The ring is written after every layer's attention has read it (each request's
+  last W+S rows only), in prefill and decode alike: a decode row reads its own new row from this
+  step's rows rather than from the ring, which is the same value, so one ordering serves every
+  batch composition and a chunk wider than the ring still reads the old ring;
+* compressed rows (FULL layers): each group completed in this step pools its r raw projections,
+  the leading ones from the compressor ring when the group straddles the span start; the rows and
+  index keys go to the owner's pages before any scorer reads them (REUSE/REINDEX layers later in
+  the stack see them); the span's last max_r + S projections go to the ring for the next step;
+* scores: each query scores its own request's index keys (gathered through its block table),
+  visible columns only, then the same candidate / top-k cores as the forward.
+
+Attention runs through `kernels_pallas.sparse_attn.sparse_attn_paged` over two sources, in the
+reference's order: the window list (ring rows of this step's requests, then this step's rows),
+then the kv owner's compressed rows read in place from its page plane.
+
+The Engram cursor rows the host computed are written exactly once, at the end (RUNTIME.md §3.6
+step 4; the model never reads them). Every scatter drops its padding rows through an out-of-range
+index (slot N, page P), never a negative one that would wrap onto a live row (I-11).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import backend as kernel_backend
+from kernels_pallas.sparse_attn import sparse_attn_paged
+from v41_jax.cache.buffer import Cache
+from v41_jax.cache.geometry import CacheGeometry
+from v41_jax.config import ModelConfig
+from v41_jax.model.attention import output_proj, query, window_kv
+from v41_jax.model.block import block
+from v41_jax.model.compressor import compress, init_state, pool_groups, stored_rows
+from v41_jax.model.engram import engram
+from v41_jax.model.forward import embed
+from v41_jax.model.head import final_hidden, lm_head
+from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_keys, index_query,
+                                   index_scores, index_weights, select_topk)
+from v41_jax.model.linear import lin_f32
+from v41_jax.model.mhc import one_hot_pre
+from v41_jax.model.norm import rms_norm
+from v41_jax.model.numerics import Numerics
+from v41_jax.model.rope import rope_cos_sin
+from v41_jax.model.sparse_attn import sparse_attn
+from v41_jax.model.window import window_idx
+from v41_jax.quant import dequant_fp8_rows
+from v41_jax.runtime.metadata import StepBatch
+from v41_jax.topology import Candidates, LayerTopology, Mode, resolve_topology
+
+ENGRAM_SCALE_GROUP = 32  # Engram table rows: one E8M0 scale per 32 lanes
+
+
+class StepState(NamedTuple):
+    """What flows down the stack inside one step: the cache and this forward's memos."""
+    cache: Cache
+    selected: dict      # topk owner layer -> [T, K] compressed ids, ascending, -1 padded
+    candidates: dict    # candidate source layer -> [T, Kb] block ids
+
+
+def _drop(valid: jax.Array, index: jax.Array, bound: int) -> jax.Array:
+    """A scatter index that sends invalid rows out of range (dropped, never wrapped)."""
+    return jnp.where(valid, index, bound)
+
+
+def _window_source(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatch,
+                   w: int) -> tuple[jax.Array, jax.Array]:
+    """(rows, idx [T, W]): rows = the ring rows of this step's requests, then this step's rows.
+
+    idx follows the reference's column layout (it fixes which rows share an online-softmax chunk):
+    a span starting at position 0 lists its window left-packed (the prefill matrix), any other
+    span right-aligned with the holes first (the decode ring, oldest slot first).
+    """
+    r, ring = batch.slots.shape[0], window.shape[2]
+    rows = jnp.concatenate([window[batch.slots, layer].reshape(r * ring, -1), kv.astype(window.dtype)])
+    pos, req = batch.positions, batch.token_req
+    b = jnp.maximum(req, 0)
+    n_valid = jnp.minimum(pos + 1, w)
+    shift = jnp.where(batch.req_pos[b] == 0, 0, w - n_valid)[:, None]
+    k = jnp.arange(w) - shift                                           # [T, W] entry, oldest = 0
+    j = (pos - n_valid + 1)[:, None] + k                                # its position
+    ok = (k >= 0) & (k < n_valid[:, None]) & (req[:, None] >= 0)
+    t = jnp.arange(pos.shape[0])[:, None]
+    from_ring = j < batch.req_pos[b][:, None]
+    idx = jnp.where(from_ring, b[:, None] * ring + j % ring, r * ring + t - (pos[:, None] - j))
+    return rows, jnp.where(ok, idx, -1)
+
+
+def _write_window(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatch) -> jax.Array:
+    t, slot, row = batch.window_writes.T
+    slot = _drop(t >= 0, slot, window.shape[0])
+    return window.at[slot, layer, row].set(kv[t].astype(window.dtype), mode="drop")
+
+
+def _page_rows(batch: StepBatch, b: jax.Array, c: jax.Array, rows_per_page: int) -> tuple[jax.Array, jax.Array]:
+    """(page, row in page) of compressed id c of request row b."""
+    return batch.block_tables[b, c // rows_per_page], c % rows_per_page
+
+
+def _group_inputs(raw: jax.Array, ring: jax.Array, plan: jax.Array, batch: StepBatch, ring_owner: int,
+                  ratio: int) -> jax.Array:
+    """The r raw projections of each planned group -> [C, r, Dh]: a group's leading inputs that
+    precede its span come from the slot's compressor ring, the others from this step's rows."""
+    t, b, x, n_ring = plan.T
+    k = jnp.arange(ratio)
+    pos = x[:, None] - ratio + 1 + k                                    # [C, r] group positions
+    from_ring = k < n_ring[:, None]
+    ring_rows = ring[batch.slots[b][:, None], ring_owner, pos % ring.shape[2]]
+    step_rows = raw[t[:, None] - (ratio - 1 - k)]
+    return jnp.where(from_ring[..., None], ring_rows, step_rows)
+
+
+def _compress_and_store(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology,
+                        h: jax.Array, batch: StepBatch, cache: Cache, numerics: Numerics) -> Cache:
+    """FULL layer: every group this step completes -> its compressed row and index key in the
+    owner's pages; then the span's newest raw projections into the compressor ring."""
+    r, k = topo.ratio, geom.owner_index(topo.layer)
+    plan = batch.compress_plans[geom.ratios.index(r)]
+    t, b, x, _ = plan.T
+    valid = b >= 0
+    if r == 1:  # one token per group: the forward's latent of each planned token
+        latent, _, _ = compress(p["compressor"], cfg, 1, h[None], None, jnp.zeros(1, jnp.int32), numerics)
+        latent = latent[0, t]
+    else:
+        hf = h.astype(jnp.float32)
+        raw_kv = lin_f32(hf, p["compressor"]["wkv"]["weight"])           # [T, Dh] fp32
+        raw_score = lin_f32(hf, p["compressor"]["wgate"]["weight"])
+        j = geom.ring_index(topo.layer)
+        g_kv = _group_inputs(raw_kv, cache.comp_kv, plan, batch, j, r)
+        g_score = _group_inputs(raw_score, cache.comp_score, plan, batch, j, r)
+        pooled, _, _ = pool_groups(g_kv, g_score, init_state(plan.shape[0], r, cfg.head_dim), x - r + 1, r)
+        # as compressor.compress: the pooled sum rounds to the activation dtype before the norm
+        latent = rms_norm(numerics.act(pooled[:, 0]), p["compressor"]["norm"]["weight"], cfg.norm_eps)
+        wt, slot, row = batch.ring_writes.T
+        slot = _drop(wt >= 0, slot, cache.comp_kv.shape[0])
+        cache = replace(cache, comp_kv=cache.comp_kv.at[slot, j, row].set(raw_kv[wt], mode="drop"),
+                        comp_score=cache.comp_score.at[slot, j, row].set(raw_score[wt], mode="drop"))
+    c = x // r
+    stored = stored_rows(cfg, r, latent[None], c[None], numerics)[0]
+    keys = index_keys(p["indexer"], cfg, latent[None], c[None], r, numerics)[0]
+    page, row = _page_rows(batch, b, c, geom.owners[k].rows_per_page)
+    page = _drop(valid, page, geom.settings.num_pages)
+    main = cache.main[k].at[page, row].set(stored.astype(cache.main[k].dtype), mode="drop")
+    index = cache.index[k].at[page, row].set(keys.astype(cache.index[k].dtype), mode="drop")
+    return replace(cache, main=_swap(cache.main, k, main), index=_swap(cache.index, k, index))
+
+
+def _swap(arrays: tuple, k: int, new: jax.Array) -> tuple:
+    return arrays[:k] + (new,) + arrays[k + 1:]
+
+
+def _select(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology, h: jax.Array,
+            c_q: jax.Array, batch: StepBatch, state: StepState, numerics: Numerics) -> StepState:
+    """FULL / REINDEX: score the kv owner's index keys of each query's own request (visible
+    columns only) and publish the top-k (the candidate source also its blocks)."""
+    k = geom.owner_index(topo.kv_owner)
+    visible = batch.visible[geom.ratios.index(topo.ratio)][:, None]        # [T, 1]
+    pages = batch.block_tables[jnp.maximum(batch.token_req, 0)]            # [T, M]
+    keys = state.cache.index[k][pages].reshape(pages.shape[0], -1, cfg.index_head_dim)  # [T, N, Di]
+    q = index_query(p["indexer"], cfg, c_q, batch.positions, numerics)[:, None]           # [T, 1, Hi, Di]
+    w = index_weights(p["indexer"], cfg, h, numerics)[:, None]                            # [T, 1, Hi]
+    scores = index_scores(q, keys, w, visible, numerics)                                  # [T, 1, N]
+    candidates = state.candidates
+    if topo.candidates is Candidates.PRODUCE:
+        blocks = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        candidates = {**candidates, topo.layer: blocks}
+    elif topo.candidates is Candidates.CONSUME:
+        keep = candidate_mask(candidates[cfg.candidate_source_layer], keys.shape[1], cfg.candidate_block_size)
+        scores = jnp.where(keep, scores, -jnp.inf)
+    selected = select_topk(scores, visible, cfg.index_topk)[:, 0]
+    return state._replace(selected={**state.selected, topo.layer: selected}, candidates=candidates)
+
+
+def _compressed_source(main: jax.Array, selected: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+    """(the owner's page plane as flat rows, each query's selected ids as flat row ids)."""
+    pages, rpp = main.shape[0], main.shape[1]
+    b = jnp.maximum(batch.token_req, 0)[:, None]
+    page, row = _page_rows(batch, b, jnp.maximum(selected, 0), rpp)
+    ok = (selected >= 0) & (batch.token_req[:, None] >= 0)
+    return main.reshape(pages * rpp, -1), jnp.where(ok, page * rpp + row, -1)
+
+
+def _attend(q: jax.Array, sink: jax.Array, window: tuple, compressed: tuple | None, batch: StepBatch,
+            cfg: ModelConfig, numerics: Numerics) -> jax.Array:
+    """Sparse attention over the window list, then the compressed list. q [1, T, H, Dh].
+
+    Pallas: the two lists are two paged sources (rows read in place; each list starts a chunk).
+    XLA: one list per query laid out as the reference lays out its concatenation, so the chunked
+    online softmax rounds at the same points: the compressed part starts right after the window
+    part, at column min(span length, W) for a span at position 0 (the reference's prefill) and
+    W otherwise (its decode). The XLA path gathers every listed row either way.
+    """
+    scale = cfg.head_dim ** -0.5
+    if compressed is None:
+        return sparse_attn_paged(q, sink, [window], scale, numerics=numerics)
+    if kernel_backend.resolve() == "pallas":
+        return sparse_attn_paged(q, sink, [window, compressed], scale, numerics=numerics)
+    (w_rows, w_idx), (c_rows, c_idx) = window, compressed
+    w, k = w_idx.shape[1], c_idx.shape[1]
+    b = jnp.maximum(batch.token_req, 0)
+    start = jnp.where(batch.req_pos[b] == 0, jnp.minimum(batch.req_len[b], w), w)[:, None]
+    kv = jnp.concatenate([w_rows[jnp.maximum(w_idx, 0)], c_rows[jnp.maximum(c_idx, 0)]], axis=1)
+    col = jnp.arange(w + k)
+    w_ok = jnp.pad(w_idx, ((0, 0), (0, k)), constant_values=-1) >= 0            # holes stay holes
+    c_ok = jnp.take_along_axis(c_idx, jnp.clip(col - start, 0, k - 1), axis=1) >= 0
+    idx = jnp.where((col < start) & w_ok, col,
+                    jnp.where((col >= start) & (col - start < k) & c_ok, w + col - start, -1))
+    o = sparse_attn(q[0][:, None], kv, sink, idx[:, None], scale, numerics=numerics)  # one query per row
+    return o[:, 0][None]
+
+
+def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology, h: jax.Array,
+                     batch: StepBatch, state: StepState, numerics: Numerics) -> tuple[jax.Array, StepState]:
+    """One layer's attention sublayer over the cache. h [1, T, D] (attn_norm output) -> [1, T, D]."""
+    cos, sin = rope_cos_sin(cfg, batch.positions, global_table=topo.rope_global)
+    c_q, q = query(p, cfg, h, cos, sin, numerics)                                  # [1, T, Q], [1, T, H, Dh]
+    kv = window_kv(p, cfg, h, cos, sin, numerics)[0]                               # [T, Dh]
+    window = _window_source(state.cache.window, topo.layer, kv, batch, cfg.window_size)
+    compressed = None
+    if topo.mode is not Mode.WINDOW:
+        if topo.mode is Mode.FULL:
+            state = state._replace(cache=_compress_and_store(p, cfg, geom, topo, h[0], batch, state.cache,
+                                                             numerics))
+        if topo.scores:
+            state = _select(p, cfg, geom, topo, h[0], c_q[0], batch, state, numerics)
+        main = state.cache.main[geom.owner_index(topo.kv_owner)]
+        compressed = _compressed_source(main, state.selected[topo.topk_owner], batch)
+    o = _attend(q, p["attn_sink"], window, compressed, batch, cfg, numerics)
+    cache = replace(state.cache, window=_write_window(state.cache.window, topo.layer, kv, batch))
+    return output_proj(p, cfg, o, cos, sin, numerics), state._replace(cache=cache)
+
+
+def step(params: dict, cache: Cache, batch: StepBatch, *, cfg: ModelConfig, geom: CacheGeometry,
+         numerics: Numerics) -> tuple[jax.Array, Cache]:
+    """-> (fp32 logits [O, V] of batch.logit_rows, the updated cache)."""
+    topology = resolve_topology(cfg)
+    n_tokens = batch.tokens.shape[0]
+    x = embed(params, batch.tokens[None], cfg.hc_mult, numerics)                   # [1, T, N, D]
+    pre = one_hot_pre((1, n_tokens), cfg.hc_mult)
+    state = StepState(cache, {}, {})
+    for layer in range(cfg.n_layers):
+        topo, p = topology[layer], params["layers"][layer]
+        if topo.engram:
+            i = cfg.engram_layer_ids.index(layer)
+            rows = dequant_fp8_rows(batch.engram_codes[i], batch.engram_scales[i], ENGRAM_SCALE_GROUP,
+                                    jnp.bfloat16)
+            x = engram(p["engram"], cfg, x, rows[None], numerics)
+
+        def attend(h, p=p, topo=topo, state=state):
+            return cached_attention(p["attn"], cfg, geom, topo, h, batch, state, numerics)
+
+        out = block(p, cfg, layer, x, pre, attend, numerics)
+        x, pre, state = out.x, out.pre, out.attn_aux
+    _, normed = final_hidden(params, cfg, x, pre)
+    logits = lm_head(params["head"]["weight"], normed[0, batch.logit_rows])
+    cache = state.cache
+    slot = _drop(batch.req_len > 0, batch.slots, cache.cursor.shape[0])
+    cache = replace(cache, cursor=cache.cursor.at[slot].set(batch.cursor_rows, mode="drop"))
+    return logits, cache
+
+
+def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
+    """The cache holds rows in the activation dtype, so reading them back is exact."""
+    want = {"bfloat16": "bf16", "float32": "f32"}[numerics.act_dtype.name]
+    if geom.settings.kv_format != want or geom.settings.index_format != want:
+        raise ValueError(f"kv_format/index_format: {numerics.act_dtype.name} activations need "
+                         f"{want!r} rows, got {geom.settings.kv_format!r}/{geom.settings.index_format!r}")
+
+
+def make_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics):
+    """The compiled step for one (config, geometry, numerics); one executable per bucket shape."""
+    check_cache_dtype(geom, numerics)
+    return jax.jit(partial(step, cfg=cfg, geom=geom, numerics=numerics), donate_argnums=(1,))
