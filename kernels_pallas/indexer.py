@@ -42,7 +42,9 @@ from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from v41_jax.model import indexer as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
 
-TOPK_TILE: int | None = None  # two-stage top-k tile for the Pallas backend (None = one lax.top_k)
+# two-stage top-k tile for the Pallas backend (rows no longer than a tile use one lax.top_k);
+# H200: 1.08 -> 0.45 ms at 32 x 131072, 0.24 -> 0.16 ms at 32 x 32768 (BENCHMARKS.md)
+TOPK_TILE: int | None = 8192
 
 
 def _score_tile(q, w, keys, dt):
@@ -166,7 +168,7 @@ def index_scores_paged_xla(q, w, key_pages, block_table, visible, *, numerics: N
 def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_table: jax.Array,
                        visible: jax.Array, *, numerics: Numerics, candidates: jax.Array | None = None,
                        block_size: int = 8, backend: str | None = None, query_block: int | None = None,
-                       col_tile: int = 128, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                       col_tile: int = 256, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Indexer scores of each query over its request's paged index keys.
 
     q [B, S, Hi, Di], w [B, S, Hi] (already scaled by Di^-0.5 Hi^-0.5), key_pages [P, rpp, Di],

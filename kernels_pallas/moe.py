@@ -22,7 +22,9 @@ XLA path). Under `numerics.block_gemm` (the reference's K-block order) the dispa
 XLA path, which implements that order.
 
 Alternatives measured by scripts/bench_kernels.py (impl=): "ragged_dot" (jax.lax.ragged_dot_general
-on the sorted pairs) and "dense" (every expert on every token, unrouted pairs weighted 0).
+on the sorted pairs), "dense" (every expert on every token, unrouted pairs weighted 0) and
+"reference" (the model's per-token loop). All are exact (same rounding points; only fp32
+summation order differs); `choose_impl` picks per step from the H200 measurements.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ from v41_jax.model import moe as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.quant import fp8_act_qdq
 
-IMPLS = ("pallas", "ragged_dot", "dense")
-DEFAULT_IMPL = "pallas"
+IMPLS = ("pallas", "ragged_dot", "dense", "reference")
 _K_BLOCK = 32  # A8 fake-quant group
 
 
@@ -258,30 +259,60 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     return out
 
 
+def choose_impl(tokens: int, k: int, n_experts: int) -> str:
+    """The fastest exact implementation for a step, from the H200 measurements (BENCHMARKS.md,
+    64 experts, 5120 / 2304, top-6): one token -> the reference loop (it gathers just its k
+    experts' weights); every expert busy at a small batch (T*k >= 2E, T <= 256) -> "dense" (all
+    weights are read either way and cuBLAS streams them faster); otherwise the Pallas kernel."""
+    if tokens == 1:
+        return "reference"
+    if tokens * k >= 2 * n_experts and tokens <= 256:
+        return "dense"
+    return "pallas"
+
+
+def launch_config(block_m: int) -> dict:
+    """Measured Triton parameters per tile height: 128-row tiles need 8 warps for their two fp32
+    [128, 128] accumulators (2.2x over 4 warps at 2048 tokens); short decode tiles are weight
+    streams that like a deeper K step."""
+    if block_m >= 128:
+        return dict(block_k=64, num_warps=8, num_stages=3)
+    if block_m <= 32:
+        return dict(block_k=128, num_warps=4, num_stages=4)
+    return dict(block_k=64, num_warps=4, num_stages=3)
+
+
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
                    w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
                    backend: str | None = None, impl: str | None = None, block_m: int | None = None,
-                   block_n: int = 128, block_k: int = 64, num_warps: int = 4,
-                   num_stages: int = 3) -> jax.Array:
+                   block_n: int = 128, block_k: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> jax.Array:
     """x [T, D], idx [T, k] int32, w [T, k] fp32 routing weights, w1/w3 [E, F, D], w2 [E, D, F]
     -> fp32 [T, D]: Σ over each token's experts (ascending id) of the SwiGLU expert output.
 
     backend "xla" (or numerics.block_gemm) -> the model's reference loop; "pallas" -> `impl`
-    (default DEFAULT_IMPL, the fastest exact one measured on the H200)."""
+    ("pallas" | "ragged_dot" | "dense" | "reference"; None = `choose_impl`, the fastest exact
+    one measured on the H200). Launch parameters default to `launch_config(block_m)`."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
         return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
-    impl = impl or DEFAULT_IMPL
+    impl = impl or choose_impl(x.shape[0], idx.shape[1], w1.shape[0])
     kw = dict(numerics=numerics, limit=float(swiglu_limit))
+    if impl == "reference":
+        return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
     if impl == "ragged_dot":
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)
     if impl == "dense":
         return _routed_dense(x, idx, w, w1, w3, w2, **kw)
     if impl != "pallas":
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
-    d, f = x.shape[1], w1.shape[1]
-    bn = min(block_n, d, f)
-    if d % bn or f % bn or d % block_k or f % block_k:
-        raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={block_k}")
     bm = block_m or default_block_m(idx.size, w1.shape[0])
-    return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm, bn=bn, bk=block_k, num_warps=num_warps,
-                          num_stages=num_stages, interpret=_backend.interpret(), **kw)
+    cfg = launch_config(bm)
+    d, f = x.shape[1], w1.shape[1]
+    bk = block_k or min(cfg["block_k"], d, f)
+    bn = min(block_n, d, f)
+    if d % bn or f % bn or d % bk or f % bk:
+        raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
+    return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm, bn=bn, bk=bk,
+                          num_warps=num_warps or cfg["num_warps"],
+                          num_stages=num_stages or cfg["num_stages"],
+                          interpret=_backend.interpret(), **kw)

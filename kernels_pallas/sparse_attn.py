@@ -124,12 +124,12 @@ def _merge_splits(acc, run_max, denom, sink, dtype):
     return ((acc * w[..., None]).sum(1) / den[..., None]).astype(dtype)
 
 
-def default_splits(tokens: int, n_chunks: int, n_cores: int = 132) -> int:
+def default_splits(tokens: int, n_chunks: int) -> int:
     """Splits only while the token grid alone leaves most of the GPU idle: each split costs an
-    fp32 [H, D] partial write + read (128 KiB per token at real size, twice one chunk's rows)."""
-    if tokens >= n_cores // 2:
-        return 1
-    return max(1, min(n_chunks, n_cores // max(tokens, 1), 4))
+    fp32 [H, D] partial write + read (128 KiB per token at real size, twice one chunk's rows).
+    Measured on the H200 (BENCHMARKS.md): 4 splits best at 1-8 tokens, 2 at 32, none from 64."""
+    splits = 4 if tokens <= 16 else 2 if tokens < 64 else 1
+    return max(1, min(splits, n_chunks))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
@@ -208,8 +208,8 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
 
 def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float, *,
                       numerics: Numerics, backend: str | None = None,
-                      num_splits: int | None = None, num_warps: int = 8,
-                      num_stages: int = 2, head_block: int | None = None) -> jax.Array:
+                      num_splits: int | None = None, num_warps: int = 4,
+                      num_stages: int = 2, head_block: int | None = 32) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -217,8 +217,9 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     scale: softmax scale of q.k (Dh^-0.5). Returns [..., H, D] in the activation dtype; 0 for a
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).
-    num_splits None = `default_splits`; head_block: heads per program (None = all: the rows are
-    read once per token); num_warps / num_stages: Triton launch parameters.
+    num_splits None = `default_splits`; head_block: heads per program (None = all, the rows are
+    read once per token; 32, two programs per token, measured fastest: a [32, 512] fp32
+    accumulator fits 4 warps' registers); num_warps / num_stages: Triton launch parameters.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)

@@ -162,6 +162,6 @@ def test_backend_switch(monkeypatch):
 
 def test_default_splits():
     assert default_splits(1, 10) == 4
-    assert default_splits(32, 10) == 4
-    assert default_splits(66, 10) == 1
+    assert default_splits(32, 10) == 2
+    assert default_splits(64, 10) == 1
     assert default_splits(1, 2) == 2
