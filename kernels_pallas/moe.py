@@ -186,7 +186,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     t, d = x.shape
     k = idx.shape[1]
     n_exp, f, _ = w1.shape
-    idx_t, w_t, order, sizes = sort_pairs(idx, w, n_exp)
+    _, w_t, order, sizes = sort_pairs(idx, w, n_exp)
     te, tf, tend = tile_table(sizes, bm, t * k)
     tok = order // k                                                  # token of each sorted pair
     pw = w_t.reshape(-1)[order].astype(jnp.float32)                  # its routing weight
@@ -226,7 +226,7 @@ def _ragged(lhs, rhs, sizes):
 @functools.partial(jax.jit, static_argnames=("numerics", "limit"))
 def _routed_ragged_dot(x, idx, w, w1, w3, w2, *, numerics, limit):
     t, k = idx.shape
-    idx_t, w_t, order, sizes = sort_pairs(idx, w, w1.shape[0])
+    _, w_t, order, sizes = sort_pairs(idx, w, w1.shape[0])
     xs = _act_in(x, numerics)[order // k]                              # [T*k, D] sorted copy
     pw = w_t.reshape(-1)[order].astype(jnp.float32)
     a = _swiglu_epilogue(_ragged(xs, w1, sizes), _ragged(xs, w3, sizes), pw, numerics, limit)

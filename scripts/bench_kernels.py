@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -386,7 +385,6 @@ def bench_moe(b: Bench, cfg: dict):
 
     if b.smoke:
         shape_case(16, [("auto", {}), ("bm32", dict(block_m=32))])
-        # correctness: pallas vs ragged_dot
     else:
         sweep = [("auto", {}), ("bm64bn128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
                  ("bm128bn128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),

@@ -9,7 +9,6 @@ so rtol = atol = 2^-7 (two steps at |o| ~ 1). The fp32-policy fixture check is h
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
