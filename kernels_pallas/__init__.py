@@ -1,0 +1,12 @@
+"""Pallas (Triton lowering) kernels behind the signatures of their jnp references.
+
+Entry points (each takes `backend=`; the process-wide switch is `kernels_pallas.backend`, env
+V41_KERNELS = xla | pallas | auto):
+  sparse_attn.sparse_attn_paged   sparse latent attention with sink over cache row views
+  indexer.index_scores_paged      lightning-indexer scores from the paged index plane
+  indexer.index_topk_paged        ... plus the top-k (full scan, or REINDEX candidate columns)
+  moe.routed_experts              routed SwiGLU experts as a grouped GEMM (or the fastest exact
+                                  alternative per step, `moe.choose_impl`)
+Measurements: BENCHMARKS.md (Kernels); CPU CI runs them in interpret mode and exports each one
+for ROCm (tests/test_kernels_*.py).
+"""
