@@ -1,11 +1,12 @@
 """Engram module: n-gram hash rows -> per-stream key + shared value -> gated residual update (§3.11.4).
 
-The hash ids are H1's (`v41_jax/engram_hash.py`); the FP8 tables stay on the host. Rows are
-gathered and dequantized on the host and passed into the jitted forward.
+The hash ids come from `v41_jax/engram_hash.py`; the FP8 tables stay on the host
+(`params["engram_tables"]`). Rows are gathered there and passed into the jitted forward.
 
 API
-  gather_rows(table_weight [rows, hd] fp8/u8, table_scale [rows, hd/32] e8m0/u8, ids [..., cols])
-      -> bf16 [..., cols, hd]   host gather, e4m3 x 2^(e8m0-127) per 32 lanes in fp32, one cast.
+  sequence_rows(tables, hasher, cfg, tokens [B, S]) -> (ids int64 [B, S, nE, cols], {layer: rows})
+      hash ids of whole sequences from position 0 and their rows, bf16 [B, S, cols, hd]: e4m3 x
+      2^(e8m0-127) per 32 lanes in fp32, one cast (the reference's lookup).
   engram(p, cfg, x [..., N, D], rows [..., cols, hd], numerics, token_mask=None) -> [..., N, D]
       p = params["layers"][l]["engram"] (wkv, q_weight, k_weight). token_mask False (image-span
       tokens) closes the gate, so those streams pass through bit-identically.
@@ -25,20 +26,25 @@ from v41_jax.model.numerics import Numerics
 from v41_jax.quant import dequant_fp8_rows
 
 if TYPE_CHECKING:
+    from v41_jax.checkpoint.load import EngramTables
     from v41_jax.config import ModelConfig
+    from v41_jax.engram_hash import EngramHasher
 
 _GATE_FLOOR = 1e-6  # |dot| floor under the signed square root
 
 
-def gather_rows(table_weight: np.ndarray, table_scale: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    ids = np.asarray(ids)
-    return np.asarray(dequant_fp8_rows(table_weight[ids], table_scale[ids], 32, jnp.bfloat16))
+def sequence_rows(tables: EngramTables, hasher: EngramHasher, cfg: ModelConfig,
+                  tokens: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    ids = np.stack([hasher.hash_ids(hasher.start(), seq)[0] for seq in np.asarray(tokens)])  # [B, S, nE, cols]
+    rows = {layer: np.asarray(dequant_fp8_rows(*tables.gather(layer, ids[:, :, i]), 32, jnp.bfloat16))
+            for i, layer in enumerate(cfg.engram_layer_ids)}
+    return ids, rows
 
 
 def engram(p: dict, cfg: ModelConfig, x: jax.Array, rows: jax.Array, numerics: Numerics,
            token_mask: jax.Array | None = None) -> jax.Array:
     n, d = cfg.hc_mult, cfg.dim
-    kv = lin8(rows.reshape(*rows.shape[:-2], -1), p["wkv"], numerics)     # [..., (N+1) D]
+    kv = lin8(rows.reshape(*rows.shape[:-2], -1), p["wkv"]["weight"], numerics)      # [..., (N+1) D]
     key = kv[..., : n * d].astype(jnp.float32).reshape(*kv.shape[:-1], n, d)
     value = kv[..., n * d:].astype(jnp.float32)                            # [..., D]
     weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)  # only the product is used

@@ -9,6 +9,7 @@ API (X [..., N, D] in the activation dtype; coefficients fp32)
   split_sinkhorn(m [..., M], scale, base, hc, iters, eps) -> (pre, post, comb)
       comb[i, j]: i = input stream, j = output stream; doubly stochastic after Sinkhorn.
   one_hot_pre(lead_shape, hc) -> fp32 [..., N]   (1, 0, ..., 0): the first collapse returns stream 0.
+  stream_mean(X) -> [..., D]      mean over the streams (fp32 sum in order, one division, one cast).
   collapse(X, pre) -> [..., D]    sum_s pre[s] X[s] in fp32, streams added in order, one cast.
   expand(f [..., D], X, post, comb) -> [..., N, D]
       X'[j] = post[j] f + sum_i comb[i, j] X[i], fp32, one cast to f's dtype.
@@ -72,3 +73,7 @@ def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
 def expand(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     mixed = _ordered_sum(comb[..., None] * x.astype(jnp.float32)[..., :, None, :], -3)  # [..., N(j), D]
     return (post[..., None] * f.astype(jnp.float32)[..., None, :] + mixed).astype(f.dtype)
+
+
+def stream_mean(x: jax.Array) -> jax.Array:
+    return exact_div(_ordered_sum(x.astype(jnp.float32), -2), x.shape[-2]).astype(x.dtype)

@@ -2,9 +2,10 @@
 
 API
   score(logits [T, E] fp32, cfg) -> fp32     sqrt(softplus(logits / gate_temp))
-  route(logits, bias [T|1, E], k, cfg) -> (weights [T, k] fp32, idx [T, k] int32)
+  route(logits, bias [T|1, E], k, cfg, idx=None) -> (weights [T, k] fp32, idx [T, k] int32)
       the bias steers selection only; ties go to the lower expert id (jax.lax.top_k); idx in
-      selection order; weights renormalised (+1e-20) when k > 1, times route_scale.
+      selection order; weights renormalised (+1e-20) when k > 1, times route_scale. A given idx
+      (teacher forcing, e.g. the reference's picks) replaces the selection, not the weights' math.
   swiglu_ffn(x, w1, w3, w2, numerics, limit, weight=None) -> act dtype
       up clamped to [-limit, limit], gate to <= limit (limit 0 = no clamp); the routing weight
       multiplies the fp32 activation before its rounding to the activation dtype.
@@ -12,7 +13,8 @@ API
                  numerics, swiglu_limit) -> fp32 [T, D]
       the jnp reference for the expert kernels: each token's k expert outputs (act dtype) summed
       in fp32 in ascending expert id, the order the reference's expert loop adds them.
-  moe(p, cfg, layer, x [T, D], numerics, image_mask=None) -> (y act dtype [T, D], idx [T, k])
+  moe(p, cfg, layer, x [T, D], numerics, image_mask=None, forced_idx=None)
+      -> (y act dtype [T, D], idx [T, k])   idx: the router's own selection (also when forced)
       p = params["layers"][l]["ffn"] (gate.weight/bias[/bias_vl], experts.{w1,w3,w2}, shared_experts).
 """
 
@@ -41,9 +43,11 @@ def score(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.sqrt(_softplus(exact_div(logits, cfg.gate_temp)))
 
 
-def route(logits: jax.Array, bias: jax.Array, k: int, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, bias: jax.Array, k: int, cfg: ModelConfig,
+          idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     s = score(logits, cfg)
-    _, idx = jax.lax.top_k(s + bias, k)
+    if idx is None:
+        _, idx = jax.lax.top_k(s + bias, k)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and k > 1:
         w = exact_div(w, jnp.sum(w, axis=-1, keepdims=True) + 1e-20)  # 1e-20, not norm_eps: as in training
@@ -83,13 +87,16 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
 
 
 def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,
-        image_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        image_mask: jax.Array | None = None, forced_idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     _, k = cfg.moe_experts(layer)
     bias = p["gate"]["bias"]
     if image_mask is not None and "bias_vl" in p["gate"]:
         bias = jnp.where(image_mask[:, None], p["gate"]["bias_vl"], bias)
-    w, idx = route(lin_f32(x, p["gate"]["weight"]), bias, k, cfg)
+    logits = lin_f32(x, p["gate"]["weight"])
+    _, own = route(logits, bias, k, cfg)
+    w, idx = route(logits, bias, k, cfg, own if forced_idx is None else forced_idx)
     ex, sh = p["experts"], p["shared_experts"]
     y = routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit)
-    shared = swiglu_ffn(x, sh["w1"], sh["w3"], sh["w2"], numerics, cfg.swiglu_limit)
-    return numerics.act(y + shared.astype(jnp.float32)), idx
+    shared = swiglu_ffn(x, sh["w1"]["weight"], sh["w3"]["weight"], sh["w2"]["weight"], numerics,
+                        cfg.swiglu_limit)
+    return numerics.act(y + shared.astype(jnp.float32)), own

@@ -1,0 +1,58 @@
+"""One block: optional Engram, the attention sublayer and the MoE sublayer, wired by single-pass mHC
+(ARCHITECTURE.md §3.3-3.4).
+
+The attention sublayer is passed in as a callable, so the full forward, the DSpark draft stages and
+the cache step share this wiring and differ only in how they attend.
+
+API
+  Attend = Callable[[h], tuple[out, aux]]    h [B, T, D] (attn_norm output) -> out [B, T, D], any aux
+  block(p, cfg, layer, x [B, T, N, D], pre [B, T, N], attend, numerics, image_mask=None,
+        forced_gate=None) -> BlockOut(x, pre, gate_idx [B, T, k], attn_aux)
+      p = params["layers"][l] (or params["mtp"][m]). `pre` is the collapse weight handed in by the
+      previous sublayer; the returned `pre` (this block's FFN-side pre) collapses the next block.
+      forced_gate [B, T, k]: route with these experts (teacher forcing); gate_idx stays the router's own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+import jax
+
+from v41_jax.model.mhc import collapse, expand, hc_mixes
+from v41_jax.model.moe import moe
+from v41_jax.model.norm import rms_norm
+from v41_jax.model.numerics import Numerics
+
+if TYPE_CHECKING:
+    from v41_jax.config import ModelConfig
+
+Attend = Callable[[jax.Array], tuple[jax.Array, Any]]
+
+
+class BlockOut(NamedTuple):
+    x: jax.Array          # [B, T, N, D] output streams
+    pre: jax.Array        # [B, T, N] fp32, collapses the next sublayer's input
+    gate_idx: jax.Array   # [B, T, k] routed experts, selection order
+    attn_aux: Any         # whatever `attend` returned beside its output
+
+
+def _mixes(p: dict, sub: str, x: jax.Array, cfg: ModelConfig):
+    return hc_mixes(x, p[f"hc_{sub}_fn"], p[f"hc_{sub}_base"], p[f"hc_{sub}_scale"], cfg)
+
+
+def block(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, pre: jax.Array, attend: Attend,
+          numerics: Numerics, image_mask: jax.Array | None = None,
+          forced_gate: jax.Array | None = None) -> BlockOut:
+    b, t, _, d = x.shape
+    # the attention side's pre is not used here: it collapses the FFN input below
+    pre_a, post_a, comb_a = _mixes(p, "attn", x, cfg)
+    a, aux = attend(rms_norm(collapse(x, pre), p["attn_norm"]["weight"], cfg.norm_eps))
+    x = expand(a, x, post_a, comb_a)
+
+    pre_f, post_f, comb_f = _mixes(p, "ffn", x, cfg)
+    h = rms_norm(collapse(x, pre_a), p["ffn_norm"]["weight"], cfg.norm_eps)
+    flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
+    m, gate_idx = moe(p["ffn"], cfg, layer, h.reshape(b * t, d), numerics, flat(image_mask), flat(forced_gate))
+    x = expand(m.reshape(b, t, d), x, post_f, comb_f)
+    return BlockOut(x, pre_f, gate_idx.reshape(b, t, -1), aux)

@@ -1,0 +1,91 @@
+"""DSpark draft head: the reference `forward_spec` at a decode step (ARCHITECTURE.md §5.1-5.3).
+
+The target's main hidden (mean-of-streams inputs of the target layers) is projected once
+(`main_proj` + `main_norm` of stage 0) into context rows; every stage turns them into its own
+window KV (kv_norm, window RoPE, fp8 QDQ). A draft block of `dspark_block_size` rows
+[x_{a+1}, noise, ...] at positions a+1.. runs through the stages (window-only attention over the
+context rows (a - window, a] plus all draft rows, bidirectional inside the block), then the last
+stage's norm + the shared LM head, a Markov bias chain, greedy drafts and the confidence head.
+
+API
+  context_x(params, cfg, main_hidden [B, Sc, nT*D], numerics) -> [B, Sc, D]
+  draft(params, cfg, ctx_x [B, Sc, D], anchor [B], first_ids [B], numerics, forced_gate=None) -> Draft
+      ctx_x row i is position i (the context of every anchor lies inside it); anchor = the last
+      position the target processed; first_ids = the target's token for anchor + 1.
+      forced_gate {stage layer id: [B, blk, k]}: teacher-forced expert picks (see forward.py).
+  Draft(ids [B, blk+1] (first_ids, then the greedy drafts), logits fp32 [B, blk, V] (Markov bias
+        included), confidence fp32 [B, blk] (pre-sigmoid), gate_idx {stage layer id: [B, blk, k]})
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from v41_jax.model.attention import draft_attention, window_kv
+from v41_jax.model.block import block
+from v41_jax.model.forward import embed
+from v41_jax.model.head import lm_head
+from v41_jax.model.linear import lin8, lin_f32
+from v41_jax.model.mhc import collapse, one_hot_pre
+from v41_jax.model.norm import rms_norm
+from v41_jax.model.numerics import Numerics
+from v41_jax.model.rope import rope_cos_sin
+
+if TYPE_CHECKING:
+    from v41_jax.config import ModelConfig
+
+
+class Draft(NamedTuple):
+    ids: jax.Array
+    logits: jax.Array
+    confidence: jax.Array
+    gate_idx: dict
+
+
+def context_x(params: dict, cfg: ModelConfig, main_hidden: jax.Array, numerics: Numerics) -> jax.Array:
+    p0 = params["mtp"][0]
+    return rms_norm(lin8(main_hidden, p0["main_proj"]["weight"], numerics), p0["main_norm"]["weight"],
+                    cfg.norm_eps)
+
+
+def _markov_chain(p: dict, logits: jax.Array, first_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Add each row's Markov bias (from the previous token) and draft greedily, row by row."""
+    ids, rows, embeds = [first_ids], [], []
+    for k in range(logits.shape[1]):
+        me = p["markov_head"]["embed"]["weight"][ids[-1]]                      # [B, r] bf16
+        row = logits[:, k] + lm_head(p["markov_head"]["head"]["weight"], me)
+        rows.append(row)
+        embeds.append(me)
+        ids.append(jnp.argmax(row, axis=-1).astype(first_ids.dtype))
+    return jnp.stack(ids, 1), jnp.stack(rows, 1), jnp.stack(embeds, 1)
+
+
+def draft(params: dict, cfg: ModelConfig, ctx_x: jax.Array, anchor: jax.Array, first_ids: jax.Array,
+          numerics: Numerics, forced_gate: dict | None = None) -> Draft:
+    b, blk = first_ids.shape[0], cfg.dspark_block_size
+    ids = jnp.full((b, blk), cfg.dspark_noise_token_id, first_ids.dtype).at[:, 0].set(first_ids)
+    x = embed(params, ids, cfg.hc_mult, numerics)
+    pre = one_hot_pre((b, blk), cfg.hc_mult)
+    cos, sin = rope_cos_sin(cfg, jnp.arange(ctx_x.shape[1]), global_table=False)
+    gate_idx = {}
+    for m, p in enumerate(params["mtp"]):
+        layer = cfg.n_layers + m
+        ctx_kv = window_kv(p["attn"], cfg, ctx_x, cos, sin, numerics)         # this stage's context rows
+
+        def attend(h, p=p, ctx_kv=ctx_kv):
+            return draft_attention(p["attn"], cfg, h, ctx_kv, anchor, numerics), None
+
+        out = block(p, cfg, layer, x, pre, attend, numerics,
+                    forced_gate=None if forced_gate is None else forced_gate.get(layer))
+        x, pre = out.x, out.pre
+        gate_idx[layer] = out.gate_idx
+    last = params["mtp"][-1]
+    hd = collapse(x, pre)                                                      # pre-norm draft hidden
+    base = lm_head(params["head"]["weight"], rms_norm(hd, last["norm"]["weight"], cfg.norm_eps))
+    out_ids, logits, markov = _markov_chain(last, base, first_ids)
+    confidence = lin_f32(jnp.concatenate([hd, markov.astype(hd.dtype)], -1),
+                         last["confidence_head"]["proj"]["weight"])[..., 0]
+    return Draft(out_ids, logits, confidence, gate_idx)

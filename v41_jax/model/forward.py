@@ -1,0 +1,118 @@
+"""The full-sequence forward: whole sequences from position 0, no cache. The oracle for the cache path.
+
+API
+  forward(params, cfg, tokens [B, S], *, numerics, engram_rows=None, image_mask=None,
+          forced=None, return_intermediates=False) -> logits fp32 [B, S, V]  (, intermediates)
+      engram_rows: {engram layer id: bf16 [B, S, cols, hd]} gathered on the host
+      (`engram.sequence_rows`); required when the config has Engram layers.
+      image_mask: [B, S] bool, True inside image spans (MoE bias_vl, Engram gate closed).
+      forced: teacher forcing for checking against a reference whose selections may differ at
+      near-ties: {"index_topk": {l: [B, S, K]}, "candidate_blocks": {l: [B, S, Kb]},
+      "gate_topk": {l: [B, S, k]}} (any subset; ids as the official fixtures record them). The
+      forced picks are attended / routed; the intermediates still report the model's own picks.
+      jit with cfg, numerics and return_intermediates static.
+  intermediates (dicts keyed by layer id):
+      block_out [L, B, S, N, D]   each block's output streams
+      next_pre [L, B, S, N]       the pre-mix each block hands on
+      engram_out {l: [B, S, N, D]} streams after the Engram module (before block l)
+      final_collapsed, final_normed [B, S, D]
+      main_hidden [B, S, nT * D]  DSpark input: mean over streams of each target layer's input
+      index_topk {l: [B, S, K']}  compressed rows picked by each index source (ascending, -1 = none)
+      candidate_blocks {l: [B, S, Kb']}   blocks kept by the candidate source (ascending, -1 = dropped)
+      gate_topk {l: [B, S, k]}    routed experts, selection order
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from v41_jax.model.attention import AttnContext, empty_context, full_attention
+from v41_jax.model.block import block
+from v41_jax.model.engram import engram
+from v41_jax.model.head import final_hidden, lm_head
+from v41_jax.model.mhc import one_hot_pre, stream_mean
+from v41_jax.model.numerics import Numerics
+from v41_jax.topology import Candidates, LayerTopology, Mode, resolve_topology
+
+if TYPE_CHECKING:
+    from v41_jax.config import ModelConfig
+
+
+def embed(params: dict, tokens: jax.Array, hc: int, numerics: Numerics) -> jax.Array:
+    """Token embeddings copied onto every stream -> [B, S, N, D]."""
+    e = numerics.act(params["embed"]["weight"][tokens])
+    return jnp.broadcast_to(e[..., None, :], (*e.shape[:-1], hc, e.shape[-1]))
+
+
+def fit_ids(ids: jax.Array, width: int) -> jax.Array:
+    """Selected ids in any order with -1 anywhere -> ascending, -1 after, `width` columns."""
+    big = jnp.iinfo(jnp.int32).max
+    ids = jnp.sort(jnp.where(ids < 0, big, ids.astype(jnp.int32)), axis=-1)
+    ids = jnp.pad(ids, [(0, 0)] * (ids.ndim - 1) + [(0, max(0, width - ids.shape[-1]))], constant_values=big)
+    return jnp.where(ids == big, -1, ids[..., :width])
+
+
+def _force(ctx: AttnContext, topo: LayerTopology, forced: dict) -> AttnContext:
+    """Replace this layer's published picks with the forced ones (where it published any)."""
+    layer = topo.layer
+    if topo.candidates is Candidates.PRODUCE and layer in forced.get("candidate_blocks", {}):
+        own = ctx.candidates[layer]
+        ctx = ctx._replace(candidates={**ctx.candidates,
+                                       layer: fit_ids(forced["candidate_blocks"][layer], own.shape[-1])})
+    if layer in forced.get("index_topk", {}):
+        own = ctx.selected[layer]
+        ctx = ctx._replace(selected={**ctx.selected, layer: fit_ids(forced["index_topk"][layer], own.shape[-1])})
+    return ctx
+
+
+def _attend(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
+            numerics: Numerics, forced: dict | None) -> tuple[jax.Array, tuple[AttnContext, dict]]:
+    """One attention sublayer -> (out, (context for the next layers, this layer's own picks))."""
+    out, ctx, own = full_attention(p, cfg, topo, h, ctx, numerics)
+    if forced is None or topo.layer not in ctx.selected:
+        return out, (ctx, own)
+    # attend again with the forced picks: as a REUSE layer of itself, reading what it published
+    out, ctx, _ = full_attention(p, cfg, dataclasses.replace(topo, mode=Mode.REUSE), h,
+                                 _force(ctx, topo, forced), numerics)
+    return out, (ctx, own)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Numerics,
+            engram_rows: dict | None = None, image_mask: jax.Array | None = None,
+            forced: dict | None = None, return_intermediates: bool = False):
+    topology = resolve_topology(cfg)
+    x = embed(params, tokens, cfg.hc_mult, numerics)
+    pre = one_hot_pre(tokens.shape, cfg.hc_mult)
+    token_mask = None if image_mask is None else ~image_mask
+    ctx = empty_context()
+    inter: dict = {"block_out": [], "next_pre": [], "engram_out": {}, "index_topk": {},
+                   "candidate_blocks": {}, "gate_topk": {}}
+    taps = []
+    for layer in range(cfg.n_layers):
+        topo, p = topology[layer], params["layers"][layer]
+        if topo.engram:
+            x = engram(p["engram"], cfg, x, engram_rows[layer], numerics, token_mask)
+            inter["engram_out"][layer] = x
+        if layer in cfg.dspark_target_layer_ids:
+            taps.append(stream_mean(x))  # the drafter reads the block's input, not its output
+        out = block(p, cfg, layer, x, pre,
+                    lambda h, p=p, topo=topo, ctx=ctx: _attend(p["attn"], cfg, topo, h, ctx, numerics, forced),
+                    numerics, image_mask, None if forced is None else forced.get("gate_topk", {}).get(layer))
+        x, pre, (ctx, own) = out.x, out.pre, out.attn_aux
+        inter["block_out"].append(x)
+        inter["next_pre"].append(pre)
+        inter["gate_topk"][layer] = out.gate_idx
+        for kind, picks in own.items():
+            inter[kind][layer] = picks
+    collapsed, normed = final_hidden(params, cfg, x, pre)
+    logits = lm_head(params["head"]["weight"], normed)
+    if not return_intermediates:
+        return logits
+    inter.update(block_out=jnp.stack(inter["block_out"]), next_pre=jnp.stack(inter["next_pre"]),
+                 final_collapsed=collapsed, final_normed=normed,
+                 main_hidden=jnp.concatenate(taps, -1) if taps else None)
+    return logits, inter
