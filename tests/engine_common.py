@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".pytest_cache" / "xla"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
-# One teacher-forcing / prefill bucket (every row's logits) and one decode bucket.
-BUCKETS = BucketSet((Bucket(tokens=48, requests=4, logits=48), Bucket(tokens=4, requests=4, logits=4)))
+# One bucket for every step (72-token one-shot prefills with every row's logits, decodes, mixes):
+# a single compile per config.
+BUCKETS = BucketSet((Bucket(tokens=80, requests=4, logits=80),))
 SETTINGS = EngineSettings(page_tokens=8, num_pages=96, slots=4, max_context=128,
                           kv_format="f32", index_format="f32")
 FP32 = Numerics.fp32()

@@ -40,21 +40,25 @@ from v41_jax.runtime.metadata import Bucket, BucketSet, BuiltStep, Span, build_s
 from v41_jax.runtime.sampling import SamplingParams, sample
 from v41_jax.runtime.step import make_step
 
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
+TRACE, LOWER, COMPILE = ("/jax/core/compile/jaxpr_trace_duration",
+                         "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                         "/jax/core/compile/backend_compile_duration")
 
 
 class CompileMeter:
-    """Process-wide count and seconds of XLA compilations (jax.monitoring events)."""
+    """Process-wide compilation counters (jax.monitoring events). `lowerings` counts every jit
+    cache miss, including those the persistent compilation cache then serves; `backend_compiles`
+    the XLA compilations actually run; `seconds` tracing + lowering + compiling."""
+    lowerings = 0
     backend_compiles = 0
     seconds = 0.0
 
     @classmethod
     def _listen(cls, event: str, duration: float, **_):
-        if event in COMPILE_EVENTS:
+        if event in (TRACE, LOWER, COMPILE):
             cls.seconds += duration
-            cls.backend_compiles += event == COMPILE_EVENTS[-1]
+            cls.lowerings += event == LOWER
+            cls.backend_compiles += event == COMPILE
 
 
 jax.monitoring.register_event_duration_secs_listener(CompileMeter._listen)
@@ -110,17 +114,23 @@ class _Live:
 
 
 def default_buckets(max_requests: int, chunk: int) -> BucketSet:
-    """Decode buckets (r, r) for r = 1, 2, 4, ... and mixed buckets (chunk + r, r)."""
-    sizes = [1]
-    while sizes[-1] < max_requests:
-        sizes.append(min(2 * sizes[-1], max_requests))
-    return BucketSet(tuple(Bucket(r, r, r) for r in sizes) + tuple(Bucket(chunk + r, r, r) for r in sizes))
+    """One decode bucket and one prefill bucket, both at the full request width: two compiles,
+    and a step never waits for a bucket (padding rows cost little next to a recompile)."""
+    return BucketSet((Bucket(max_requests, max_requests, max_requests),
+                      Bucket(chunk + max_requests, max_requests, max_requests)))
+
+
+def parse_buckets(spec: str) -> BucketSet:
+    """"TxRxO,..." (tokens x requests x logits rows) -> BucketSet."""
+    return BucketSet(tuple(Bucket(*map(int, b.split("x"))) for b in spec.split(",")))
 
 
 class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, *, settings: EngineSettings, buckets: BucketSet,
-                 numerics: Numerics, token_map: np.ndarray | None = None, prefill_chunk: int | None = None):
+                 numerics: Numerics, token_map: np.ndarray | None = None, prefill_chunk: int | None = None,
+                 eos_id: int | None = None):
         self.params, self.cfg, self.numerics, self.buckets = params, cfg, numerics, buckets
+        self.eos_id = cfg.eos_token_id if eos_id is None else eos_id
         self.geom = CacheGeometry.build(cfg, settings)
         if buckets.max_requests > settings.slots:
             raise ValueError(f"buckets: {buckets.max_requests} requests per step exceed {settings.slots} slots")
@@ -128,9 +138,13 @@ class Engine:
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
         self.tables = params.get("engram_tables")
         self.step_fn = make_step(cfg, self.geom, numerics)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every request's state: a zeroed cache and empty allocators (the compiled step stays)."""
         self.cache = allocate(self.geom)
-        self.pages = PageAllocator(settings.num_pages)
-        self.slots = SlotAllocator(settings.slots)
+        self.pages = PageAllocator(self.geom.settings.num_pages)
+        self.slots = SlotAllocator(self.geom.settings.slots)
         self.step_id = 0                 # steps dispatched so far
 
     # ---- one step --------------------------------------------------------------------------
@@ -277,7 +291,7 @@ class Engine:
         return decodes + prefills
 
     def _finished(self, lv: _Live, tok: int) -> str:
-        if tok == self.cfg.eos_token_id and not lv.req.ignore_eos:
+        if tok == self.eos_id and not lv.req.ignore_eos:
             return "eos"
         if tok in lv.req.stop_ids:
             return "stop"
