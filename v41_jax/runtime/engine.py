@@ -22,7 +22,7 @@ slots wait in the queue.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -146,6 +146,7 @@ class Engine:
         self.pages = PageAllocator(self.geom.settings.num_pages)
         self.slots = SlotAllocator(self.geom.settings.slots)
         self.step_id = 0                 # steps dispatched so far
+        self.bucket_steps: Counter[Bucket] = Counter()
 
     # ---- one step --------------------------------------------------------------------------
     def _engram(self, cursor: EngramCursor, tokens: np.ndarray):
@@ -185,6 +186,7 @@ class Engine:
             self.cache = reset_slots(self.cache, fresh)
         logits, self.cache = self.step_fn(self.params, self.cache, built.batch)
         self.step_id += 1
+        self.bucket_steps[bucket] += 1
         return logits, built
 
     def warmup(self) -> None:

@@ -1,0 +1,68 @@
+"""The cache is one donated buffer: consumed by the step, updated in place (no second copy), and
+padding rows touch nothing (I-11)."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.engine_common import BUCKETS, SETTINGS, build_model, make_engine
+from v41_jax.runtime.metadata import build_step
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+def _compiled(engine):
+    built = build_step(engine.geom, engine.cfg, BUCKETS.buckets[-1], [])
+    return engine.step_fn.lower(engine.params, engine.cache, built.batch).compile()
+
+
+def test_donated_cache_is_consumed(model):
+    engine = make_engine(*model)
+    before = engine.cache
+    span = engine.make_span("r", 0, 0, [5, 6, 7], engine.pages.allocate(1), None)
+    engine.run([span])
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(before))
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(engine.cache))
+
+
+def test_no_second_copy_of_the_cache(model):
+    """Every cache leaf is aliased input->output, and the scratch memory does not grow with the
+    cache: quadrupling the page pool adds nothing to the temporaries (a hidden copy would add at
+    least the grown PAGE arrays)."""
+    small = make_engine(*model)
+    large = make_engine(*model, settings=replace(SETTINGS, num_pages=4 * SETTINGS.num_pages))
+    m_small, m_large = _compiled(small).memory_analysis(), _compiled(large).memory_analysis()
+    for engine, mem in ((small, m_small), (large, m_large)):
+        assert mem.alias_size_in_bytes == engine.cache.nbytes
+    grown = large.cache.nbytes - small.cache.nbytes
+    assert grown > 1_000_000
+    assert m_large.temp_size_in_bytes - m_small.temp_size_in_bytes < 0.01 * grown
+
+
+def test_padding_rows_are_inert(model):
+    engine = make_engine(*model)
+    g = engine.geom
+    # garbage everywhere (finite, so byte comparison is exact)
+    engine.cache = jax.tree_util.tree_map(lambda x: jnp.full_like(x, 3), engine.cache)
+    before = g.to_image(engine.cache)
+    engine.run([], BUCKETS.buckets[-1])              # an all-padding step
+    assert np.array_equal(g.to_image(engine.cache), before)
+
+    # a real request next to padding rows writes its own slot and pages only
+    pages = [5, 6]
+    engine.run([engine.make_span("r", 2, 0, np.arange(3, 12), pages, None)], BUCKETS.buckets[-1])
+    after = g.to_image(engine.cache)
+    touched = np.zeros(g.total_bytes, bool)
+    touched[g.slot_address(2): g.slot_address(3)] = True
+    for k, o in enumerate(g.owners):
+        for p in pages:
+            touched[g.main_row_address(k, p, 0): g.main_row_address(k, p, 0) + o.rows_per_page * g.main_row_bytes] = True
+            touched[g.index_row_address(k, p, 0): g.index_row_address(k, p, o.rows_per_page)] = True
+    assert np.array_equal(after[~touched], before[~touched])
+    assert not np.array_equal(after[touched], before[touched])
