@@ -15,12 +15,14 @@ from the whole sequence read from the cache instead:
   the leading ones from the compressor ring when the group straddles the span start; the rows and
   index keys go to the owner's pages before any scorer reads them (REUSE/REINDEX layers later in
   the stack see them); the span's last max_r + S projections go to the ring for the next step;
-* scores: each query scores its own request's index keys (gathered through its block table),
-  visible columns only, then the same candidate / top-k cores as the forward.
+* scores: each query scores its own request's index keys through the paged scorer
+  (`kernels_pallas.indexer.index_scores_paged`, keys read via the block table), visible columns
+  only, then the same candidate / top-k cores as the forward.
 
-Attention runs through `kernels_pallas.sparse_attn.sparse_attn_paged` over two sources, in the
-reference's order: the window list (ring rows of this step's requests, then this step's rows),
-then the kv owner's compressed rows read in place from its page plane.
+Attention: the window list (ring rows of this step's requests, then this step's rows), then the
+kv owner's compressed rows; on the Pallas backend two paged sources of
+`kernels_pallas.sparse_attn.sparse_attn_paged` (compressed rows read in place from the page
+plane), on XLA one list per query in the reference's column layout (see `_attend`).
 
 The Engram cursor rows the host computed are written exactly once, at the end (RUNTIME.md §3.6
 step 4; the model never reads them). Every scatter drops its padding rows through an out-of-range
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import backend as kernel_backend
+from kernels_pallas.indexer import index_scores_paged
 from kernels_pallas.sparse_attn import sparse_attn_paged
 from v41_jax.cache.buffer import Cache
 from v41_jax.cache.geometry import CacheGeometry
@@ -48,7 +51,7 @@ from v41_jax.model.engram import engram
 from v41_jax.model.forward import embed
 from v41_jax.model.head import final_hidden, lm_head
 from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_keys, index_query,
-                                   index_scores, index_weights, select_topk)
+                                   index_weights, select_topk)
 from v41_jax.model.linear import lin_f32
 from v41_jax.model.mhc import one_hot_pre
 from v41_jax.model.norm import rms_norm
@@ -165,19 +168,22 @@ def _select(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology,
             c_q: jax.Array, batch: StepBatch, state: StepState, numerics: Numerics) -> StepState:
     """FULL / REINDEX: score the kv owner's index keys of each query's own request (visible
     columns only) and publish the top-k (the candidate source also its blocks)."""
-    k = geom.owner_index(topo.kv_owner)
+    key_pages = state.cache.index[geom.owner_index(topo.kv_owner)]
     visible = batch.visible[geom.ratios.index(topo.ratio)][:, None]        # [T, 1]
-    pages = batch.block_tables[jnp.maximum(batch.token_req, 0)]            # [T, M]
-    keys = state.cache.index[k][pages].reshape(pages.shape[0], -1, cfg.index_head_dim)  # [T, N, Di]
+    # each query is its own "request" of the paged scorer, with its request's block table
+    tables = batch.block_tables[jnp.maximum(batch.token_req, 0)]           # [T, M]
     q = index_query(p["indexer"], cfg, c_q, batch.positions, numerics)[:, None]           # [T, 1, Hi, Di]
     w = index_weights(p["indexer"], cfg, h, numerics)[:, None]                            # [T, 1, Hi]
-    scores = index_scores(q, keys, w, visible, numerics)                                  # [T, 1, N]
+    scores = index_scores_paged(q, w, key_pages, tables, visible, numerics=numerics)      # [T, 1, M*rpp]
+    n_rows = scores.shape[-1]
     candidates = state.candidates
     if topo.candidates is Candidates.PRODUCE:
         blocks = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
         candidates = {**candidates, topo.layer: blocks}
     elif topo.candidates is Candidates.CONSUME:
-        keep = candidate_mask(candidates[cfg.candidate_source_layer], keys.shape[1], cfg.candidate_block_size)
+        # the reference's rule: mask the full scan to the kept blocks (not the compacted scorer,
+        # whose picks differ when fewer than k kept rows are visible)
+        keep = candidate_mask(candidates[cfg.candidate_source_layer], n_rows, cfg.candidate_block_size)
         scores = jnp.where(keep, scores, -jnp.inf)
     selected = select_topk(scores, visible, cfg.index_topk)[:, 0]
     return state._replace(selected={**state.selected, topo.layer: selected}, candidates=candidates)
