@@ -7,7 +7,7 @@ the cache step share this wiring and differ only in how they attend.
 API
   Attend = Callable[[h], tuple[out, aux]]    h [B, T, D] (attn_norm output) -> out [B, T, D], any aux
   block(p, cfg, layer, x [B, T, N, D], pre [B, T, N], attend, numerics, image_mask=None,
-        forced_gate=None) -> BlockOut(x, pre, gate_idx [B, T, k], attn_aux)
+        forced_gate=None) -> BlockOut(x, pre, gate_idx [B, T, k], gate_scores [B, T, E], attn_aux)
       p = params["layers"][l] (or params["mtp"][m]). `pre` is the collapse weight handed in by the
       previous sublayer; the returned `pre` (this block's FFN-side pre) collapses the next block.
       forced_gate [B, T, k]: route with these experts (teacher forcing); gate_idx stays the router's own.
@@ -34,6 +34,7 @@ class BlockOut(NamedTuple):
     x: jax.Array          # [B, T, N, D] output streams
     pre: jax.Array        # [B, T, N] fp32, collapses the next sublayer's input
     gate_idx: jax.Array   # [B, T, k] routed experts, selection order
+    gate_scores: jax.Array  # [B, T, E] the scores they were selected by (bias included)
     attn_aux: Any         # whatever `attend` returned beside its output
 
 
@@ -53,6 +54,7 @@ def block(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, pre: jax.Array, a
     pre_f, post_f, comb_f = _mixes(p, "ffn", x, cfg)
     h = rms_norm(collapse(x, pre_a), p["ffn_norm"]["weight"], cfg.norm_eps)
     flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
-    m, gate_idx = moe(p["ffn"], cfg, layer, h.reshape(b * t, d), numerics, flat(image_mask), flat(forced_gate))
+    m, gate_idx, gate_scores = moe(p["ffn"], cfg, layer, h.reshape(b * t, d), numerics, flat(image_mask),
+                                   flat(forced_gate))
     x = expand(m.reshape(b, t, d), x, post_f, comb_f)
-    return BlockOut(x, pre_f, gate_idx.reshape(b, t, -1), aux)
+    return BlockOut(x, pre_f, gate_idx.reshape(b, t, -1), gate_scores.reshape(b, t, -1), aux)

@@ -9,12 +9,17 @@ stage's norm + the shared LM head, a Markov bias chain, greedy drafts and the co
 
 API
   context_x(params, cfg, main_hidden [B, Sc, nT*D], numerics) -> [B, Sc, D]
-  draft(params, cfg, ctx_x [B, Sc, D], anchor [B], first_ids [B], numerics, forced_gate=None) -> Draft
+  draft(params, cfg, ctx_x [B, Sc, D], anchor [B], first_ids [B], numerics, forced_gate=None,
+        forced_prev=None) -> Draft
       ctx_x row i is position i (the context of every anchor lies inside it); anchor = the last
       position the target processed; first_ids = the target's token for anchor + 1.
-      forced_gate {stage layer id: [B, blk, k]}: teacher-forced expert picks (see forward.py).
+      Teacher forcing (checking against a reference): forced_gate {stage layer id: [B, blk, k]}
+      expert picks; forced_prev [B, blk] the tokens the Markov rows condition on (row k's previous
+      token; the model's own chain is first_ids then its greedy drafts).
   Draft(ids [B, blk+1] (first_ids, then the greedy drafts), logits fp32 [B, blk, V] (Markov bias
-        included), confidence fp32 [B, blk] (pre-sigmoid), gate_idx {stage layer id: [B, blk, k]})
+        included), confidence fp32 [B, blk] (pre-sigmoid), hidden [B, blk, D] (the collapsed,
+        pre-norm draft hidden the confidence head reads), gate_idx / gate_scores
+        {stage layer id: [B, blk, k] / [B, blk, E]})
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ class Draft(NamedTuple):
     ids: jax.Array
     logits: jax.Array
     confidence: jax.Array
+    hidden: jax.Array
     gate_idx: dict
+    gate_scores: dict
 
 
 def context_x(params: dict, cfg: ModelConfig, main_hidden: jax.Array, numerics: Numerics) -> jax.Array:
@@ -51,11 +58,13 @@ def context_x(params: dict, cfg: ModelConfig, main_hidden: jax.Array, numerics: 
                     cfg.norm_eps)
 
 
-def _markov_chain(p: dict, logits: jax.Array, first_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _markov_chain(p: dict, logits: jax.Array, first_ids: jax.Array,
+                  forced_prev: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Add each row's Markov bias (from the previous token) and draft greedily, row by row."""
     ids, rows, embeds = [first_ids], [], []
     for k in range(logits.shape[1]):
-        me = p["markov_head"]["embed"]["weight"][ids[-1]]                      # [B, r] bf16
+        prev = ids[-1] if forced_prev is None else forced_prev[:, k]
+        me = p["markov_head"]["embed"]["weight"][prev]                         # [B, r] bf16
         row = logits[:, k] + lm_head(p["markov_head"]["head"]["weight"], me)
         rows.append(row)
         embeds.append(me)
@@ -64,13 +73,13 @@ def _markov_chain(p: dict, logits: jax.Array, first_ids: jax.Array) -> tuple[jax
 
 
 def draft(params: dict, cfg: ModelConfig, ctx_x: jax.Array, anchor: jax.Array, first_ids: jax.Array,
-          numerics: Numerics, forced_gate: dict | None = None) -> Draft:
+          numerics: Numerics, forced_gate: dict | None = None, forced_prev: jax.Array | None = None) -> Draft:
     b, blk = first_ids.shape[0], cfg.dspark_block_size
     ids = jnp.full((b, blk), cfg.dspark_noise_token_id, first_ids.dtype).at[:, 0].set(first_ids)
     x = embed(params, ids, cfg.hc_mult, numerics)
     pre = one_hot_pre((b, blk), cfg.hc_mult)
     cos, sin = rope_cos_sin(cfg, jnp.arange(ctx_x.shape[1]), global_table=False)
-    gate_idx = {}
+    gate_idx, gate_scores = {}, {}
     for m, p in enumerate(params["mtp"]):
         layer = cfg.n_layers + m
         ctx_kv = window_kv(p["attn"], cfg, ctx_x, cos, sin, numerics)         # this stage's context rows
@@ -81,11 +90,11 @@ def draft(params: dict, cfg: ModelConfig, ctx_x: jax.Array, anchor: jax.Array, f
         out = block(p, cfg, layer, x, pre, attend, numerics,
                     forced_gate=None if forced_gate is None else forced_gate.get(layer))
         x, pre = out.x, out.pre
-        gate_idx[layer] = out.gate_idx
+        gate_idx[layer], gate_scores[layer] = out.gate_idx, out.gate_scores
     last = params["mtp"][-1]
     hd = collapse(x, pre)                                                      # pre-norm draft hidden
     base = lm_head(params["head"]["weight"], rms_norm(hd, last["norm"]["weight"], cfg.norm_eps))
-    out_ids, logits, markov = _markov_chain(last, base, first_ids)
+    out_ids, logits, markov = _markov_chain(last, base, first_ids, forced_prev)
     confidence = lin_f32(jnp.concatenate([hd, markov.astype(hd.dtype)], -1),
                          last["confidence_head"]["proj"]["weight"])[..., 0]
-    return Draft(out_ids, logits, confidence, gate_idx)
+    return Draft(out_ids, logits, confidence, hd, gate_idx, gate_scores)

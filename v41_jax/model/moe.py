@@ -14,7 +14,8 @@ API
       the jnp reference for the expert kernels: each token's k expert outputs (act dtype) summed
       in fp32 in ascending expert id, the order the reference's expert loop adds them.
   moe(p, cfg, layer, x [T, D], numerics, image_mask=None, forced_idx=None)
-      -> (y act dtype [T, D], idx [T, k])   idx: the router's own selection (also when forced)
+      -> (y act dtype [T, D], idx [T, k], select [T, E])   idx: the router's own selection (also
+      when forced); select: the scores it was taken from (bias included), for tie diagnostics.
       p = params["layers"][l]["ffn"] (gate.weight/bias[/bias_vl], experts.{w1,w3,w2}, shared_experts).
 """
 
@@ -47,7 +48,7 @@ def route(logits: jax.Array, bias: jax.Array, k: int, cfg: ModelConfig,
           idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     s = score(logits, cfg)
     if idx is None:
-        _, idx = jax.lax.top_k(s + bias, k)
+        _, idx = jax.lax.top_k(s + bias, k)  # descending; equal scores: lower expert id first
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and k > 1:
         w = exact_div(w, jnp.sum(w, axis=-1, keepdims=True) + 1e-20)  # 1e-20, not norm_eps: as in training
@@ -87,7 +88,8 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
 
 
 def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,
-        image_mask: jax.Array | None = None, forced_idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        image_mask: jax.Array | None = None,
+        forced_idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     _, k = cfg.moe_experts(layer)
     bias = p["gate"]["bias"]
     if image_mask is not None and "bias_vl" in p["gate"]:
@@ -99,4 +101,4 @@ def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,
     y = routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit)
     shared = swiglu_ffn(x, sh["w1"]["weight"], sh["w3"]["weight"], sh["w2"]["weight"], numerics,
                         cfg.swiglu_limit)
-    return numerics.act(y + shared.astype(jnp.float32)), own
+    return numerics.act(y + shared.astype(jnp.float32)), own, score(logits, cfg) + bias

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41_jax.model.numerics import exact_div
+from v41_jax.model.numerics import cascade_sum, exact_div
 
 
 def rsqrt(v: jax.Array) -> jax.Array:
@@ -23,8 +23,8 @@ def rsqrt(v: jax.Array) -> jax.Array:
 
 def rms_inv(x: jax.Array, eps: float) -> jax.Array:
     x = x.astype(jnp.float32)
-    # the mean divides by the lane count, as torch's does (not a multiply by its reciprocal)
-    mean_sq = exact_div(jnp.sum(jnp.square(x), axis=-1, keepdims=True), x.shape[-1])
+    # torch's mean: its cascade sum, then a true division by the lane count
+    mean_sq = exact_div(cascade_sum(jnp.square(x))[..., None], x.shape[-1])
     return rsqrt(mean_sq + eps)
 
 

@@ -15,6 +15,10 @@ API
   exact_div(a, b)       a / b correctly rounded. XLA rewrites a division by a constant or by a
                         broadcast operand into a multiplication by its (inexact) reciprocal; the
                         reference divides. Use it wherever b is broadcast and not a power of two.
+  cascade_sum(x) -> [...]   fp32 sum over the last axis in the exact order of torch's CPU sum
+                        kernel (8-lane vectors, 4 interleaved accumulators, 4-level cascade, then
+                        the scalar tail and the lanes in order): the reference's `.sum(-1)` /
+                        `.mean(-1)` bit for bit. XLA's reduce order is unspecified.
 
 Fields
   act_dtype        dtype of everything the reference holds in bf16: residual streams, sublayer
@@ -30,6 +34,8 @@ Fields
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import jax
@@ -71,3 +77,42 @@ class Numerics:
     @property
     def index_score_dtype(self) -> np.dtype:
         return np.dtype(jnp.bfloat16) if self.index_score_bf16 else np.dtype(jnp.float32)
+
+
+_LANES, _ILP, _LEVELS = 8, 4, 4  # torch's Vectorized<float> on its (AVX2) reduce kernels; SumKernel.cpp
+
+
+def _in_order(parts: list, zero: jax.Array) -> jax.Array:
+    """0 + p0 + p1 + ... left to right (the first add is exact, so start from p0)."""
+    return functools.reduce(operator.add, parts) if parts else zero
+
+
+def _cascade(rows: jax.Array) -> jax.Array:
+    """torch's multi_row_sum over axis -3 of [..., size, 4, 8]: running sums of `step` rows, their
+    running sums carried up a level every `step` chunks, 4 levels, added back down at the end."""
+    size = rows.shape[-3]
+    zero = jnp.zeros(rows.shape[:-3] + rows.shape[-2:], rows.dtype)
+    step = 1 << max(4, (size - 1).bit_length() // _LEVELS)
+    n_full = size // step
+    take = lambda a, i: a[..., i, :, :]
+    acc = [_in_order([take(rows, i) for i in range(n_full * step, size)], zero)]  # open level-0 chunk
+    done = [_in_order([take(rows, c * step + i) for i in range(step)], zero) for c in range(n_full)]
+    for level in range(1, _LEVELS):
+        cap = len(done) if level == _LEVELS - 1 else len(done) // step * step
+        acc.append(_in_order(done[cap:], zero))
+        done = [_in_order(done[g:g + step], zero) for g in range(0, cap, step)]
+    return _in_order(acc, zero)
+
+
+def cascade_sum(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    n = x.shape[-1]
+    n_vec = n // _LANES
+    n_rows = n_vec // _ILP
+    lead = x.shape[:-1]
+    vec = lambda i: x[..., i * _LANES:(i + 1) * _LANES]
+    part = _cascade(x[..., : n_rows * _ILP * _LANES].reshape(*lead, n_rows, _ILP, _LANES))  # [..., 4, 8]
+    first = _in_order([part[..., 0, :]] + [vec(i) for i in range(n_rows * _ILP, n_vec)], None)
+    lanes = _in_order([first] + [part[..., k, :] for k in range(1, _ILP)], None)          # [..., 8]
+    tail = [x[..., i] for i in range(n_vec * _LANES, n)]
+    return _in_order(tail + [lanes[..., k] for k in range(_LANES)], None)
