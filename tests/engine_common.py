@@ -67,8 +67,7 @@ def teacher_forced(engine: Engine, tokens, chunks, slot: int = 0) -> np.ndarray:
     for n in chunks:
         span = engine.make_span("tf", slot, pos, tokens[pos: pos + n], pages,
                                 engine.cursors()[slot], all_logits=True)
-        logits, _ = engine.run([span], BUCKETS.buckets[-1])
-        out.append(np.asarray(logits[:n]))
+        out.append(np.asarray(engine.run([span], BUCKETS.buckets[-1]).logits[:n]))
         pos += n
     engine.pages.free(pages, engine.step_id)
     engine.pages.retire(engine.step_id)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +97,12 @@ class Stats:
         return self.generated_tokens / self.run_s if self.run_s > 0 else 0.0
 
 
+class Ran(NamedTuple):
+    logits: jax.Array                # fp32 [O, V] on device
+    built: BuiltStep
+    inter: dict | None               # per-token-row intermediates when the engine records
+
+
 @dataclass
 class _Live:
     req: Request
@@ -128,8 +134,9 @@ def parse_buckets(spec: str) -> BucketSet:
 class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, *, settings: EngineSettings, buckets: BucketSet,
                  numerics: Numerics, token_map: np.ndarray | None = None, prefill_chunk: int | None = None,
-                 eos_id: int | None = None):
+                 eos_id: int | None = None, record: bool = False):
         self.params, self.cfg, self.numerics, self.buckets = params, cfg, numerics, buckets
+        self.record = record
         self.eos_id = cfg.eos_token_id if eos_id is None else eos_id
         self.geom = CacheGeometry.build(cfg, settings)
         if buckets.max_requests > settings.slots:
@@ -137,7 +144,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk or buckets.max_tokens
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
         self.tables = params.get("engram_tables")
-        self.step_fn = make_step(cfg, self.geom, numerics)
+        self.step_fn = make_step(cfg, self.geom, numerics, record)
         self.reset()
 
     def reset(self) -> None:
@@ -175,8 +182,9 @@ class Engine:
         """Every slot's Engram cursor, read from the cache (a blocking probe, RUNTIME.md I-4)."""
         return np.asarray(self.cache.cursor)
 
-    def run(self, spans: Sequence[Span], bucket: Bucket | None = None) -> tuple[jax.Array, BuiltStep]:
-        """Reset the fresh slots, build and run one step -> (fp32 logits [O, V] on device, built)."""
+    def run(self, spans: Sequence[Span], bucket: Bucket | None = None, forced: dict | None = None) -> Ran:
+        """Reset the fresh slots, build and run one step. forced: teacher forcing per token row
+        (see `step`); the intermediates come back when the engine records."""
         n_logits = sum(len(s.tokens) if s.all_logits else 1 for s in spans)
         bucket = bucket or self.buckets.pick(len(spans), sum(len(s.tokens) for s in spans), n_logits)
         built = build_step(self.geom, self.cfg, bucket, spans)
@@ -184,16 +192,16 @@ class Engine:
         fresh[[s.slot for s in spans if s.position == 0]] = True
         if fresh.any():
             self.cache = reset_slots(self.cache, fresh)
-        logits, self.cache = self.step_fn(self.params, self.cache, built.batch)
+        out = self.step_fn(self.params, self.cache, built.batch, forced)
+        self.cache = out[1]
         self.step_id += 1
         self.bucket_steps[bucket] += 1
-        return logits, built
+        return Ran(out[0], built, out[2] if self.record else None)
 
     def warmup(self) -> None:
         """Compile every bucket (an all-padding step is inert) and the helpers."""
         for b in self.buckets.buckets:
-            logits, _ = self.run([], b)
-            self._sample(logits, [])
+            self._sample(self.run([], b).logits, [])
         self.cache = reset_slots(self.cache, np.zeros(self.geom.settings.slots, bool))
         jax.block_until_ready(self.cache)
 
@@ -253,8 +261,8 @@ class Engine:
             cursors = self.cursors()
             spans = [self.make_span(lv.rid, lv.slot, lv.committed, lv.tokens[lv.committed: lv.committed + n],
                                     lv.pages, cursors[lv.slot]) for lv, n in scheduled]
-            logits, _ = self.run(spans)
-            sampled = self._sample(logits, [(lv.req.sampling, lv.committed + n) for lv, n in scheduled])
+            sampled = self._sample(self.run(spans).logits,
+                                   [(lv.req.sampling, lv.committed + n) for lv, n in scheduled])
             new = 0
             for (lv, n), tok in zip(scheduled, sampled):
                 lv.committed += n

@@ -48,12 +48,12 @@ from v41_jax.model.attention import output_proj, query, window_kv
 from v41_jax.model.block import block
 from v41_jax.model.compressor import compress, init_state, pool_groups, stored_rows
 from v41_jax.model.engram import engram
-from v41_jax.model.forward import embed
+from v41_jax.model.forward import embed, fit_ids
 from v41_jax.model.head import final_hidden, lm_head
 from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_keys, index_query,
                                    index_weights, select_topk)
 from v41_jax.model.linear import lin_f32
-from v41_jax.model.mhc import one_hot_pre
+from v41_jax.model.mhc import one_hot_pre, stream_mean
 from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import rope_cos_sin
@@ -71,6 +71,7 @@ class StepState(NamedTuple):
     cache: Cache
     selected: dict      # topk owner layer -> [T, K] compressed ids, ascending, -1 padded
     candidates: dict    # candidate source layer -> [T, Kb] block ids
+    own: dict           # what each scorer chose itself (before forcing): kind -> {layer: [T, ...]}
 
 
 def _drop(valid: jax.Array, index: jax.Array, bound: int) -> jax.Array:
@@ -186,7 +187,22 @@ def _select(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology,
         keep = candidate_mask(candidates[cfg.candidate_source_layer], n_rows, cfg.candidate_block_size)
         scores = jnp.where(keep, scores, -jnp.inf)
     selected = select_topk(scores, visible, cfg.index_topk)[:, 0]
-    return state._replace(selected={**state.selected, topo.layer: selected}, candidates=candidates)
+    own = {**state.own, "index_topk": {**state.own["index_topk"], topo.layer: selected},
+           "index_scores": {**state.own["index_scores"], topo.layer: scores[:, 0]}}
+    if topo.candidates is Candidates.PRODUCE:
+        own["candidate_blocks"] = {**own["candidate_blocks"], topo.layer: candidates[topo.layer][:, 0]}
+    return state._replace(selected={**state.selected, topo.layer: selected}, candidates=candidates, own=own)
+
+
+def _force(state: StepState, layer: int, forced: dict) -> StepState:
+    """Teacher forcing (checking against a reference): this layer's published picks become the
+    forced ones, as the full forward's `forced` does; `own` keeps what the layer chose."""
+    candidates, selected = dict(state.candidates), dict(state.selected)
+    if layer in candidates and layer in forced.get("candidate_blocks", {}):
+        candidates[layer] = fit_ids(forced["candidate_blocks"][layer], candidates[layer].shape[-1])[:, None]
+    if layer in selected and layer in forced.get("index_topk", {}):
+        selected[layer] = fit_ids(forced["index_topk"][layer], selected[layer].shape[-1])
+    return state._replace(candidates=candidates, selected=selected)
 
 
 def _compressed_source(main: jax.Array, selected: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
@@ -228,7 +244,8 @@ def _attend(q: jax.Array, sink: jax.Array, window: tuple, compressed: tuple | No
 
 
 def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology, h: jax.Array,
-                     batch: StepBatch, state: StepState, numerics: Numerics) -> tuple[jax.Array, StepState]:
+                     batch: StepBatch, state: StepState, numerics: Numerics,
+                     forced: dict | None = None) -> tuple[jax.Array, StepState]:
     """One layer's attention sublayer over the cache. h [1, T, D] (attn_norm output) -> [1, T, D]."""
     cos, sin = rope_cos_sin(cfg, batch.positions, global_table=topo.rope_global)
     c_q, q = query(p, cfg, h, cos, sin, numerics)                                  # [1, T, Q], [1, T, H, Dh]
@@ -241,6 +258,8 @@ def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: Layer
                                                              numerics))
         if topo.scores:
             state = _select(p, cfg, geom, topo, h[0], c_q[0], batch, state, numerics)
+            if forced:
+                state = _force(state, topo.layer, forced)
         main = state.cache.main[geom.owner_index(topo.kv_owner)]
         compressed = _compressed_source(main, state.selected[topo.topk_owner], batch)
     o = _attend(q, p["attn_sink"], window, compressed, batch, cfg, numerics)
@@ -248,14 +267,25 @@ def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: Layer
     return output_proj(p, cfg, o, cos, sin, numerics), state._replace(cache=cache)
 
 
-def step(params: dict, cache: Cache, batch: StepBatch, *, cfg: ModelConfig, geom: CacheGeometry,
-         numerics: Numerics) -> tuple[jax.Array, Cache]:
-    """-> (fp32 logits [O, V] of batch.logit_rows, the updated cache)."""
+def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = None, *, cfg: ModelConfig,
+         geom: CacheGeometry, numerics: Numerics, record: bool = False):
+    """-> (fp32 logits [O, V] of batch.logit_rows, the updated cache[, intermediates]).
+
+    forced (teacher forcing, for checking against a reference): {"index_topk": {l: [T, K]},
+    "candidate_blocks": {l: [T, Kb]}, "gate_topk": {l: [T, k]}} per token row, any subset.
+    record=True also returns, per token row, what the full forward's intermediates hold:
+    block_out [L, T, N, D], next_pre [L, T, N], engram_out {l: [T, N, D]}, final_collapsed /
+    final_normed [T, D], main_hidden [T, nT * D], and each selection's own picks and scores
+    (index_topk, index_scores, candidate_blocks, gate_topk, gate_scores; dicts by layer).
+    """
+    forced = forced or {}
     topology = resolve_topology(cfg)
     n_tokens = batch.tokens.shape[0]
     x = embed(params, batch.tokens[None], cfg.hc_mult, numerics)                   # [1, T, N, D]
     pre = one_hot_pre((1, n_tokens), cfg.hc_mult)
-    state = StepState(cache, {}, {})
+    kinds = ("index_topk", "index_scores", "candidate_blocks", "gate_topk", "gate_scores")
+    state = StepState(cache, {}, {}, {k: {} for k in kinds})
+    inter = {"block_out": [], "next_pre": [], "engram_out": {}, "taps": []}
     for layer in range(cfg.n_layers):
         topo, p = topology[layer], params["layers"][layer]
         if topo.engram:
@@ -263,18 +293,32 @@ def step(params: dict, cache: Cache, batch: StepBatch, *, cfg: ModelConfig, geom
             rows = dequant_fp8_rows(batch.engram_codes[i], batch.engram_scales[i], ENGRAM_SCALE_GROUP,
                                     jnp.bfloat16)
             x = engram(p["engram"], cfg, x, rows[None], numerics)
+            inter["engram_out"][layer] = x[0]
+        if layer in cfg.dspark_target_layer_ids:
+            inter["taps"].append(stream_mean(x[0]))     # the drafter reads the block's input
 
         def attend(h, p=p, topo=topo, state=state):
-            return cached_attention(p["attn"], cfg, geom, topo, h, batch, state, numerics)
+            return cached_attention(p["attn"], cfg, geom, topo, h, batch, state, numerics, forced)
 
-        out = block(p, cfg, layer, x, pre, attend, numerics)
+        gate = forced.get("gate_topk", {}).get(layer)
+        out = block(p, cfg, layer, x, pre, attend, numerics, None, None if gate is None else gate[None])
         x, pre, state = out.x, out.pre, out.attn_aux
-    _, normed = final_hidden(params, cfg, x, pre)
+        state = state._replace(own={**state.own, "gate_topk": {**state.own["gate_topk"], layer: out.gate_idx[0]},
+                                    "gate_scores": {**state.own["gate_scores"], layer: out.gate_scores[0]}})
+        inter["block_out"].append(x[0])
+        inter["next_pre"].append(pre[0])
+    collapsed, normed = final_hidden(params, cfg, x, pre)
     logits = lm_head(params["head"]["weight"], normed[0, batch.logit_rows])
     cache = state.cache
     slot = _drop(batch.req_len > 0, batch.slots, cache.cursor.shape[0])
     cache = replace(cache, cursor=cache.cursor.at[slot].set(batch.cursor_rows, mode="drop"))
-    return logits, cache
+    if not record:
+        return logits, cache
+    taps = inter.pop("taps")
+    inter.update(block_out=jnp.stack(inter["block_out"]), next_pre=jnp.stack(inter["next_pre"]),
+                 final_collapsed=collapsed[0], final_normed=normed[0],
+                 main_hidden=jnp.concatenate(taps, -1) if taps else None, **state.own)
+    return logits, cache, inter
 
 
 def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
@@ -285,7 +329,7 @@ def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
                          f"{want!r} rows, got {geom.settings.kv_format!r}/{geom.settings.index_format!r}")
 
 
-def make_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics):
+def make_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, record: bool = False):
     """The compiled step for one (config, geometry, numerics); one executable per bucket shape."""
     check_cache_dtype(geom, numerics)
-    return jax.jit(partial(step, cfg=cfg, geom=geom, numerics=numerics), donate_argnums=(1,))
+    return jax.jit(partial(step, cfg=cfg, geom=geom, numerics=numerics, record=record), donate_argnums=(1,))
