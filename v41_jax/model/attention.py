@@ -129,9 +129,19 @@ def _select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: j
     return ctx._replace(selected=_publish(ctx.selected, topo.layer, select_topk(scores, visible, cfg.index_topk)))
 
 
+def _record(topo: LayerTopology, ctx: AttnContext) -> dict:
+    """What this layer chose, for the checker: its own selection and candidate blocks."""
+    aux = {}
+    if topo.layer in ctx.selected:
+        aux["index_topk"] = ctx.selected[topo.layer]
+    if topo.layer in ctx.candidates:
+        aux["candidate_blocks"] = ctx.candidates[topo.layer]
+    return aux
+
+
 def full_attention(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext | None,
                    numerics: Numerics) -> tuple[jax.Array, AttnContext, dict]:
-    ctx = ctx or empty_context()
+    ctx = ctx or empty_context()  # the first layer may pass None or {}
     b, s, _ = h.shape
     positions = jnp.arange(s)
     cos, sin = rope_cos_sin(cfg, positions, global_table=topo.rope_global)
@@ -151,16 +161,6 @@ def full_attention(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array,
         idx = jnp.concatenate([idx, jnp.where(sel >= 0, sel + s, -1)], axis=-1)
     o = sparse_attn(q, kv, p["attn_sink"], idx, cfg.head_dim ** -0.5, numerics=numerics)
     return output_proj(p, cfg, o, cos, sin, numerics), ctx, _record(topo, ctx)
-
-
-def _record(topo: LayerTopology, ctx: AttnContext) -> dict:
-    """What this layer chose, for the checker: its own selection and candidate blocks."""
-    aux = {}
-    if topo.layer in ctx.selected:
-        aux["index_topk"] = ctx.selected[topo.layer]
-    if topo.layer in ctx.candidates:
-        aux["candidate_blocks"] = ctx.candidates[topo.layer]
-    return aux
 
 
 def draft_attention(p: dict, cfg: ModelConfig, x: jax.Array, ctx_kv: jax.Array, anchor: jax.Array,

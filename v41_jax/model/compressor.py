@@ -8,11 +8,11 @@ API
   CompressorState(kv, score)       fp32 [B, r, C] raw wkv / wgate projections of the partial group,
                                    slot = position % r (slots >= start % r are don't-care).
   init_state(batch, ratio, dim)    an empty state (start positions that are multiples of r).
-  pool_groups(kv, score, state, start) -> (pooled [B, G, C] fp32, row_ids [B, G], state)
+  pool_groups(kv, score, state, start, ratio) -> (pooled [B, G, C] fp32, row_ids [B, G], state)
                                    per-lane softmax pooling over each group completed by the
                                    new tokens; G = (r - 1 + T) // r slots, row id -1 (and zeros)
                                    past the completed ones. Any ratio >= 1.
-  compress(p, cfg, ratio, h, state, start, numerics) -> (latent [B, G, Dh], row_ids, state)
+  compress(p, cfg, ratio, h, state, start, numerics) -> (latent [B, G, Dh], row_ids [B, G], state)
                                    the pre-RoPE latent (post-norm, act dtype): ratio 1 is
                                    norm(LinBF(h)); ratio > 1 pools fp32 projections, rounds to the
                                    act dtype, then norms. It feeds the index keys and `stored_rows`.
