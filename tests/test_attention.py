@@ -395,9 +395,18 @@ def test_attention_modes_wiring(fp32_run):
     assert set(ctx.candidates) == {cfg.candidate_source_layer}
     for topo, record in zip(topos, records):  # each layer records its own choices only
         want = {"index_topk": ctx.selected, "candidate_blocks": ctx.candidates}
-        assert set(record) == {k for k, table in want.items() if topo.layer in table}
-        for k, v in record.items():
-            np.testing.assert_array_equal(np.asarray(v), np.asarray(want[k][topo.layer]))
+        assert set(record) - {"index_scores"} == {k for k, table in want.items() if topo.layer in table}
+        for k in set(record) & set(want):
+            np.testing.assert_array_equal(np.asarray(record[k]), np.asarray(want[k][topo.layer]))
+        if topo.scores:  # the selection is the top-k of the recorded scores
+            sel = np.asarray(record["index_topk"])
+            vis = np.broadcast_to((np.arange(S) + 1) // topo.ratio, (B, S))
+            np.testing.assert_array_equal(sel, np.asarray(select_topk(record["index_scores"], jnp.asarray(vis),
+                                                                      cfg.index_topk)))
+            if topo.candidates is Candidates.CONSUME:  # rows outside the kept blocks were masked
+                blocks = np.asarray(ctx.candidates[cfg.candidate_source_layer])
+                outside = ~np.asarray(candidate_mask(jnp.asarray(blocks), S // topo.ratio, cfg.candidate_block_size))
+                assert np.all(np.isneginf(np.asarray(record["index_scores"])[outside]))
     win = np.broadcast_to(np.asarray(window_idx(jnp.arange(S), w, w)), (B, S, w))
     assert len(calls) == len(topos)
     for topo, (kv, idx) in zip(topos, calls):

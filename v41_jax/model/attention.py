@@ -16,7 +16,9 @@ API (B batch, S sequence from position 0, D model width, H x Dh heads, K = min(i
   full_attention(p, cfg, topo, h, ctx, numerics) -> (out [B, S, D], ctx, record)
       p = params["layers"][l]["attn"], topo = resolve_topology(cfg)[l], h = attn_norm output,
       ctx = the context so far (None or empty at the first layer). record: this layer's own
-      {"index_topk": [B, S, K]} (index sources) and {"candidate_blocks": [B, S, Kb]} (the source).
+      choices: index sources {"index_topk": [B, S, K], "index_scores": [B, S, S//r] (the scores
+      it selected from: -inf past visible and, for candidate consumers, outside the blocks)},
+      the candidate source also {"candidate_blocks": [B, S, Kb]}.
   query(p, cfg, h, cos, sin, numerics) -> (c_q [B, T, Q], q [B, T, H, Dh])
   window_kv(p, cfg, h, cos, sin, numerics) -> [B, T, Dh]   kv_norm(Lin8(h, wkv)) -> RoPE -> fp8 QDQ:
       the window cache row (and, on a draft stage's params, its context row from main_x).
@@ -112,9 +114,10 @@ def _compress(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx:
 
 
 def _select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: jax.Array,
-            positions: jax.Array, ctx: AttnContext, numerics: Numerics) -> AttnContext:
+            positions: jax.Array, ctx: AttnContext, numerics: Numerics) -> tuple[AttnContext, jax.Array]:
     """FULL / REINDEX: own indexer over the kv owner's keys; the candidate source publishes its
-    blocks from the unrestricted scores, later scorers keep only rows inside them."""
+    blocks from the unrestricted scores, later scorers keep only rows inside them. Also returns
+    the scores the selection was taken from."""
     visible = jnp.broadcast_to(visible_rows(positions, topo.ratio), h.shape[:2])
     keys = ctx.keys[topo.kv_owner]
     scores = index_scores(index_query(p["indexer"], cfg, c_q, positions, numerics), keys,
@@ -126,14 +129,15 @@ def _select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: j
         keep = candidate_mask(ctx.candidates[cfg.candidate_source_layer], keys.shape[1],
                               cfg.candidate_block_size)
         scores = jnp.where(keep, scores, -jnp.inf)
-    return ctx._replace(selected=_publish(ctx.selected, topo.layer, select_topk(scores, visible, cfg.index_topk)))
+    sel = select_topk(scores, visible, cfg.index_topk)
+    return ctx._replace(selected=_publish(ctx.selected, topo.layer, sel)), scores
 
 
-def _record(topo: LayerTopology, ctx: AttnContext) -> dict:
-    """What this layer chose, for the checker: its own selection and candidate blocks."""
+def _record(topo: LayerTopology, ctx: AttnContext, scores: jax.Array | None) -> dict:
+    """What this layer chose, for the checker (unused entries cost nothing under jit)."""
     aux = {}
-    if topo.layer in ctx.selected:
-        aux["index_topk"] = ctx.selected[topo.layer]
+    if scores is not None:
+        aux["index_topk"], aux["index_scores"] = ctx.selected[topo.layer], scores
     if topo.layer in ctx.candidates:
         aux["candidate_blocks"] = ctx.candidates[topo.layer]
     return aux
@@ -149,18 +153,19 @@ def full_attention(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array,
     kv = window_kv(p, cfg, h, cos, sin, numerics)                         # [B, S, Dh], row i = position i
     w = min(s, cfg.window_size)
     idx = jnp.broadcast_to(window_idx(positions, cfg.window_size, w), (b, s, w))
+    scores = None
     # no complete group yet: the reference attends over the window alone
     if topo.mode is not Mode.WINDOW and s // topo.ratio:
         if topo.mode is Mode.FULL:
             ctx = _compress(p, cfg, topo, h, ctx, numerics)
         if topo.scores:
-            ctx = _select(p, cfg, topo, h, c_q, positions, ctx, numerics)
+            ctx, scores = _select(p, cfg, topo, h, c_q, positions, ctx, numerics)
         sel = ctx.selected[topo.topk_owner]
         # the compressed rows follow the window rows in one list, ids offset by its length
         kv = jnp.concatenate([kv, ctx.rows[topo.kv_owner]], axis=1)
         idx = jnp.concatenate([idx, jnp.where(sel >= 0, sel + s, -1)], axis=-1)
     o = sparse_attn(q, kv, p["attn_sink"], idx, cfg.head_dim ** -0.5, numerics=numerics)
-    return output_proj(p, cfg, o, cos, sin, numerics), ctx, _record(topo, ctx)
+    return output_proj(p, cfg, o, cos, sin, numerics), ctx, _record(topo, ctx, scores)
 
 
 def draft_attention(p: dict, cfg: ModelConfig, x: jax.Array, ctx_kv: jax.Array, anchor: jax.Array,
