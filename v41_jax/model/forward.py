@@ -32,14 +32,12 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from v41_jax.model.attention import AttnContext, empty_context, full_attention, query
+from v41_jax.model.attention import AttnContext, empty_context, full_attention
 from v41_jax.model.block import block
 from v41_jax.model.engram import engram
 from v41_jax.model.head import final_hidden, lm_head
-from v41_jax.model.indexer import candidate_mask, index_query, index_scores, index_weights, visible_rows
 from v41_jax.model.mhc import one_hot_pre, stream_mean
 from v41_jax.model.numerics import Numerics
-from v41_jax.model.rope import rope_cos_sin
 from v41_jax.topology import Candidates, LayerTopology, Mode, resolve_topology
 
 if TYPE_CHECKING:
@@ -73,32 +71,10 @@ def _force(ctx: AttnContext, topo: LayerTopology, forced: dict) -> AttnContext:
     return ctx
 
 
-def _own_scores(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
-                numerics: Numerics) -> jax.Array:
-    """The index scores a scoring layer selected from (diagnostics only: jit drops them unless
-    the intermediates are returned). Recomputed with the indexer's public pieces."""
-    positions = jnp.arange(h.shape[1])
-    cos, sin = rope_cos_sin(cfg, positions, global_table=topo.rope_global)
-    c_q, _ = query(p, cfg, h, cos, sin, numerics)
-    keys = ctx.keys[topo.kv_owner]
-    visible = jnp.broadcast_to(visible_rows(positions, topo.ratio), h.shape[:2])
-    scores = index_scores(index_query(p["indexer"], cfg, c_q, positions, numerics), keys,
-                          index_weights(p["indexer"], cfg, h, numerics), visible, numerics)
-    if topo.candidates is Candidates.CONSUME:
-        keep = candidate_mask(ctx.candidates[cfg.candidate_source_layer], keys.shape[1], cfg.candidate_block_size)
-        scores = jnp.where(keep, scores, -jnp.inf)
-    return scores
-
-
 def _attend(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
             numerics: Numerics, forced: dict | None) -> tuple[jax.Array, tuple[AttnContext, dict]]:
     """One attention sublayer -> (out, (context for the next layers, this layer's own picks))."""
-    before = ctx
     out, ctx, own = full_attention(p, cfg, topo, h, ctx, numerics)
-    if topo.layer in ctx.selected:
-        # the keys are the owner's (published by now); the candidates those this layer scored with
-        own = {**own, "index_scores": _own_scores(p, cfg, topo, h, ctx._replace(candidates=before.candidates),
-                                                  numerics)}
     if forced is None or topo.layer not in ctx.selected:
         return out, (ctx, own)
     # attend again with the forced picks: as a REUSE layer of itself, reading what it published
