@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.engine_common import BUCKETS, SETTINGS, build_model, make_engine
+from tests.engine_common import BUCKETS, FP32, SETTINGS, build_model, make_engine
+from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.metadata import build_step
 
 
@@ -31,17 +32,22 @@ def test_donated_cache_is_consumed(model):
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(engine.cache))
 
 
-def test_no_second_copy_of_the_cache(model):
+@pytest.mark.parametrize("rows", ["f32", "bf16"])
+def test_no_second_copy_of_the_cache(model, rows):
     """Every cache leaf is aliased input->output, and the scratch memory does not grow with the
     cache: quadrupling the page pool adds nothing to the temporaries (a hidden copy would add at
     least the grown PAGE arrays)."""
-    small = make_engine(*model)
-    large = make_engine(*model, settings=replace(SETTINGS, num_pages=4 * SETTINGS.num_pages))
+    if rows == "bf16" and jax.default_backend() == "cpu":
+        pytest.skip("XLA:CPU upcasts bf16 scatters to f32 through a temporary; GPUs scatter bf16 in place")
+    numerics = FP32 if rows == "f32" else Numerics.fast()
+    settings = replace(SETTINGS, kv_format=rows, index_format=rows)
+    small = make_engine(*model, settings=settings, numerics=numerics)
+    large = make_engine(*model, settings=replace(settings, num_pages=4 * settings.num_pages), numerics=numerics)
     m_small, m_large = _compiled(small).memory_analysis(), _compiled(large).memory_analysis()
     for engine, mem in ((small, m_small), (large, m_large)):
         assert mem.alias_size_in_bytes == engine.cache.nbytes
     grown = large.cache.nbytes - small.cache.nbytes
-    assert grown > 1_000_000
+    assert grown > large.cache.nbytes // 2                  # the PAGE arrays dominate the large cache
     assert m_large.temp_size_in_bytes - m_small.temp_size_in_bytes < 0.01 * grown
 
 
