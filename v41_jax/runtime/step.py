@@ -58,7 +58,6 @@ from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
-from v41_jax.model.window import window_idx
 from v41_jax.quant import dequant_fp8_rows
 from v41_jax.runtime.metadata import StepBatch
 from v41_jax.topology import Candidates, LayerTopology, Mode, resolve_topology
@@ -70,7 +69,7 @@ class StepState(NamedTuple):
     """What flows down the stack inside one step: the cache and this forward's memos."""
     cache: Cache
     selected: dict      # topk owner layer -> [T, K] compressed ids, ascending, -1 padded
-    candidates: dict    # candidate source layer -> [T, Kb] block ids
+    candidates: dict    # candidate source layer -> [T, 1, Kb] block ids (the scorer's query axis kept)
     own: dict           # what each scorer chose itself (before forcing): kind -> {layer: [T, ...]}
 
 
