@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from v41_jax.model.engram import engram
 from v41_jax.model.linear import k_block_dot, lin8, lin_bf
 from v41_jax.model.mhc import collapse, expand, hc_mixes, one_hot_pre, split_sinkhorn
 from v41_jax.model.moe import route, routed_experts, swiglu_ffn
-from v41_jax.model.norm import rms_norm
-from v41_jax.model.numerics import Numerics, exact_div
+from v41_jax.model.norm import rms_inv, rms_norm
+from v41_jax.model.numerics import Numerics, cascade_sum, exact_div
 from v41_jax.model.rope import apply_rope, rope_freqs
 from v41_jax.quant import fp8_act_qdq
 
@@ -200,3 +201,48 @@ def test_moe_exec_fp32(case):
     y = y + swiglu_ffn(x, jnp.asarray(arr(case["sw1"], F, D)), jnp.asarray(arr(case["sw3"], F, D)),
                        jnp.asarray(arr(case["sw2"], D, F)), num, case["limit"])
     assert_ulps(y, arr(case["y"], T, D), 32)  # sums of k+1 expert outputs, each through 3 fp32 GEMMs
+
+
+# ---- torch-CPU parity of the reductions the reference performs ---------------------------------
+
+@pytest.mark.parametrize("n", [3, 8, 33, 64, 256, 1000, 5120, 20480])
+def test_cascade_sum_is_torch_cpu_sum_bit_for_bit(n):
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((16, n)) * np.exp(rng.standard_normal((16, n)))).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cascade_sum)(x)), torch.from_numpy(x).sum(-1).numpy())
+
+
+def test_rms_inv_matches_torch_rsqrt_of_mean():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(5).standard_normal((64, 256)).astype(np.float32)
+    want = torch.rsqrt(torch.from_numpy(x).square().mean(-1, keepdim=True) + 1e-20).numpy()
+    got = np.asarray(jax.jit(lambda a: rms_inv(a, 1e-20))(x))
+    # same summation order, same divide and rsqrt; XLA:CPU may fuse a square into its add as an FMA
+    # (one rounding fewer), which can move the mean, hence the rsqrt, by one fp32 ulp
+    np.testing.assert_array_less(np.abs(got.view(np.int32) - want.view(np.int32)), 2)
+    assert (got == want).mean() > 0.8
+
+
+# ---- Engram -------------------------------------------------------------------------------------
+
+def test_engram_closed_gate_passes_streams_through_and_open_gate_adds_value():
+    n, d, cols, hd = 4, 32, 6, 32
+    cfg = SimpleNamespace(hc_mult=n, dim=d, norm_eps=1e-20)
+    rng = np.random.default_rng(6)
+    p = {"wkv": {"weight": jnp.asarray(rng.standard_normal(((n + 1) * d, cols * hd)) / 16, jnp.float32)},
+         "q_weight": jnp.ones((n, d)), "k_weight": jnp.ones((n, d))}
+    x = jnp.asarray(rng.standard_normal((2, 3, n, d)), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((2, 3, cols, hd)), jnp.float32)
+    mask = jnp.asarray([[True, False, True], [False, True, True]])
+    y = engram(p, cfg, x, rows, Numerics.fp32(), mask)
+    np.testing.assert_array_equal(np.asarray(y)[~np.asarray(mask)], np.asarray(x)[~np.asarray(mask)])
+    # open gate: y = x + sigmoid(signed sqrt of the normalised dot) * value, per stream
+    kv = np.asarray(rows).reshape(2, 3, -1) @ np.asarray(p["wkv"]["weight"]).T
+    key, value = kv[..., : n * d].reshape(2, 3, n, d), kv[..., n * d:]
+    xf = np.asarray(x, np.float64)
+    dot = (xf * key).sum(-1) / np.sqrt((xf ** 2).mean(-1) * (key ** 2).mean(-1)) / np.sqrt(d)
+    gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
+    want = xf + gate[..., None] * value[..., None, :]
+    np.testing.assert_allclose(np.asarray(y)[np.asarray(mask)], want[np.asarray(mask)], rtol=1e-5, atol=1e-5)

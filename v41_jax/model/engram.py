@@ -4,9 +4,11 @@ The hash ids come from `v41_jax/engram_hash.py`; the FP8 tables stay on the host
 (`params["engram_tables"]`). Rows are gathered there and passed into the jitted forward.
 
 API
-  sequence_rows(tables, hasher, cfg, tokens [B, S]) -> (ids int64 [B, S, nE, cols], {layer: rows})
+  sequence_rows(tables, hasher, cfg, tokens [B, S], image_mask=None) -> (ids int64 [B, S, nE, cols],
+                {layer: rows})
       hash ids of whole sequences from position 0 and their rows, bf16 [B, S, cols, hd]: e4m3 x
-      2^(e8m0-127) per 32 lanes in fp32, one cast (the reference's lookup).
+      2^(e8m0-127) per 32 lanes in fp32, one cast (the reference's lookup). Image-span tokens
+      (image_mask True) take part in no n-gram.
   engram(p, cfg, x [..., N, D], rows [..., cols, hd], numerics, token_mask=None) -> [..., N, D]
       p = params["layers"][l]["engram"] (wkv, q_weight, k_weight). token_mask False (image-span
       tokens) closes the gate, so those streams pass through bit-identically.
@@ -33,9 +35,12 @@ if TYPE_CHECKING:
 _GATE_FLOOR = 1e-6  # |dot| floor under the signed square root
 
 
-def sequence_rows(tables: EngramTables, hasher: EngramHasher, cfg: ModelConfig,
-                  tokens: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    ids = np.stack([hasher.hash_ids(hasher.start(), seq)[0] for seq in np.asarray(tokens)])  # [B, S, nE, cols]
+def sequence_rows(tables: EngramTables, hasher: EngramHasher, cfg: ModelConfig, tokens: np.ndarray,
+                  image_mask: np.ndarray | None = None) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    tokens = np.asarray(tokens)
+    text = np.ones(tokens.shape, bool) if image_mask is None else ~np.asarray(image_mask, bool)
+    ids = np.stack([hasher.hash_ids(hasher.start(), seq, keep)[0]
+                    for seq, keep in zip(tokens, text)])                      # [B, S, nE, cols]
     rows = {layer: np.asarray(dequant_fp8_rows(*tables.gather(layer, ids[:, :, i]), 32, jnp.bfloat16))
             for i, layer in enumerate(cfg.engram_layer_ids)}
     return ids, rows
