@@ -220,8 +220,8 @@ def test_rms_inv_matches_torch_rsqrt_of_mean():
     want = torch.rsqrt(torch.from_numpy(x).square().mean(-1, keepdim=True) + 1e-20).numpy()
     got = np.asarray(jax.jit(lambda a: rms_inv(a, 1e-20))(x))
     # same summation order, same divide and rsqrt; XLA:CPU may fuse a square into its add as an FMA
-    # (one rounding fewer), which can move the mean, hence the rsqrt, by one fp32 ulp
-    np.testing.assert_array_less(np.abs(got.view(np.int32) - want.view(np.int32)), 2)
+    # (one rounding fewer), which can move the mean by an fp32 ulp, the rsqrt by up to two
+    np.testing.assert_array_less(np.abs(got.view(np.int32) - want.view(np.int32)), 3)
     assert (got == want).mean() > 0.8
 
 
