@@ -10,12 +10,11 @@ what the full forward's intermediates hold, and takes the same teacher forcing (
 own selections are attended / routed, the engine's own picks are compared separately), so
 `check_reference`'s comparisons and tolerances apply unchanged: `run_engine` returns what
 `check_reference.run_model` returns (no DSpark part: the draft stages are not on the cache path
-yet, so those checks are skipped) and `main` runs `check_reference.main` with it.
+yet, so those checks are skipped) and `main` is `check_reference --engine`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import numpy as np
@@ -82,19 +81,8 @@ def run_engine(cfg, params, z, hasher: EngramHasher | None, numerics: Numerics) 
             "inter": _stack_rows([r.inter for r in ran])}
 
 
-@contextlib.contextmanager
-def engine_runner():
-    """check_reference with its model runner swapped for the cache path."""
-    saved, check_reference.run_model = check_reference.run_model, run_engine
-    try:
-        yield
-    finally:
-        check_reference.run_model = saved
-
-
 def main(argv=None) -> int:
-    with engine_runner():
-        return check_reference.main(argv)
+    return check_reference.main(["--engine", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
