@@ -1,0 +1,746 @@
+"""End-to-end baseline of the jitted cache step: decode latency, prefill throughput, compile time
+and an HBM roofline ratio, on random weights generated on the device.
+
+    python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
+        [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
+        [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--moe step]
+    CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
+        --prefill 32 --iters 2
+
+What runs: the engine's own pieces. `Engine` (geometry, allocator, Engram hasher, the jitted
+`step` with the cache donated) builds each case's batch with `Engine.make_span` + `build_step`
+exactly as `Engine.run` does; the step executable per bucket comes from
+`engine.step_fn.lower(...).compile()`, and the timed loop calls it with the batch already on the
+device (host build time is reported separately).
+
+Params: random values in exactly the loader's pytree layout (`checkpoint_schema` -> `param_units`
+-> `nest`, shapes from `make_checkpoint.logical_shape`, dtypes from `TensorSpec.held`: bf16 for
+every dequantized weight, fp32 where the loader holds fp32), drawn on the device with
+`jax.random` at the scales of `make_checkpoint`'s writer (`_init` is affine in its normal draw:
+its offset and scale are read off it). No checkpoint is written or quantized. The Engram tables
+are host numpy arrays (FP8 codes + E8M0 scales) in an `EngramTables`, as `load_params` gives.
+
+Cache: synthetic. Every PAGE/STATE row is random (never zeros: the index scores, top-k picks and
+so the gathered rows then look like real ones); each decode request's Engram cursor is set to its
+position so the engine's host-side check passes. Decode rows sit at position `context - 1` (each
+attends to `context` positions); the timing depends on shapes and visible counts, not on the
+rows' values (except through which rows the top-k picks).
+
+Cases, in this order: decode at each batch (bucket T = R = O = batch), then one prefill chunk per
+size (batch 1, position 0, one logits row). Each case is lowered in the main thread and its XLA
+compile starts at once in a thread of its own (so compiles overlap each other and the next
+lowerings: per-bucket compile seconds include that contention). Cases are then timed in order as
+soon as each compile is done: the first call, `--warmup` calls, then the median of up to `--iters`
+calls (`block_until_ready` on the logits and the cache). A case timed while other compiles were
+still running (XLA's autotuning runs on the GPU) is timed again at the end when time is left; the
+first figures stay under `during_compiles`. Also per case: the executable's memory analysis and the
+host time to build one batch (`make_span` + `build_step`: Engram hashing and table gathers).
+
+MoE (`--moe`): the committed step runs the routed experts through the model's jnp per-token loop
+(`v41_jax.model.moe.routed_experts`), not `kernels_pallas.moe`; that loop gathers a [T, F, D]
+copy of the picked experts' weights per pick, which at prefill sizes exceeds the device (a
+case whose memory analysis does not fit is skipped, not run). `--moe kernels` (or per kind,
+`decode=step,prefill=kernels`) traces those cases with `kernels_pallas.moe.routed_experts` (its
+`choose_impl`) swapped in: a labelled what-if, in a jit of its own.
+
+Roofline (decode): bytes a step must read (every weight the step touches: the layers' dense
+weights, the LM head and the norm, embedding rows; the routed experts of the expected number of
+distinct experts a batch activates, E (1 - (1 - k/E)^b), uniform routing assumed; per request and
+layer the window rows, the selected compressed rows and the index keys its scorer scans) over the
+copy bandwidth measured in the same run (fp32 `a * 2` over `--copy-mib`, bytes read + written, as
+scripts/bench_kernels.py) -> ideal ms; reported measured / ideal. The draft stages (`mtp`) are
+generated (the layout is the loader's) but the step does not touch them.
+
+Time limits (the GPU run has one shot): a case whose compile exceeds `--budget-s` is skipped; a
+watchdog ends the process at `--total-s` (the JSON is rewritten after every case, so what was
+measured survives); each case's timed loop stops after `--case-s`; a case whose executable would
+not fit the device's memory (memory analysis) is skipped instead of run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+if __package__ in (None, ""):  # python scripts/bench_step.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas import backend as kernel_backend  # noqa: E402
+from scripts.make_checkpoint import _init as writer_init  # noqa: E402
+from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
+from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
+from v41_jax.cache.geometry import CacheGeometry, EngineSettings  # noqa: E402
+from v41_jax.checkpoint.load import ENGRAM_KEY, EngramTables, nest, param_units  # noqa: E402
+from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
+from v41_jax.config import ModelConfig  # noqa: E402
+from v41_jax.model.numerics import Numerics  # noqa: E402
+from v41_jax.runtime.engine import Engine  # noqa: E402
+from v41_jax.runtime.metadata import Bucket, BucketSet, build_step  # noqa: E402
+from v41_jax.runtime.step import make_step  # noqa: E402
+from v41_jax.topology import Mode, resolve_topology  # noqa: E402
+
+NUMERICS = {"fast": Numerics.fast, "reference": Numerics.reference, "fp32": Numerics.fp32}
+CACHE_FORMAT = {"bfloat16": "bf16", "float32": "f32"}
+NOMINAL_COPY_GBS = 4300.0   # the workplace's measured H200 copy figure (BENCHMARKS.md)
+_HELD = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+_ITEMSIZE = {"bf16": 2, "f32": 4}
+GiB = float(1 << 30)
+
+
+# ---- params: the loader's layout, random values on the device ----------------------------------
+
+@dataclass(frozen=True)
+class LeafSpec:
+    path: str                  # dotted params path (`nest` turns it into the pytree)
+    shape: tuple[int, ...]
+    held: str                  # "bf16" | "f32"
+    offset: float              # value = offset + scale * N(0, 1), as the writer draws it
+    scale: float
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * _ITEMSIZE[self.held]
+
+
+class _ConstantDraw:
+    """Stands in for the writer's np.random.Generator: every 'normal draw' is one constant, so
+    `make_checkpoint._init` (affine in its draw) shows its offset (draw 0) and scale (draw 1)."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def standard_normal(self, shape, dtype=np.float32):
+        return np.full((), self.value, dtype)
+
+
+def param_leaf_specs(cfg: ModelConfig) -> dict[str, LeafSpec]:
+    """Every params leaf `load_params` would produce for `cfg`: path -> LeafSpec."""
+    schema = checkpoint_schema(cfg)
+    out = {}
+    for path, unit in param_units(schema).items():
+        spec = schema[unit.names[0]]
+        shape = tuple(logical_shape(spec))               # the dequantized [out, in]
+        offset = float(writer_init(unit.names[0], shape, _ConstantDraw(0.0)))
+        scale = float(writer_init(unit.names[0], shape, _ConstantDraw(1.0))) - offset
+        full = ((len(unit.names),) if unit.stacked else ()) + shape
+        out[path] = LeafSpec(path, full, spec.held, offset, scale)
+    return out
+
+
+@partial(jax.jit, static_argnums=(1, 2))
+def _draw(key, shape, held, offset, scale):
+    dt = _HELD[held]
+    return (jax.random.normal(key, shape, dt) * scale.astype(dt) + offset.astype(dt)).astype(dt)
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, specs: dict[str, LeafSpec] | None = None,
+                  workers: int = 16) -> dict:
+    """A params pytree with the loader's structure, shapes and dtypes, drawn on the default
+    device, plus host Engram tables. One small RNG program per distinct (shape, dtype): the first
+    leaf of each is drawn from a thread pool so those compiles overlap."""
+    specs = specs or param_leaf_specs(cfg)
+    root = jax.random.key(seed, impl="rbg")
+    items = list(specs.items())
+
+    def draw(i: int):
+        s = items[i][1]
+        return _draw(jax.random.fold_in(root, i), s.shape, s.held, np.float32(s.offset), np.float32(s.scale))
+
+    first: dict[tuple, int] = {}
+    for i, (_, s) in enumerate(items):
+        first.setdefault((s.shape, s.held), i)
+    flat: dict[str, jax.Array] = {}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for i, arr in zip(first.values(), pool.map(draw, first.values())):
+            flat[items[i][0]] = arr
+    for i, (path, _) in enumerate(items):
+        if path not in flat:
+            flat[path] = draw(i)
+    params = nest({path: flat[path] for path, _ in items})
+    params[ENGRAM_KEY] = random_engram_tables(cfg, seed)
+    return params
+
+
+def engram_table_bytes(cfg: ModelConfig) -> int:
+    hd = cfg.engram_head_dim
+    return sum(n * (hd + hd // 32) for l, n in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings)
+               if l < cfg.n_layers)
+
+
+def random_engram_tables(cfg: ModelConfig, seed: int = 0) -> EngramTables:
+    """Host FP8 E4M3 rows (codes 0x30-0x3f: |x| in [0.5, 1.875], random signs; a random block of
+    64Ki rows repeated, which the host gather cannot tell apart) with E8M0 scale 1.0, typed like
+    the checkpoint's memmap views."""
+    rng = np.random.default_rng(seed)
+    weight, scale, source = {}, {}, []
+    for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings):
+        if layer >= cfg.n_layers:
+            continue
+        block = rng.integers(0, 32, (min(rows, 1 << 16), cfg.engram_head_dim), dtype=np.uint8)
+        block = (block & 0x0F) | 0x30 | ((block & 0x10) << 3)
+        weight[layer] = np.resize(block, (rows, cfg.engram_head_dim)).view(ml_dtypes.float8_e4m3fn)
+        scale[layer] = np.full((rows, cfg.engram_head_dim // 32), 127, np.uint8).view(ml_dtypes.float8_e8m0fnu)
+        source += [(f"layers.{layer}.engram.embed.{w}", f"random:seed={seed}", 0) for w in ("weight", "scale")]
+    return EngramTables(weight, scale, tuple(source))
+
+
+# ---- bytes a decode step must read ---------------------------------------------------------------
+
+def expected_experts(n_experts: int, k: int, tokens: int) -> float:
+    """Expected distinct experts `tokens` tokens activate, each picking k of E uniformly."""
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)
+
+
+def decode_bytes(cfg: ModelConfig, geom: CacheGeometry, specs: dict[str, LeafSpec], batch: int,
+                 context: int) -> dict:
+    """Bytes one decode step of `batch` requests (query at position context - 1) must read."""
+    topo = resolve_topology(cfg)
+    dense = sum(s.nbytes for p, s in specs.items()
+                if p.startswith("layers.") and ".ffn.experts." not in p)
+    dense += specs["head.weight"].nbytes + specs["norm.weight"].nbytes
+    dense += batch * specs["embed.weight"].nbytes // specs["embed.weight"].shape[0]
+    experts = experts_ub = 0.0
+    for layer in range(cfg.n_layers):
+        n_e, k = cfg.moe_experts(layer)
+        per_expert = sum(specs[f"layers.{layer}.ffn.experts.{w}"].nbytes for w in ("w1", "w2", "w3")) / n_e
+        experts += expected_experts(n_e, k, batch) * per_expert
+        experts_ub += min(n_e, batch * k) * per_expert
+    pos = context - 1
+    window = compressed = index = 0
+    for t in topo[: cfg.n_layers]:
+        window += min(cfg.window_size, pos + 1) * geom.window_row_bytes
+        if t.mode is Mode.WINDOW:
+            continue
+        visible = (pos + 1) // t.ratio
+        compressed += min(cfg.index_topk, visible) * geom.main_row_bytes
+        if t.scores:
+            scanned = visible if t.mode is Mode.FULL else min(
+                visible, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+            index += scanned * geom.index_row_bytes
+    kv = batch * (window + compressed + index)
+    return {"dense_weights": int(dense), "experts_expected": int(experts), "experts_upper": int(experts_ub),
+            "kv_window": batch * window, "kv_compressed": batch * compressed, "kv_index_keys": batch * index,
+            "kv_total": int(kv), "total": int(dense + experts + kv)}
+
+
+def prefill_weight_flops(cfg: ModelConfig, specs: dict[str, LeafSpec], tokens: int) -> float:
+    """2 x (weights each token multiplies) x tokens: the layers' dense weights (the Engram and
+    compressor projections included) and k experts per layer, plus the head for one logits row.
+    Attention's own FLOPs and the embedding gather are left out (an approximation)."""
+    per_tok = sum(int(np.prod(s.shape)) for p, s in specs.items()
+                  if p.startswith("layers.") and ".ffn.experts." not in p)
+    for layer in range(cfg.n_layers):
+        n_e, k = cfg.moe_experts(layer)
+        per_tok += k * sum(int(np.prod(specs[f"layers.{layer}.ffn.experts.{w}"].shape)) for w in ("w1", "w2", "w3")) // n_e
+    return 2.0 * (per_tok * tokens + int(np.prod(specs["head.weight"].shape)))
+
+
+# ---- what-if: the Pallas MoE kernels inside the step ----------------------------------------------
+
+@contextmanager
+def kernel_moe():
+    """While tracing, route the model's routed experts through `kernels_pallas.moe` (its
+    `choose_impl` per step: reference loop at 1 token, dense all-experts, Pallas grouped GEMM).
+    The committed step uses the model's jnp per-token loop (`v41_jax.model.moe.routed_experts`),
+    which gathers a [T, F, D] copy of the picked experts' weights per pick: fine at decode,
+    beyond the device's memory for long prefill chunks. XLA / reference numerics keep the loop."""
+    from kernels_pallas import moe as kmoe
+    from v41_jax.model import moe as model_moe
+    original = model_moe.routed_experts
+
+    def routed(x, idx, w, w1, w3, w2, numerics, swiglu_limit):
+        impl = kmoe.choose_impl(x.shape[0], idx.shape[1], w1.shape[0])
+        if impl == "reference" or numerics.block_gemm or kernel_backend.resolve() == "xla":
+            return original(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
+        return kmoe.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit, impl=impl)
+
+    model_moe.routed_experts = routed
+    try:
+        yield
+    finally:
+        model_moe.routed_experts = original
+
+
+def parse_moe(spec: str) -> dict[str, str]:
+    """"step" | "kernels" | "decode=step,prefill=kernels" -> {kind: variant}."""
+    if "=" not in spec:
+        out = {"decode": spec, "prefill": spec}
+    else:
+        out = dict(part.split("=", 1) for part in spec.split(","))
+    if set(out) != {"decode", "prefill"} or not set(out.values()) <= {"step", "kernels"}:
+        raise argparse.ArgumentTypeError(f"--moe {spec!r}: step | kernels | decode=V,prefill=V")
+    return out
+
+
+def moe_loop_gather_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """One [T, F, D] bf16 gather of the committed jnp expert loop (it makes 3 per pick and layer)."""
+    return tokens * cfg.moe_inter_dim * cfg.dim * 2
+
+
+# ---- measurement helpers -------------------------------------------------------------------------
+
+def copy_bandwidth(mib: int, reps: int = 10) -> dict:
+    """fp32 `a * 2` over `mib` MiB (bytes read + written / median time), as bench_kernels does."""
+    n = mib * (1 << 20) // 4
+    a = jax.random.normal(jax.random.key(0, impl="rbg"), (n,), jnp.float32)
+    f = jax.jit(lambda x: x * 2.0)
+    for _ in range(3):
+        jax.block_until_ready(f(a))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a))
+        ts.append(time.perf_counter() - t0)
+    del a
+    t = float(np.median(ts))
+    return {"copy_gbs_read_plus_write": round(2 * n * 4 / t / 1e9, 1), "copy_bytes": 2 * n * 4,
+            "copy_ms": round(t * 1e3, 4)}
+
+
+def device_memory_limit() -> int | None:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend reports
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def memory_analysis(compiled) -> dict:
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001
+        return {}
+    if m is None:
+        return {}
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+            "generated_code_size_in_bytes")
+    return {k: int(getattr(m, k)) for k in keys if hasattr(m, k)}
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _randomize(cache: Cache, key, cursor) -> Cache:
+    """Random rows in every PAGE / STATE array (N(0, 1) in its dtype); cursor rows as given."""
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    out = []
+    for i, x in enumerate(leaves):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x = jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+        out.append(x)
+    cache = jax.tree_util.tree_unflatten(treedef, out)
+    return Cache(main=cache.main, index=cache.index, window=cache.window, comp_kv=cache.comp_kv,
+                 comp_score=cache.comp_score, cursor=cursor.astype(cache.cursor.dtype))
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str                  # "decode" | "prefill"
+    batch: int                 # requests
+    tokens: int                # token rows
+    bucket: Bucket
+    moe: str                   # "step" | "kernels"
+    device_batch: object = None
+    host_build_ms: float = 0.0
+    lowered: object = None
+    lower_s: float = 0.0
+    compiled: object = None
+    compile_s: float | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    compile_t0: float = 0.0
+
+
+class Results:
+    def __init__(self, path: str, meta: dict):
+        self.path, self.lock = path, threading.Lock()
+        self.data = dict(meta, cases=[])
+
+    def save(self) -> None:
+        with self.lock:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.data, f, indent=1, default=str)
+            os.replace(tmp, self.path)
+
+    def record(self, row: dict) -> None:
+        with self.lock:
+            self.data["cases"].append(row)
+        self.save()
+        print(json.dumps({k: v for k, v in row.items() if k not in ("bytes", "memory")}, default=str), flush=True)
+
+
+def _jaxlib_version():
+    try:
+        import jaxlib
+        return jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True, help="results JSON (rewritten after every case)")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 32], help="decode batches, comma separated")
+    ap.add_argument("--context", type=int, default=8192, help="positions each decode query attends to")
+    ap.add_argument("--prefill", type=_ints, default=[1024, 4096], help="prefill chunk sizes ('' = none)")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per case (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls after the first one")
+    ap.add_argument("--case-s", type=float, default=8.0, help="stop a case's timed loop after this long")
+    ap.add_argument("--budget-s", type=float, default=100.0,
+                    help="skip a case whose compile takes longer than this")
+    ap.add_argument("--total-s", type=float, default=170.0,
+                    help="watchdog: end the whole run this long after start (partial JSON stays)")
+    ap.add_argument("--compile-workers", type=int, default=0, help="concurrent compiles (0 = one per case)")
+    ap.add_argument("--page-tokens", type=int, default=256)
+    ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
+    ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
+    ap.add_argument("--moe", type=parse_moe, default=parse_moe("step"),
+                    help="step (the committed step: model's jnp expert loop) | kernels (what-if: "
+                         "kernels_pallas.moe in the step) | per kind, e.g. decode=step,prefill=kernels")
+    ap.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (0: 4096 on GPU, 64 elsewhere)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dry-run", action="store_true", help="print the estimates and stop")
+    return ap.parse_args(argv)
+
+
+def _fmt(x, nd=3):
+    return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def markdown_table(data: dict) -> str:
+    lines = ["| case | moe | bucket T/R/O | lower s | compile s | first call s | step ms (median) | tokens/s | "
+             "ideal ms | measured / ideal | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["cases"]:
+        note = r.get("skipped") or r.get("error") or r.get("note") or ""
+        lines.append(f"| {r['name']} | {r.get('moe', '')} | {r.get('bucket', '')} | {_fmt(r.get('lower_s'), 1)} | "
+                     f"{_fmt(r.get('compile_s'), 1)} | {_fmt(r.get('first_call_s'), 2)} | "
+                     f"{_fmt(r.get('step_ms_median'), 3)} | {_fmt(r.get('tokens_per_s'), 1)} | "
+                     f"{_fmt(r.get('ideal_ms'), 3)} | {_fmt(r.get('measured_over_ideal'), 2)} | {note[:90]} |")
+    return "\n".join(lines)
+
+
+class Clock:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, msg: str) -> None:
+        print(f"[bench_step {self():6.1f}s] {msg}", flush=True)
+
+
+def time_calls(fn, state: dict, iters: int, max_s: float) -> list[float]:
+    """Seconds of up to `iters` calls (block_until_ready on logits and cache each), stopping once
+    `max_s` has passed; `state` carries the donated cache from call to call."""
+    ts, t_case = [], time.perf_counter()
+    for _ in range(iters):
+        t1 = time.perf_counter()
+        state["logits"], state["cache"] = fn(state["cache"])
+        jax.block_until_ready((state["logits"], state["cache"]))
+        ts.append(time.perf_counter() - t1)
+        if time.perf_counter() - t_case > max_s:
+            break
+    return ts
+
+
+def main(argv=None) -> int:
+    clock = Clock()
+    args = parse_args(argv)
+    cfg = ModelConfig.from_file(args.config)
+    numerics = NUMERICS[args.numerics]()
+    if args.kernels != "auto":
+        kernel_backend.set_backend(args.kernels)
+    fmt = CACHE_FORMAT[numerics.act_dtype.name]
+    batches, prefills = sorted(set(args.batches)), sorted(set(args.prefill))
+    if not batches and not prefills:
+        raise SystemExit("nothing to run: --batches and --prefill are both empty")
+    page = args.page_tokens
+    max_context = max([args.context] + prefills)
+    max_context = -(-max_context // page) * page
+    pages_decode = -(-args.context // page)
+    pages_prefill = -(-max(prefills) // page) if prefills else 0
+    settings = EngineSettings(page_tokens=page, num_pages=1 + max(batches, default=0) * pages_decode + pages_prefill,
+                              slots=max(batches + [1]), max_context=max_context, kv_format=fmt, index_format=fmt)
+    geom = CacheGeometry.build(cfg, settings)
+    specs = param_leaf_specs(cfg)
+
+    # ---- estimates first ----------------------------------------------------------------------
+    p_bytes = sum(s.nbytes for s in specs.values())
+    mtp_bytes = sum(s.nbytes for p, s in specs.items() if p.startswith("mtp."))
+    limit = device_memory_limit()
+    copy_mib = args.copy_mib or (4096 if kernel_backend.on_gpu() else 64)
+    est = {"params_bytes": p_bytes, "params_gib": round(p_bytes / GiB, 2), "params_mtp_bytes": mtp_bytes,
+           "params_count": int(sum(np.prod(s.shape) for s in specs.values())),
+           "engram_tables_host_bytes": engram_table_bytes(cfg), "cache_bytes": geom.total_bytes,
+           "copy_probe_bytes": 2 * copy_mib << 20, "device_bytes_limit": limit,
+           "moe_loop_gather_bytes_per_weight": {f"T={c}": moe_loop_gather_bytes(cfg, c)
+                                                for c in batches + prefills}}
+    clock.log(f"{args.config}: params {est['params_count'] / 1e9:.2f} B elements = {p_bytes / GiB:.2f} GiB on "
+              f"device ({mtp_bytes / GiB:.2f} GiB of it draft stages, unused by the step); Engram tables "
+              f"{est['engram_tables_host_bytes'] / GiB:.2f} GiB on the host; cache {geom.total_bytes / GiB:.3f} GiB; "
+              f"copy probe {2 * copy_mib / 1024:.2f} GiB (freed before the params); device limit "
+              f"{'unknown' if limit is None else f'{limit / GiB:.1f} GiB'}")
+    print(geom.summary(), flush=True)
+    if limit is not None and p_bytes + geom.total_bytes > 0.92 * limit:
+        raise SystemExit(f"params + cache ({(p_bytes + geom.total_bytes) / GiB:.1f} GiB) exceed 92% of the "
+                         f"device's {limit / GiB:.1f} GiB")
+    meta = {"config": args.config, "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+            "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": sys.version.split()[0],
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(), "moe": args.moe,
+            "args": vars(args), "estimates": est,
+            "geometry": {"page_tokens": page, "num_pages": settings.num_pages, "slots": settings.slots,
+                         "max_context": max_context, "kv_format": fmt, "index_format": fmt,
+                         "summary": geom.summary()},
+            "synthetic": "weights random at the writer's scales; every PAGE/STATE row random N(0,1); Engram "
+                         "cursors set to each decode request's position; tokens random",
+            "decode_position": args.context - 1,
+            "compile_note": "each bucket's compile runs in its own thread as soon as it is lowered; compile "
+                            "seconds include contention with the other compiles and lowerings"}
+    res = Results(args.out, meta)
+    res.save()
+    if args.dry_run:
+        for b in batches:
+            print(f"decode b={b}: bytes {decode_bytes(cfg, geom, specs, b, args.context)}")
+        return 0
+
+    # ---- watchdog: the JSON is current after every case; past --total-s the process ends ----------
+    def abort():
+        res.data["aborted"] = f"--total-s {args.total_s} reached at {clock():.1f} s"
+        try:
+            res.save()
+            clock.log(f"watchdog: --total-s {args.total_s} reached; partial results in {args.out}")
+            print(markdown_table(res.data), flush=True)
+        finally:
+            os._exit(3)
+    watchdog = threading.Timer(max(0.0, args.total_s - clock()), abort)
+    watchdog.daemon = True
+    watchdog.start()
+
+    # ---- ceilings, params, engine, cache -------------------------------------------------------
+    res.data["copy"] = copy_bandwidth(copy_mib)
+    copy_gbs = res.data["copy"]["copy_gbs_read_plus_write"]
+    clock.log(f"copy probe: {copy_gbs:.1f} GB/s read+write over {2 * copy_mib} MiB")
+    t0 = time.perf_counter()
+    params = random_params(cfg, args.seed, specs)
+    jax.block_until_ready(params)
+    res.data["params_gen_s"] = round(time.perf_counter() - t0, 2)
+    clock.log(f"params generated in {res.data['params_gen_s']} s")
+
+    cases = [Case(f"decode b={b} ctx={args.context}", "decode", b, b, Bucket(b, b, b), args.moe["decode"])
+             for b in batches]
+    cases += [Case(f"prefill {n} (b=1, pos 0)", "prefill", 1, n, Bucket(n, 1, 1), args.moe["prefill"])
+              for n in prefills]
+    token_map = np.asarray(engram_token_map(cfg)) if cfg.engram_layer_ids else None
+    engine = Engine(params, cfg, settings=settings, buckets=BucketSet(tuple(c.bucket for c in cases)),
+                    numerics=numerics, token_map=token_map)
+    step_fns = {"step": engine.step_fn}
+    if "kernels" in args.moe.values():       # its own jit: traced (only) under `kernel_moe()`
+        step_fns["kernels"] = make_step(cfg, geom, numerics)
+
+    # decode request i: slot i, its own pages, position context - 1; the prefill request: slot 0,
+    # pages of its own, position 0. Cursor rows: each decode slot at its position.
+    rng = np.random.default_rng(args.seed)
+    hist = geom.history
+    cursor = np.zeros((settings.slots, hist + 1), np.int64)
+    cursor[:, 1:] = DEAD
+    decode_pages = [engine.pages.allocate(pages_decode) for _ in range(max(batches, default=0))]
+    for i in range(len(decode_pages)):
+        cursor[i] = [args.context - 1, *rng.integers(0, cfg.engram_compressed_vocab_size, hist)]
+    prefill_pages = engine.pages.allocate(pages_prefill) if prefills else []
+    fill_key = jax.random.key(args.seed + 1, impl="rbg")
+    engine.cache = _randomize(engine.cache, fill_key, jnp.asarray(cursor))
+    cursors = engine.cursors()
+    clock.log("cache filled")
+
+    def tokens(n):
+        return rng.integers(3, cfg.vocab_size - 1, n).astype(np.int32)
+
+    for c in cases:
+        t0 = time.perf_counter()
+        if c.kind == "decode":
+            spans = [engine.make_span(f"d{i}", i, args.context - 1, tokens(1), decode_pages[i], cursors[i])
+                     for i in range(c.batch)]
+        else:
+            spans = [engine.make_span("p0", 0, 0, tokens(c.tokens), prefill_pages, cursors[0])]
+        built = build_step(geom, cfg, c.bucket, spans)
+        c.host_build_ms = (time.perf_counter() - t0) * 1e3
+        c.device_batch = jax.device_put(built.batch)
+
+    # ---- lower each case (main thread), compile it in its own thread at once ----------------------
+    sem = threading.Semaphore(args.compile_workers or len(cases))
+
+    def compile_case(c: Case):
+        with sem:
+            t1 = time.perf_counter()
+            try:
+                c.compiled = c.lowered.compile()
+                c.compile_s = time.perf_counter() - t1
+            except Exception as err:  # noqa: BLE001 - one failing case must not end the run
+                c.error = f"compile: {type(err).__name__}: {str(err)[:400]}"
+                traceback.print_exc()
+            finally:
+                c.done.set()
+
+    for c in cases:
+        t1 = time.perf_counter()
+        try:
+            with (kernel_moe() if c.moe == "kernels" else _nothing()):
+                c.lowered = step_fns[c.moe].lower(params, engine.cache, c.device_batch)
+        except Exception as err:  # noqa: BLE001
+            c.error = f"lower: {type(err).__name__}: {str(err)[:400]}"
+            traceback.print_exc()
+            c.done.set()
+        c.lower_s = time.perf_counter() - t1
+        clock.log(f"lowered {c.name} ({c.moe} moe) in {c.lower_s:.1f} s")
+        if c.lowered is not None:
+            c.thread = threading.Thread(target=compile_case, args=(c,), daemon=True, name=f"compile:{c.name}")
+            c.compile_t0 = time.perf_counter()
+            c.thread.start()
+
+    # ---- measure in order, each as soon as its compile is done ------------------------------------
+    state = {"cache": engine.cache, "logits": None}
+    engine.cache = None                       # the timed calls own (and donate) the cache from here
+
+    def refill():
+        if any(x.is_deleted() for x in jax.tree_util.tree_leaves(state["cache"])):
+            state["cache"] = _randomize(allocate(geom), fill_key, jnp.asarray(cursor))
+
+    def busy() -> int:
+        return sum(1 for c in cases if c.thread is not None and c.thread.is_alive())
+
+    rows = {}
+    for c in cases:
+        row = {"name": c.name, "kind": c.kind, "moe": c.moe, "batch": c.batch, "tokens": c.tokens,
+               "bucket": f"{c.bucket.tokens}/{c.bucket.requests}/{c.bucket.logits}",
+               "lower_s": round(c.lower_s, 2), "host_build_ms": round(c.host_build_ms, 2)}
+        if c.kind == "decode":
+            nbytes = decode_bytes(cfg, geom, specs, c.batch, args.context)
+            row["bytes"] = nbytes
+            row["ideal_ms"] = nbytes["total"] / (copy_gbs * 1e9) * 1e3
+            row["ideal_ms_at_4300_gbs"] = nbytes["total"] / (NOMINAL_COPY_GBS * 1e9) * 1e3
+        if c.moe == "kernels":
+            row["note"] = "what-if: kernels_pallas.moe swapped into the step"
+        else:
+            row["moe_loop_gather_gib_per_copy"] = round(moe_loop_gather_bytes(cfg, c.tokens) / GiB, 3)
+        left = args.budget_s - (time.perf_counter() - c.compile_t0) if c.thread is not None else 0.0
+        if not c.done.wait(timeout=max(0.0, left)):
+            row["skipped"] = f"compile not done within --budget-s {args.budget_s} s"
+            res.record(row)
+            continue
+        row["compile_s"] = None if c.compile_s is None else round(c.compile_s, 2)
+        if c.compiled is None:
+            row["error"] = c.error
+            res.record(row)
+            continue
+        clock.log(f"compiled {c.name} in {c.compile_s:.1f} s")
+        row["memory"] = mem = memory_analysis(c.compiled)
+        need = sum(mem.get(k, 0) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"))
+        need -= mem.get("alias_size_in_bytes", 0)
+        if limit is not None and mem and need > limit:
+            row["skipped"] = (f"does not fit: needs {need / GiB:.2f} GiB (temp "
+                              f"{mem.get('temp_size_in_bytes', 0) / GiB:.2f}) > device {limit / GiB:.2f} GiB")
+            res.record(row)
+            continue
+
+        def fn(cache, c=c):
+            return c.compiled(params, cache, c.device_batch)
+
+        try:
+            row["compiles_running"] = busy()
+            t1 = time.perf_counter()
+            state["logits"], state["cache"] = fn(state["cache"])
+            jax.block_until_ready((state["logits"], state["cache"]))
+            row["first_call_s"] = time.perf_counter() - t1
+            for _ in range(args.warmup):
+                state["logits"], state["cache"] = fn(state["cache"])
+            jax.block_until_ready((state["logits"], state["cache"]))
+            ts = time_calls(fn, state, args.iters, args.case_s)
+            if not np.isfinite(np.asarray(state["logits"], np.float32)).all():
+                row["warning"] = "non-finite logits"
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"run: {type(err).__name__}: {str(err)[:400]}"
+            traceback.print_exc()
+            refill()
+            res.record(row)
+            continue
+        _timing(row, ts, c, cfg, specs)
+        rows[c.name] = (row, fn)
+        res.record(row)
+
+    # ---- re-time what ran while other compiles were still going (XLA autotuning uses the GPU) ----
+    for name, (row, fn) in rows.items():
+        if not row.get("compiles_running") or args.total_s - clock() < args.case_s + 10:
+            continue
+        try:
+            ts = time_calls(fn, state, args.iters, args.case_s)
+        except Exception as err:  # noqa: BLE001
+            row["retime_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            refill()
+            continue
+        row["during_compiles"] = {k: row[k] for k in ("iters", "step_ms_median", "step_ms_min", "compiles_running")}
+        _timing(row, ts, next(c for c in cases if c.name == name), cfg, specs)
+        row["compiles_running"] = busy()
+        res.save()
+        clock.log(f"re-timed {name}: {row['step_ms_median']:.3f} ms (was {row['during_compiles']['step_ms_median']:.3f} "
+                  f"with {row['during_compiles']['compiles_running']} compiles running)")
+
+    res.data["wall_s"] = round(clock(), 1)
+    res.data["table_md"] = markdown_table(res.data)
+    res.save()
+    watchdog.cancel()
+    print(f"\n{meta['device']} ({meta['platform']}), jax {meta['jax']}, {args.numerics} numerics, kernels "
+          f"{meta['kernels_backend']}, moe {args.moe}; copy {copy_gbs:.0f} GB/s read+write; decode rows at "
+          f"position {args.context - 1}; synthetic weights and cache; wall {res.data['wall_s']} s\n", flush=True)
+    print(res.data["table_md"], flush=True)
+    return 0
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _timing(row: dict, ts: list[float], c: Case, cfg: ModelConfig, specs: dict) -> None:
+    med = float(np.median(ts))
+    row.update(iters=len(ts), step_ms_median=med * 1e3, step_ms_min=float(np.min(ts)) * 1e3,
+               step_ms_mean=float(np.mean(ts)) * 1e3, tokens_per_s=c.tokens / med)
+    if "first_call_s" in row:
+        row["first_call_minus_steady_s"] = row["first_call_s"] - med
+    if c.kind == "decode":
+        row["measured_over_ideal"] = med * 1e3 / row["ideal_ms"]
+        row["achieved_gbs_of_ideal_bytes"] = row["bytes"]["total"] / med / 1e9
+    else:
+        row["weight_gemm_tflops"] = prefill_weight_flops(cfg, specs, c.tokens) / med / 1e12
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    # a compile thread past --budget-s may still be running: do not wait for it at exit
+    if any(t.name.startswith("compile:") and t.is_alive() for t in threading.enumerate()):
+        os._exit(code)
+    sys.exit(code)

@@ -1,0 +1,76 @@
+"""scripts/bench_step.py: its random params have the loader's exact layout, its writer-scale
+probe, the expected-experts count and the MoE what-if switch (the end-to-end run is the CPU smoke
+command in the script's docstring, too slow for CI)."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from scripts import bench_step as bs
+from scripts.make_checkpoint import make_checkpoint
+from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
+from v41_jax.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "v41_jax/configs/tiny.config.json")
+
+
+def _layout(tree):
+    return jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
+
+
+def test_random_params_have_the_loaders_layout(tmp_path):
+    make_checkpoint(TINY, str(tmp_path), seed=0)
+    cfg, loaded = load_params(tmp_path, progress=False)
+    made = bs.random_params(cfg, seed=0)
+    made_tables, tables = made.pop(ENGRAM_KEY), loaded.pop(ENGRAM_KEY)   # static nodes: by source
+    assert jax.tree_util.tree_structure(_layout(made)) == jax.tree_util.tree_structure(_layout(loaded))
+    assert _layout(made) == _layout(loaded)
+    assert sorted(made_tables.weight) == sorted(tables.weight)
+    for layer in tables.weight:
+        for got, want in ((made_tables.weight[layer], tables.weight[layer]),
+                          (made_tables.scale[layer], tables.scale[layer])):
+            assert got.shape == want.shape and got.dtype == want.dtype
+        assert np.isfinite(made_tables.weight[layer].astype(np.float32)).all()
+    leaves = [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(made)]
+    assert all(np.isfinite(x).all() and x.std() > 0 for x in leaves if x.size > 1)
+
+
+def test_specs_take_the_writers_scales():
+    cfg = ModelConfig.from_file(TINY)
+    specs = bs.param_leaf_specs(cfg)
+    norm = specs["layers.0.attn_norm.weight"]
+    assert (norm.offset, norm.held) == (1.0, "bf16") and norm.scale == pytest.approx(0.1)
+    wq = specs["layers.0.attn.wq_a.weight"]
+    assert wq.offset == 0 and wq.scale == pytest.approx(cfg.dim ** -0.5)
+    experts = specs["layers.0.ffn.experts.w2"]
+    assert experts.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
+    assert experts.scale == pytest.approx(cfg.moe_inter_dim ** -0.5)
+    assert specs["head.weight"].held == "f32" and specs["embed.weight"].scale == 1
+
+
+def test_expected_experts_and_decode_bytes():
+    assert bs.expected_experts(64, 6, 1) == pytest.approx(6)
+    assert bs.expected_experts(64, 6, 8) == pytest.approx(34.88, abs=0.01)  # BENCHMARKS.md saw 35
+    assert bs.expected_experts(64, 6, 1000) == pytest.approx(64)
+    cfg = ModelConfig.from_file(TINY)
+    from v41_jax.cache.geometry import CacheGeometry, EngineSettings
+    geom = CacheGeometry.build(cfg, EngineSettings(page_tokens=16, num_pages=9, slots=2, max_context=64))
+    one, two = (bs.decode_bytes(cfg, geom, bs.param_leaf_specs(cfg), b, 64) for b in (1, 2))
+    assert two["kv_total"] == 2 * one["kv_total"] and one["experts_expected"] < two["experts_expected"]
+    assert one["total"] == one["dense_weights"] + one["experts_expected"] + one["kv_total"]
+
+
+def test_kernel_moe_switch_routes_and_restores(monkeypatch):
+    from kernels_pallas import backend, moe as kmoe
+    from v41_jax.model import moe as model_moe
+    original, calls = model_moe.routed_experts, []
+    monkeypatch.setattr(kmoe, "routed_experts", lambda *a, **k: calls.append(k["impl"]) or "kernel")
+    x, idx = np.zeros((4, 8), np.float32), np.zeros((4, 2), np.int32)
+    w1 = np.zeros((8, 16, 8), np.float32)
+    with backend.use_backend("pallas"), bs.kernel_moe():
+        assert model_moe.routed_experts(x, idx, None, w1, w1, None, bs.NUMERICS["fast"](), 0.0) == "kernel"
+    assert calls == [kmoe.choose_impl(4, 2, 8)] and model_moe.routed_experts is original
+    assert bs.parse_moe("decode=step,prefill=kernels") == {"decode": "step", "prefill": "kernels"}
