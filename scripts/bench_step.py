@@ -3,7 +3,7 @@ and an HBM roofline ratio, on random weights generated on the device.
 
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
-        [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--moe step]
+        [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -36,13 +36,6 @@ still running (XLA's autotuning runs on the GPU) is timed again at the end when 
 first figures stay under `during_compiles`. Also per case: the executable's memory analysis and the
 host time to build one batch (`make_span` + `build_step`: Engram hashing and table gathers).
 
-MoE (`--moe`): the committed step runs the routed experts through the model's jnp per-token loop
-(`v41_jax.model.moe.routed_experts`), not `kernels_pallas.moe`; that loop gathers a [T, F, D]
-copy of the picked experts' weights per pick, which at prefill sizes exceeds the device (a
-case whose memory analysis does not fit is skipped, not run). `--moe kernels` (or per kind,
-`decode=step,prefill=kernels`) traces those cases with `kernels_pallas.moe.routed_experts` (its
-`choose_impl`) swapped in: a labelled what-if, in a jit of its own.
-
 Roofline (decode): bytes a step must read (every weight the step touches: the layers' dense
 weights, the LM head and the norm, embedding rows; the routed experts of the expected number of
 distinct experts a batch activates, E (1 - (1 - k/E)^b), uniform routing assumed; per request and
@@ -68,7 +61,6 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -92,7 +84,6 @@ from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
 from v41_jax.runtime.engine import Engine  # noqa: E402
 from v41_jax.runtime.metadata import Bucket, BucketSet, build_step  # noqa: E402
-from v41_jax.runtime.step import make_step  # noqa: E402
 from v41_jax.topology import Mode, resolve_topology  # noqa: E402
 
 NUMERICS = {"fast": Numerics.fast, "reference": Numerics.reference, "fp32": Numerics.fp32}
@@ -251,48 +242,6 @@ def prefill_weight_flops(cfg: ModelConfig, specs: dict[str, LeafSpec], tokens: i
     return 2.0 * (per_tok * tokens + int(np.prod(specs["head.weight"].shape)))
 
 
-# ---- what-if: the Pallas MoE kernels inside the step ----------------------------------------------
-
-@contextmanager
-def kernel_moe():
-    """While tracing, route the model's routed experts through `kernels_pallas.moe` (its
-    `choose_impl` per step: reference loop at 1 token, dense all-experts, Pallas grouped GEMM).
-    The committed step uses the model's jnp per-token loop (`v41_jax.model.moe.routed_experts`),
-    which gathers a [T, F, D] copy of the picked experts' weights per pick: fine at decode,
-    beyond the device's memory for long prefill chunks. XLA / reference numerics keep the loop."""
-    from kernels_pallas import moe as kmoe
-    from v41_jax.model import moe as model_moe
-    original = model_moe.routed_experts
-
-    def routed(x, idx, w, w1, w3, w2, numerics, swiglu_limit):
-        impl = kmoe.choose_impl(x.shape[0], idx.shape[1], w1.shape[0])
-        if impl == "reference" or numerics.block_gemm or kernel_backend.resolve() == "xla":
-            return original(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
-        return kmoe.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit, impl=impl)
-
-    model_moe.routed_experts = routed
-    try:
-        yield
-    finally:
-        model_moe.routed_experts = original
-
-
-def parse_moe(spec: str) -> dict[str, str]:
-    """"step" | "kernels" | "decode=step,prefill=kernels" -> {kind: variant}."""
-    if "=" not in spec:
-        out = {"decode": spec, "prefill": spec}
-    else:
-        out = dict(part.split("=", 1) for part in spec.split(","))
-    if set(out) != {"decode", "prefill"} or not set(out.values()) <= {"step", "kernels"}:
-        raise argparse.ArgumentTypeError(f"--moe {spec!r}: step | kernels | decode=V,prefill=V")
-    return out
-
-
-def moe_loop_gather_bytes(cfg: ModelConfig, tokens: int) -> int:
-    """One [T, F, D] bf16 gather of the committed jnp expert loop (it makes 3 per pick and layer)."""
-    return tokens * cfg.moe_inter_dim * cfg.dim * 2
-
-
 # ---- measurement helpers -------------------------------------------------------------------------
 
 def copy_bandwidth(mib: int, reps: int = 10) -> dict:
@@ -354,7 +303,6 @@ class Case:
     batch: int                 # requests
     tokens: int                # token rows
     bucket: Bucket
-    moe: str                   # "step" | "kernels"
     device_batch: object = None
     host_build_ms: float = 0.0
     lowered: object = None
@@ -416,9 +364,6 @@ def parse_args(argv=None):
     ap.add_argument("--page-tokens", type=int, default=256)
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
     ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
-    ap.add_argument("--moe", type=parse_moe, default=parse_moe("step"),
-                    help="step (the committed step: model's jnp expert loop) | kernels (what-if: "
-                         "kernels_pallas.moe in the step) | per kind, e.g. decode=step,prefill=kernels")
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (0: 4096 on GPU, 64 elsewhere)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="print the estimates and stop")
@@ -430,11 +375,11 @@ def _fmt(x, nd=3):
 
 
 def markdown_table(data: dict) -> str:
-    lines = ["| case | moe | bucket T/R/O | lower s | compile s | first call s | step ms (median) | tokens/s | "
-             "ideal ms | measured / ideal | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | bucket T/R/O | lower s | compile s | first call s | step ms (median) | tokens/s | "
+             "ideal ms | measured / ideal | note |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["cases"]:
         note = r.get("skipped") or r.get("error") or r.get("note") or ""
-        lines.append(f"| {r['name']} | {r.get('moe', '')} | {r.get('bucket', '')} | {_fmt(r.get('lower_s'), 1)} | "
+        lines.append(f"| {r['name']} | {r.get('bucket', '')} | {_fmt(r.get('lower_s'), 1)} | "
                      f"{_fmt(r.get('compile_s'), 1)} | {_fmt(r.get('first_call_s'), 2)} | "
                      f"{_fmt(r.get('step_ms_median'), 3)} | {_fmt(r.get('tokens_per_s'), 1)} | "
                      f"{_fmt(r.get('ideal_ms'), 3)} | {_fmt(r.get('measured_over_ideal'), 2)} | {note[:90]} |")
@@ -495,9 +440,7 @@ def main(argv=None) -> int:
     est = {"params_bytes": p_bytes, "params_gib": round(p_bytes / GiB, 2), "params_mtp_bytes": mtp_bytes,
            "params_count": int(sum(np.prod(s.shape) for s in specs.values())),
            "engram_tables_host_bytes": engram_table_bytes(cfg), "cache_bytes": geom.total_bytes,
-           "copy_probe_bytes": 2 * copy_mib << 20, "device_bytes_limit": limit,
-           "moe_loop_gather_bytes_per_weight": {f"T={c}": moe_loop_gather_bytes(cfg, c)
-                                                for c in batches + prefills}}
+           "copy_probe_bytes": 2 * copy_mib << 20, "device_bytes_limit": limit}
     clock.log(f"{args.config}: params {est['params_count'] / 1e9:.2f} B elements = {p_bytes / GiB:.2f} GiB on "
               f"device ({mtp_bytes / GiB:.2f} GiB of it draft stages, unused by the step); Engram tables "
               f"{est['engram_tables_host_bytes'] / GiB:.2f} GiB on the host; cache {geom.total_bytes / GiB:.3f} GiB; "
@@ -510,7 +453,7 @@ def main(argv=None) -> int:
     meta = {"config": args.config, "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
             "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": sys.version.split()[0],
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-            "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(), "moe": args.moe,
+            "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(),
             "args": vars(args), "estimates": est,
             "geometry": {"page_tokens": page, "num_pages": settings.num_pages, "slots": settings.slots,
                          "max_context": max_context, "kv_format": fmt, "index_format": fmt,
@@ -550,16 +493,13 @@ def main(argv=None) -> int:
     res.data["params_gen_s"] = round(time.perf_counter() - t0, 2)
     clock.log(f"params generated in {res.data['params_gen_s']} s")
 
-    cases = [Case(f"decode b={b} ctx={args.context}", "decode", b, b, Bucket(b, b, b), args.moe["decode"])
+    cases = [Case(f"decode b={b} ctx={args.context}", "decode", b, b, Bucket(b, b, b))
              for b in batches]
-    cases += [Case(f"prefill {n} (b=1, pos 0)", "prefill", 1, n, Bucket(n, 1, 1), args.moe["prefill"])
+    cases += [Case(f"prefill {n} (b=1, pos 0)", "prefill", 1, n, Bucket(n, 1, 1))
               for n in prefills]
     token_map = np.asarray(engram_token_map(cfg)) if cfg.engram_layer_ids else None
     engine = Engine(params, cfg, settings=settings, buckets=BucketSet(tuple(c.bucket for c in cases)),
                     numerics=numerics, token_map=token_map)
-    step_fns = {"step": engine.step_fn}
-    if "kernels" in args.moe.values():       # its own jit: traced (only) under `kernel_moe()`
-        step_fns["kernels"] = make_step(cfg, geom, numerics)
 
     # decode request i: slot i, its own pages, position context - 1; the prefill request: slot 0,
     # pages of its own, position 0. Cursor rows: each decode slot at its position.
@@ -608,14 +548,13 @@ def main(argv=None) -> int:
     for c in cases:
         t1 = time.perf_counter()
         try:
-            with (kernel_moe() if c.moe == "kernels" else _nothing()):
-                c.lowered = step_fns[c.moe].lower(params, engine.cache, c.device_batch)
+            c.lowered = engine.step_fn.lower(params, engine.cache, c.device_batch)
         except Exception as err:  # noqa: BLE001
             c.error = f"lower: {type(err).__name__}: {str(err)[:400]}"
             traceback.print_exc()
             c.done.set()
         c.lower_s = time.perf_counter() - t1
-        clock.log(f"lowered {c.name} ({c.moe} moe) in {c.lower_s:.1f} s")
+        clock.log(f"lowered {c.name} in {c.lower_s:.1f} s")
         if c.lowered is not None:
             c.thread = threading.Thread(target=compile_case, args=(c,), daemon=True, name=f"compile:{c.name}")
             c.compile_t0 = time.perf_counter()
@@ -634,7 +573,7 @@ def main(argv=None) -> int:
 
     rows = {}
     for c in cases:
-        row = {"name": c.name, "kind": c.kind, "moe": c.moe, "batch": c.batch, "tokens": c.tokens,
+        row = {"name": c.name, "kind": c.kind, "batch": c.batch, "tokens": c.tokens,
                "bucket": f"{c.bucket.tokens}/{c.bucket.requests}/{c.bucket.logits}",
                "lower_s": round(c.lower_s, 2), "host_build_ms": round(c.host_build_ms, 2)}
         if c.kind == "decode":
@@ -642,10 +581,6 @@ def main(argv=None) -> int:
             row["bytes"] = nbytes
             row["ideal_ms"] = nbytes["total"] / (copy_gbs * 1e9) * 1e3
             row["ideal_ms_at_4300_gbs"] = nbytes["total"] / (NOMINAL_COPY_GBS * 1e9) * 1e3
-        if c.moe == "kernels":
-            row["note"] = "what-if: kernels_pallas.moe swapped into the step"
-        else:
-            row["moe_loop_gather_gib_per_copy"] = round(moe_loop_gather_bytes(cfg, c.tokens) / GiB, 3)
         left = args.budget_s - (time.perf_counter() - c.compile_t0) if c.thread is not None else 0.0
         if not c.done.wait(timeout=max(0.0, left)):
             row["skipped"] = f"compile not done within --budget-s {args.budget_s} s"
@@ -713,15 +648,10 @@ def main(argv=None) -> int:
     res.save()
     watchdog.cancel()
     print(f"\n{meta['device']} ({meta['platform']}), jax {meta['jax']}, {args.numerics} numerics, kernels "
-          f"{meta['kernels_backend']}, moe {args.moe}; copy {copy_gbs:.0f} GB/s read+write; decode rows at "
+          f"{meta['kernels_backend']}; copy {copy_gbs:.0f} GB/s read+write; decode rows at "
           f"position {args.context - 1}; synthetic weights and cache; wall {res.data['wall_s']} s\n", flush=True)
     print(res.data["table_md"], flush=True)
     return 0
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def _timing(row: dict, ts: list[float], c: Case, cfg: ModelConfig, specs: dict) -> None:

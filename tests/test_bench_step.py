@@ -61,16 +61,3 @@ def test_expected_experts_and_decode_bytes():
     one, two = (bs.decode_bytes(cfg, geom, bs.param_leaf_specs(cfg), b, 64) for b in (1, 2))
     assert two["kv_total"] == 2 * one["kv_total"] and one["experts_expected"] < two["experts_expected"]
     assert one["total"] == one["dense_weights"] + one["experts_expected"] + one["kv_total"]
-
-
-def test_kernel_moe_switch_routes_and_restores(monkeypatch):
-    from kernels_pallas import backend, moe as kmoe
-    from v41_jax.model import moe as model_moe
-    original, calls = model_moe.routed_experts, []
-    monkeypatch.setattr(kmoe, "routed_experts", lambda *a, **k: calls.append(k["impl"]) or "kernel")
-    x, idx = np.zeros((4, 8), np.float32), np.zeros((4, 2), np.int32)
-    w1 = np.zeros((8, 16, 8), np.float32)
-    with backend.use_backend("pallas"), bs.kernel_moe():
-        assert model_moe.routed_experts(x, idx, None, w1, w1, None, bs.NUMERICS["fast"](), 0.0) == "kernel"
-    assert calls == [kmoe.choose_impl(4, 2, 8)] and model_moe.routed_experts is original
-    assert bs.parse_moe("decode=step,prefill=kernels") == {"decode": "step", "prefill": "kernels"}

@@ -97,6 +97,28 @@ def test_block_gemm_numerics_take_the_reference_path(monkeypatch):
     assert kmoe.routed_experts(*[None] * 6, Numerics.reference(), 10.0, backend="pallas") == "reference path"
 
 
+def test_the_model_moe_layer_dispatches_here(monkeypatch):
+    """`model.moe.moe` (the MoE sublayer of the forward and of the step) routes its experts through
+    this dispatcher, so the one switch picks the grouped GEMM on a GPU and the loop elsewhere."""
+    from pathlib import Path
+    from v41_jax.config import ModelConfig
+    cfg = ModelConfig.from_file(Path(__file__).parent.parent / "v41_jax/configs/tiny.config.json")
+    e, k = cfg.moe_experts(0)
+    rng, _ = fresh_rng()
+    bf = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.bfloat16)
+    p = {"gate": {"weight": bf(e, cfg.dim), "bias": jnp.zeros((e,), jnp.float32)},
+         "experts": {"w1": bf(e, cfg.moe_inter_dim, cfg.dim), "w3": bf(e, cfg.moe_inter_dim, cfg.dim),
+                     "w2": bf(e, cfg.dim, cfg.moe_inter_dim)},
+         "shared_experts": {n: {"weight": bf(*s)} for n, s in
+                            (("w1", (cfg.moe_inter_dim, cfg.dim)), ("w3", (cfg.moe_inter_dim, cfg.dim)),
+                             ("w2", (cfg.dim, cfg.moe_inter_dim)))}}
+    x = bf(5, cfg.dim)
+    calls, real = [], kmoe.routed_experts
+    monkeypatch.setattr(kmoe, "routed_experts", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    y, idx, _ = ref.moe(p, cfg, 0, x, FAST)
+    assert calls == [(5, k)] and y.shape == x.shape and np.isfinite(np.asarray(y, np.float32)).all()
+
+
 def _silu(v):
     return v / (1 + np.exp(-v))
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from v41_jax.model.linear import lin4, lin8, lin_f32
+from v41_jax.model.linear import lin4, lin_f32
 from v41_jax.model.numerics import Numerics, exact_div
 
 if TYPE_CHECKING:
@@ -98,7 +98,10 @@ def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,
     _, own = route(logits, bias, k, cfg)
     w, idx = route(logits, bias, k, cfg, own if forced_idx is None else forced_idx)
     ex, sh = p["experts"], p["shared_experts"]
-    y = routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit)
+    # The kernels' dispatcher: the per-token loop below under the XLA switch or the reference's
+    # block GEMM order, else the fastest exact grouped GEMM (the loop gathers a weight copy per pick).
+    from kernels_pallas import moe as kernel_moe  # late: kernels_pallas.moe imports this module
+    y = kernel_moe.routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit)
     shared = swiglu_ffn(x, sh["w1"]["weight"], sh["w3"]["weight"], sh["w2"]["weight"], numerics,
                         cfg.swiglu_limit)
     return numerics.act(y + shared.astype(jnp.float32)), own, score(logits, cfg) + bias
