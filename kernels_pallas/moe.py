@@ -45,10 +45,6 @@ IMPLS = ("pallas", "ragged_dot", "dense", "reference")
 _K_BLOCK = 32  # A8 fake-quant group
 
 
-def _silu(x):
-    return x / (1 + jnp.exp(-x))
-
-
 def _act_in(x: jax.Array, numerics: Numerics) -> jax.Array:
     """The input side of a `lin4` site: activation dtype, then A8 fake-quant."""
     x = numerics.act(x)
@@ -59,10 +55,7 @@ def _swiglu_epilogue(g, u, weight, numerics: Numerics, limit: float):
     """g, u fp32 GEMM outputs, weight [rows] -> act(weight * silu(g) * u), as `swiglu_ffn`."""
     g = numerics.act(g).astype(jnp.float32)
     u = numerics.act(u).astype(jnp.float32)
-    if limit > 0:
-        u = jnp.clip(u, -limit, limit)
-        g = jnp.minimum(g, limit)
-    return numerics.act(weight[:, None] * (_silu(g) * u))
+    return numerics.act(ref.swiglu(g, u, limit, weight[:, None]))
 
 
 # ---- routing bookkeeping (XLA) ----------------------------------------------------------------

@@ -55,21 +55,25 @@ def route(logits: jax.Array, bias: jax.Array, k: int, cfg: ModelConfig,
     return w * cfg.route_scale, idx.astype(jnp.int32)
 
 
-def _silu(x: jax.Array) -> jax.Array:
+def silu(x: jax.Array) -> jax.Array:
     return x / (1 + jnp.exp(-x))
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float, weight: jax.Array | None = None) -> jax.Array:
+    """fp32 gate / up GEMM outputs -> weight * silu(min(gate, limit)) * clip(up, ±limit): the clamp
+    is asymmetric (gate from above only); limit 0 = no clamp; the routing weight before any cast."""
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    h = silu(gate) * up
+    return h if weight is None else weight * h
 
 
 def swiglu_ffn(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, numerics: Numerics,
                limit: float, weight: jax.Array | None = None) -> jax.Array:
     gate = lin4(x, w1, numerics).astype(jnp.float32)
     up = lin4(x, w3, numerics).astype(jnp.float32)
-    if limit > 0:
-        up = jnp.clip(up, -limit, limit)
-        gate = jnp.minimum(gate, limit)
-    h = _silu(gate) * up
-    if weight is not None:
-        h = weight * h
-    return lin4(numerics.act(h), w2, numerics)
+    return lin4(numerics.act(swiglu(gate, up, limit, weight)), w2, numerics)
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
