@@ -56,3 +56,34 @@ def test_flipped_weight_byte_fails(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     failed = {c["key"] for c in report["checks"] if not c["passed"]}
     assert {"prefill.block_out_last", "decode.block_out", "prefill.final_normed_all"} <= failed
+
+
+def test_one_ulp_nudge_moves_each_value_by_one_ulp():
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    from v41_jax.tools.check_reference import nudged_params
+
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 64)).astype(ml_dtypes.bfloat16))
+    params = {"embed": {"weight": w},
+              "layers": [{"attn_norm": {"weight": w[0]}, "ffn_norm": {"weight": w[1]}, "other": w[2]}]}
+    out = nudged_params(params, seed=1)
+    for a, b in ((params["embed"]["weight"], out["embed"]["weight"]),
+                 (params["layers"][0]["attn_norm"]["weight"], out["layers"][0]["attn_norm"]["weight"])):
+        step = np.asarray(b).view(np.uint16).astype(np.int32) - np.asarray(a).view(np.uint16).astype(np.int32)
+        assert set(np.unique(step)) == {-1, 1}          # every value moved, by one ulp, both directions
+    assert out["layers"][0]["other"] is params["layers"][0]["other"]
+
+
+def test_rank_slack_is_no_looser_than_last_bit_noise(capsys):
+    """The near-tie rule for index / candidate selections (missed picks within the own top
+    rank_slack * k) must not accept more than last-bit noise does by itself: one-ulp nudges of the
+    model move its own picks at least that far on this fixture."""
+    from v41_jax.tools.check_reference import CPU
+
+    main([str(OFFICIAL / "small_b"), "--json", "--conditioning", "2"])
+    cond = json.loads(capsys.readouterr().out)["conditioning"]
+    assert {"index_topk.L2", "index_topk.L5", "index_topk.L7", "candidate_blocks.L5"} <= set(cond)
+    assert max(c["worst_rank_over_k"] for c in cond.values()) >= CPU.rank_slack
+    assert sum(c["rows_moved"] for c in cond.values()) >= 0.25 * sum(c["rows"] for c in cond.values())

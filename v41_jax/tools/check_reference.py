@@ -45,7 +45,13 @@ Tolerances (the arithmetic behind them)
     (bf16 scores of fp4-quantized q and k, where one flipped scale moves a score by a large
     fraction of its row's range): every reference pick the model did not make is among the
     model's top rank_slack * k candidates. Rows the fixture flags `tie_consequential` are
-    counted and reported on their own.
+    counted and reported on their own. The scale of rank_slack is measured, not guessed:
+    `--conditioning N` nudges the model's own embedding and RMSNorm weights by one bf16 ulp
+    (random signs, N seeds) and reports how far that alone moves its selections. On the official
+    fixtures (4 seeds) it moves 38-88% of the index rows and drops picks down to rank 2.9k
+    (small_a) / 4.4k (small_b) on CPU, 2.0k / 3.75k on the H200 (BENCHMARKS.md), so a rule tighter
+    than that spread would be judging noise (test_rank_slack_is_no_looser_than_last_bit_noise). Also reported per key: recall (share of reference picks the
+    model made) and the worst missed rank.
   * greedy ids (decode outputs, DSpark drafts): equal, or the model's logit gap between its argmax
     and the reference's token is within that row's logit bound (a near-tie).
 """
@@ -93,7 +99,9 @@ CPU = Tolerance(4.0, 24.0, 64.0, 4.0, 2)
 # the fake-quant amplifies them. Measured on the H200 (BENCHMARKS.md): final hidden-state medians
 # of 6-10 row ulps for both the forward and the cache path. A real defect still moves the bulk of
 # a row by hundreds of row ulps.
-GPU = Tolerance(16.0, 96.0, 256.0, 16.0, 2)
+# Selections: the H200's own-vs-reference misses reach rank 2.5k (small_a prefill L3), inside the
+# 3.75k that one-ulp nudges produce there; CPU's reach 1.67k.
+GPU = Tolerance(16.0, 96.0, 256.0, 16.0, 3)
 
 
 def default_tolerance() -> Tolerance:
@@ -204,12 +212,18 @@ def _near_tie_by_score(own: np.ndarray, ref: np.ndarray, scores: np.ndarray, tol
     return bool(best_own - worst_ref <= tol.near_tie_ulps * bf16_ulp(max(abs(best_own), abs(worst_ref))))
 
 
-def _near_tie_by_rank(own: np.ndarray, ref: np.ndarray, scores: np.ndarray, tol: Tolerance) -> bool:
-    """Indexer rows: every reference pick the model missed is among its top rank_slack * k."""
-    k = int((ref >= 0).sum())
+def missed_rank(own: np.ndarray, ref: np.ndarray, scores: np.ndarray) -> float:
+    """Worst rank, in the model's own scores and in units of k, of a reference pick the model
+    missed (0 when it missed none; inf for a pick outside the scored range)."""
+    k = max(int((ref >= 0).sum()), 1)
     rank = np.empty(scores.shape[-1], np.int64)
     rank[np.argsort(-scores, kind="stable")] = np.arange(scores.shape[-1])  # ties: lower index first
-    return all(i < scores.shape[-1] and rank[i] < tol.rank_slack * k for i in _only(ref, own))
+    return max([float(rank[i]) / k if i < scores.shape[-1] else np.inf for i in _only(ref, own)], default=0.0)
+
+
+def _near_tie_by_rank(own: np.ndarray, ref: np.ndarray, scores: np.ndarray, tol: Tolerance) -> bool:
+    """Indexer rows: every reference pick the model missed is among its top rank_slack * k."""
+    return missed_rank(own, ref, scores) < tol.rank_slack
 
 
 def compare_selection(key: str, own: np.ndarray, ref: np.ndarray, scores: np.ndarray,
@@ -223,7 +237,11 @@ def compare_selection(key: str, own: np.ndarray, ref: np.ndarray, scores: np.nda
     near = np.array([near_tie(own_c[r], ref_c[r], scores[r], tol) if differ[r] else True
                      for r in range(len(differ))])
     hard = differ & ~near
-    stats = {"rows": int(len(differ)), "matched": int((~differ).sum()),
+    picks = ref_c >= 0
+    recall = float((np.array([[i in o for i in r] for o, r in zip(own_c, ref_c)]) & picks).sum() / max(picks.sum(), 1))
+    stats = {"rows": int(len(differ)), "matched": int((~differ).sum()), "recall": recall,
+             "worst_missed_rank_over_k": max([missed_rank(own_c[r], ref_c[r], scores[r])
+                                              for r in np.flatnonzero(differ)], default=0.0),
              "near_tie_mismatches": int((differ & near).sum()), "mismatches_beyond_near_tie": int(hard.sum()),
              "mismatched_rows": np.flatnonzero(differ).tolist(),
              "tie_consequential_rows": int(consequential.sum()),
@@ -316,14 +334,63 @@ def _selection_checks(cfg, z, inter: dict, s: int, draft: dict | None, tol: Tole
     return checks
 
 
+# ---- how well-conditioned the selections are ------------------------------------------------------
+
+def _one_ulp_nudge(w: jax.Array, rng: np.random.Generator) -> jax.Array:
+    """Every bf16 value moved by one ulp, up or down at random."""
+    bits = np.asarray(w).view(np.uint16).astype(np.int32)
+    return jnp.asarray((bits + rng.choice(np.array([-1, 1], np.int32), bits.shape)).astype(np.uint16)
+                       .view(ml_dtypes.bfloat16))
+
+
+def nudged_params(params: dict, seed: int) -> dict:
+    """The embedding and every block's attn/ffn RMSNorm weight moved by one bf16 ulp: the size of
+    the last-bit difference two correct implementations leave in each layer's normed input."""
+    rng = np.random.default_rng(seed)
+    layers = [dict(p, attn_norm={"weight": _one_ulp_nudge(p["attn_norm"]["weight"], rng)},
+                   ffn_norm={"weight": _one_ulp_nudge(p["ffn_norm"]["weight"], rng)}) for p in params["layers"]]
+    return dict(params, embed={"weight": _one_ulp_nudge(params["embed"]["weight"], rng)}, layers=layers)
+
+
+def selection_conditioning(cfg, params, z, hasher, numerics: Numerics, runs: int) -> dict:
+    """Per selection key (prefill + decode rows): over `runs` one-ulp nudges of the model, the
+    fraction of rows whose picks move and the worst rank (in units of k, in the nudged model's
+    scores) of an unnudged pick the nudged model dropped. It measures how far last-bit noise alone
+    moves the selections: the scale the near-tie rule (rank_slack) is judged against."""
+    def picks(p):
+        inter = run_model(cfg, p, z, hasher, numerics)["inter"]
+        out = {}
+        for kind, score_key in (("index_topk", "index_scores"), ("candidate_blocks", "index_scores")):
+            for l, ids in inter[kind].items():
+                sc = inter[score_key][l][0]
+                sc = _block_scores(sc, cfg.candidate_block_size) if kind == "candidate_blocks" else sc
+                out[f"{kind}.L{l}"] = (_canon(ids[0], ids.shape[-1]), sc)
+        return out
+
+    base = picks(params)
+    moved = {k: np.zeros(len(v[0]), bool) for k, v in base.items()}
+    worst = dict.fromkeys(base, 0.0)
+    for seed in range(runs):
+        for key, (ids, sc) in picks(nudged_params(params, seed)).items():
+            b = base[key][0]
+            moved[key] |= (ids != b).any(-1)
+            worst[key] = max([worst[key]] + [missed_rank(ids[r], b[r], sc[r]) for r in range(len(b))])
+    return {k: {"rows": int(moved[k].size), "rows_moved": int(moved[k].sum()),
+                "worst_rank_over_k": worst[k]} for k in base}
+
+
+def _hasher(folder: str, cfg) -> EngramHasher | None:
+    return EngramHasher(cfg, load_token_map(os.path.join(folder, "checkpoint", "engram_token_map.json"))) \
+        if cfg.engram_layer_ids else None
+
+
 def check_folder(folder: str, numerics: Numerics, tol: Tolerance | None = None, runner=None) -> list[Check]:
     """Every comparison for one fixture folder. `runner` computes what `run_model` returns (the
     full forward by default; `engine_replay.run_engine` goes through the cache and the step)."""
     tol = tol or default_tolerance()
     cfg, params = load_params(os.path.join(folder, "checkpoint"), progress=False)
     z = np.load(os.path.join(folder, OUTPUTS))
-    hasher = EngramHasher(cfg, load_token_map(os.path.join(folder, "checkpoint", "engram_token_map.json"))) \
-        if cfg.engram_layer_ids else None
+    hasher = _hasher(folder, cfg)
     out = (runner or run_model)(cfg, params, z, hasher, numerics)
     inter, s = out["inter"], len(z["prompt_ids"])
     dec = slice(s, s + N_DECODE)
@@ -393,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run prefill + decode through the cache and the jitted step (no DSpark checks)")
     ap.add_argument("--tolerance", choices=("auto", "cpu", "gpu"), default="auto",
                     help="tolerance profile; auto = by the default JAX backend")
+    ap.add_argument("--conditioning", type=int, default=0, metavar="N",
+                    help="also report how far N one-ulp nudges of the model move its own selections")
     args = ap.parse_args(argv)
     runner = None
     if args.engine:
@@ -401,12 +470,21 @@ def main(argv: list[str] | None = None) -> int:
     tol = {"auto": None, "cpu": CPU, "gpu": GPU}[args.tolerance]
     checks = check_folder(args.folder, getattr(Numerics, args.numerics)(), tol, runner)
     ok = all(c.passed for c in checks)
+    cond = None
+    if args.conditioning:
+        cfg, params = load_params(os.path.join(args.folder, "checkpoint"), progress=False)
+        z = np.load(os.path.join(args.folder, OUTPUTS))
+        cond = selection_conditioning(cfg, params, z, _hasher(args.folder, cfg), getattr(Numerics, args.numerics)(),
+                                      args.conditioning)
     if args.json:
-        print(json.dumps({"folder": args.folder, "passed": ok, "checks": [asdict(c) for c in checks]}, indent=1))
+        print(json.dumps({"folder": args.folder, "passed": ok, "checks": [asdict(c) for c in checks],
+                          "conditioning": cond}, indent=1))
     else:
         for c in checks:
             brief = {k: v for k, v in c.stats.items() if not isinstance(v, list)}
             print(f"{'PASS' if c.passed else 'FAIL'}  {c.key:40s} {c.tolerance}\n      {json.dumps(brief)}")
+        for key, c in (cond or {}).items():
+            print(f"nudged x{args.conditioning}  {key:28s} {json.dumps(c)}")
         print(f"{'PASS' if ok else 'FAIL'}: {sum(c.passed for c in checks)}/{len(checks)} checks")
     return 0 if ok else 1
 
