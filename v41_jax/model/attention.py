@@ -129,6 +129,9 @@ def _select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: j
         keep = candidate_mask(ctx.candidates[cfg.candidate_source_layer], keys.shape[1],
                               cfg.candidate_block_size)
         scores = jnp.where(keep, scores, -jnp.inf)
+    # one materialised copy feeds the top-k and the recorded scores: XLA would otherwise recompute
+    # the scores inside two fusions whose fp contraction can differ in the last bit
+    scores = jax.lax.optimization_barrier(scores)
     sel = select_topk(scores, visible, cfg.index_topk)
     return ctx._replace(selected=_publish(ctx.selected, topo.layer, sel)), scores
 
