@@ -24,7 +24,7 @@ request share its pages, so a query block of TS tokens stacks TS x Hi query head
 dimension of one [TS*Hi, Di] @ [Di, TN] product per key tile; the key rows of a tile are
 gathered through the block table (no dense copy of the keys). Tiles wholly past every query's
 visible count skip the loads. With candidates each query has its own columns (TS = 1).
-Top-k is `jax.lax.top_k` (ties to the lower column = lower row, since the compaction keeps row
+Top-k is `numerics.top_k` (ties to the lower column = lower row, since the compaction keeps row
 order), optionally in two exact stages over column tiles (`topk_ids`), followed by an ascending
 sort, as the reference's `select_topk`.
 """
@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from v41_jax.model import indexer as ref
-from v41_jax.model.numerics import HIGHEST, Numerics
+from v41_jax.model.numerics import HIGHEST, Numerics, top_k
 
 # two-stage top-k tile for the Pallas backend (rows no longer than a tile use one lax.top_k);
 # H200: 1.08 -> 0.45 ms at 32 x 131072, 0.24 -> 0.16 ms at 32 x 32768 (BENCHMARKS.md)
@@ -188,7 +188,7 @@ def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_t
 
 
 def topk_ids(scores: jax.Array, k: int, tile: int | None = None) -> jax.Array:
-    """Column ids of the k largest scores per row, ties to the lower column (lax.top_k's rule).
+    """Column ids of the k largest scores per row, ties to the lower column (`numerics.top_k`).
 
     tile=None: one `lax.top_k` over the row. tile=c: exact two-stage selection: top-k inside each
     c-column tile, then top-k over the tiles' picks. The global top-k is inside the union of the
@@ -198,12 +198,12 @@ def topk_ids(scores: jax.Array, k: int, tile: int | None = None) -> jax.Array:
     k = min(k, n)
     s = scores.astype(jnp.float32)
     if tile is None or n <= tile or tile < k:
-        return jax.lax.top_k(s, k)[1].astype(jnp.int32)
+        return top_k(s, k)[1].astype(jnp.int32)
     lead = s.shape[:-1]
     s = jnp.pad(s, [(0, 0)] * len(lead) + [(0, -n % tile)], constant_values=-jnp.inf)
-    v, i = jax.lax.top_k(s.reshape(*lead, -1, tile), k)               # [..., n_tiles, k]
+    v, i = top_k(s.reshape(*lead, -1, tile), k)               # [..., n_tiles, k]
     i = i + (jnp.arange(v.shape[-2], dtype=i.dtype) * tile)[:, None]
-    _, j = jax.lax.top_k(v.reshape(*lead, -1), k)
+    _, j = top_k(v.reshape(*lead, -1), k)
     return jnp.take_along_axis(i.reshape(*lead, -1), j, axis=-1).astype(jnp.int32)
 
 

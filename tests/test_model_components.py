@@ -246,3 +246,15 @@ def test_engram_closed_gate_passes_streams_through_and_open_gate_adds_value():
     gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
     want = xf + gate[..., None] * value[..., None, :]
     np.testing.assert_allclose(np.asarray(y)[np.asarray(mask)], want[np.asarray(mask)], rtol=1e-5, atol=1e-5)
+
+
+def test_top_k_treats_signed_zeros_as_ties():
+    """ReLU zeros times a negative head weight give -0.0; the reference's comparisons (and its
+    lowest-index tie run) see -0.0 == +0.0, lax.top_k's total order would put +0.0 first."""
+    from v41_jax.model.indexer import select_topk
+    from v41_jax.model.numerics import top_k
+
+    x = jnp.array([-0.0, -0.0, 0.0, 0.0, -1.0])
+    assert top_k(x, 2)[1].tolist() == [0, 1]
+    assert jax.lax.top_k(x, 2)[1].tolist() == [2, 3]       # why the wrapper exists
+    assert select_topk(x[None], jnp.array([5]), 2).tolist() == [[0, 1]]

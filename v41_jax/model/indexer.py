@@ -2,7 +2,7 @@
 
 Pure cores over explicit arrays: query rows at their positions, key rows of the kv owner, and
 per-query visible counts, so the full forward and the cache path call the same functions.
-Selections tie toward the lower index everywhere (jax.lax.top_k's rule, §9.1 item 1).
+Selections tie toward the lower index everywhere (`numerics.top_k`: lax.top_k with -0.0 == +0.0; §9.1 item 1).
 
 API (B batch, T queries, N key rows, Hi/Di indexer heads/width)
   visible_rows(positions, ratio) -> int32 [...]        (p + 1) // r: rows whose group is complete
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from v41_jax.config import ModelConfig
 from v41_jax.model.linear import lin8, lin_bf
 from v41_jax.model.norm import rms_norm
-from v41_jax.model.numerics import HIGHEST, Numerics
+from v41_jax.model.numerics import HIGHEST, Numerics, top_k
 from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.quant import fp4_qdq_ue8m0
 
@@ -95,7 +95,7 @@ def candidate_blocks(scores: jax.Array, visible: jax.Array, topk_blocks: int, bl
     # the newest block is only partly filled: pin it so an older full block cannot outscore it
     newest = (visible[..., None] - 1) // block_size
     block_score = jnp.where(jnp.arange(n_blocks) == newest, jnp.inf, block_score)
-    values, ids = jax.lax.top_k(block_score, min(topk_blocks, n_blocks))
+    values, ids = top_k(block_score, min(topk_blocks, n_blocks))
     return _ascending(ids, values > -jnp.inf)
 
 
@@ -111,5 +111,5 @@ def candidate_mask(blocks: jax.Array, n_rows: int, block_size: int) -> jax.Array
 def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
     """The k best rows, re-sorted by position. As in the reference, validity is by position
     (id < visible) only: when fewer than k rows score finite, -inf fillers below `visible` stay."""
-    _, ids = jax.lax.top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
+    _, ids = top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
     return _ascending(ids, ids < visible[..., None])

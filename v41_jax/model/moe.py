@@ -3,7 +3,7 @@
 API
   score(logits [T, E] fp32, cfg) -> fp32     sqrt(softplus(logits / gate_temp))
   route(logits, bias [T|1, E], k, cfg, idx=None) -> (weights [T, k] fp32, idx [T, k] int32)
-      the bias steers selection only; ties go to the lower expert id (jax.lax.top_k); idx in
+      the bias steers selection only; ties go to the lower expert id (`numerics.top_k`); idx in
       selection order; weights renormalised (+1e-20) when k > 1, times route_scale. A given idx
       (teacher forcing, e.g. the reference's picks) replaces the selection, not the weights' math.
   swiglu_ffn(x, w1, w3, w2, numerics, limit, weight=None) -> act dtype
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from v41_jax.model.linear import lin4, lin_f32
-from v41_jax.model.numerics import Numerics, exact_div
+from v41_jax.model.numerics import Numerics, exact_div, top_k
 
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
@@ -48,7 +48,7 @@ def route(logits: jax.Array, bias: jax.Array, k: int, cfg: ModelConfig,
           idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     s = score(logits, cfg)
     if idx is None:
-        _, idx = jax.lax.top_k(s + bias, k)  # descending; equal scores: lower expert id first
+        _, idx = top_k(s + bias, k)  # descending; equal scores: lower expert id first
     w = jnp.take_along_axis(s, idx, axis=-1)
     if cfg.norm_topk_prob and k > 1:
         w = exact_div(w, jnp.sum(w, axis=-1, keepdims=True) + 1e-20)  # 1e-20, not norm_eps: as in training

@@ -15,6 +15,10 @@ API
   exact_div(a, b)       a / b correctly rounded. XLA rewrites a division by a constant or by a
                         broadcast operand into a multiplication by its (inexact) reciprocal; the
                         reference divides. Use it wherever b is broadcast and not a power of two.
+  top_k(x, k) -> (values, ids)   lax.top_k with -0.0 and +0.0 equal, so that ties go to the lower
+                        index as with IEEE comparisons (torch.topk; the fixtures' lowest-index run):
+                        lax.top_k orders floats totally and ranks +0.0 above -0.0, and -0.0 is
+                        common here (a negative weight times a ReLU zero).
   cascade_sum(x) -> [...]   fp32 sum over the last axis in the exact order of torch's CPU sum
                         kernel (8-lane vectors, 4 interleaved accumulators, 4-level cascade, then
                         the scalar tail and the lanes in order): the reference's `.sum(-1)` /
@@ -49,6 +53,10 @@ def exact_div(a: jax.Array, b: jax.Array | float) -> jax.Array:
     # a full-shape divisor behind an optimization barrier is neither a constant nor a broadcast
     shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
     return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), shape))
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    return jax.lax.top_k(jnp.where(x == 0, jnp.zeros_like(x), x), k)
 
 
 @dataclass(frozen=True)
