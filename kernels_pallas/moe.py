@@ -7,15 +7,12 @@ Steps (one call):
   1. XLA: each token's k picks sorted by expert id (the reference's combine order), the T*k pairs
      stably sorted by expert; group sizes -> a static-length tile table (tile -> expert, first
      row, group end); fp8 fake-quant of x once per token (A8 per 32 lanes, as `lin4`).
-  2. Pallas gate/up kernel, grid (tiles, F/BN, K splits): rows of one expert's group gathered from x by
+  2. Pallas gate/up kernel, grid (tiles, F/BN): rows of one expert's group gathered from x by
      token id (no sorted copy of x in HBM), [BM, D] @ w1[e]^T and w3[e]^T in one K loop; epilogue:
      g, u rounded to the activation dtype, u clamped to ±limit, g to <= limit,
-     a = act(routing weight * silu(g) * u), stored to the pair's row. With several K splits
-     (decode: too few tiles to fill the GPU) the kernel stores fp32 partials of g and u and the
-     epilogue runs in XLA on their sum.
+     a = act(routing weight * silu(g) * u), stored to the pair's row.
   3. XLA: fp8 fake-quant of a (A8 per 32 lanes, the next linear's input).
-  4. Pallas down kernel, grid (tiles, D/BN, K splits): a rows [BM, F] @ w2[e]^T -> act dtype
-     (fp32 partials summed in XLA with several K splits).
+  4. Pallas down kernel, grid (tiles, D/BN): a rows [BM, F] @ w2[e]^T -> act dtype.
   5. XLA: pairs back to [T, k, D], summed in fp32 in ascending expert order.
 Tiles never straddle two experts; the last tile of a group stores only its group's rows; tiles
 past the live count (the table has a static length) and empty experts read no weights.
@@ -112,11 +109,9 @@ def _dot_t(a, b, dt):
                                preferred_element_type=jnp.float32)
 
 
-def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, *out_refs,
-                    bm, bn, bk, nkb, limit, numerics):
-    """One (tile, column block, K split) program. With one K split the SwiGLU epilogue is fused
-    and out_refs = (a,); with several, out_refs = (g, u) fp32 partials [S, pairs, F]."""
-    i, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
+                    bm, bn, bk, limit, numerics):
+    i, j = pl.program_id(0), pl.program_id(1)
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
 
     @pl.when(e >= 0)
@@ -130,28 +125,21 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
 
         def body(kb, acc):
             acc_g, acc_u = acc
-            k0 = (ks * nkb + kb) * bk
+            k0 = kb * bk
             xt = load(x_ref.at[tok[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
             w1t = w1_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
             w3t = w3_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
             return acc_g + _dot_t(xt, w1t, dt), acc_u + _dot_t(xt, w3t, dt)
 
         zero = jnp.zeros((bm, bn), jnp.float32)
-        acc_g, acc_u = jax.lax.fori_loop(0, nkb, body, (zero, zero))
-        at = (rows[:, None], cols[None, :])
-        if len(out_refs) == 1:
-            wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
-            a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
-            store(out_refs[0].at[at], a.astype(out_refs[0].dtype), mask=live[:, None])
-        else:
-            for ref_, acc in zip(out_refs, (acc_g, acc_u)):
-                store(ref_.at[(ks,) + at], acc, mask=live[:, None])
+        acc_g, acc_u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
+        wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
+        a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
+        store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
 
 
-def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, nkb, numerics):
-    """One (tile, column block, K split) program; y is act-dtype [pairs, D] with one K split,
-    fp32 partials [S, pairs, D] with several."""
-    i, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics):
+    i, j = pl.program_id(0), pl.program_id(1)
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
 
     @pl.when(e >= 0)
@@ -163,21 +151,18 @@ def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, 
         kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
 
         def body(kb, acc):
-            k0 = (ks * nkb + kb) * bk
+            k0 = kb * bk
             at = load(a_ref.at[safe[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
             w2t = w2_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
             return acc + _dot_t(at, w2t, a_ref.dtype)
 
-        acc = jax.lax.fori_loop(0, nkb, body, jnp.zeros((bm, bn), jnp.float32))
-        if y_ref.ndim == 2:
-            store(y_ref.at[rows[:, None], cols[None, :]], numerics.act(acc).astype(y_ref.dtype),
-                  mask=live[:, None])
-        else:
-            store(y_ref.at[ks, rows[:, None], cols[None, :]], acc, mask=live[:, None])
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        store(y_ref.at[rows[:, None], cols[None, :]], numerics.act(acc).astype(y_ref.dtype),
+                 mask=live[:, None])
 
 
 def _full(shape):
-    return pl.BlockSpec(shape, lambda *grid: (0,) * len(shape))
+    return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
 
 
 def default_block_m(n_pairs: int, n_experts: int) -> int:
@@ -187,18 +172,10 @@ def default_block_m(n_pairs: int, n_experts: int) -> int:
     return int(min(128, max(16, 1 << (mean - 1).bit_length())))
 
 
-def split_k(programs: int, k_blocks: int, target: int = 512) -> int:
-    """K splits for a launch of `programs` (tile, column) programs: enough to give the GPU about
-    `target` programs (four waves on the H200's 132 SMs) when the tiles are few (decode), a
-    divisor of the K block count; 1 once the tiles alone fill the GPU."""
-    want = max(1, -(-target // max(programs, 1)))
-    return max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= want)
-
-
-@functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn_up", "bn_down", "bk",
-                                             "num_warps", "num_stages", "split", "interpret"))
-def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn_up, bn_down, bk, num_warps,
-                   num_stages, split, interpret):
+@functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn", "bk", "num_warps",
+                                             "num_stages", "interpret"))
+def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
+                   interpret):
     t, d = x.shape
     k = idx.shape[1]
     n_exp, f, _ = w1.shape
@@ -209,32 +186,22 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn_up, bn_down
     xq = _act_in(x, numerics)
     cp = compiler_params(num_warps, num_stages)
     tables = [_full(te.shape)] * 3
-    n_tiles, p = te.shape[0], t * k
-    s_up = split_k(n_tiles * (f // bn_up), d // bk) if split is None else split
-    s_dn = split_k(n_tiles * (d // bn_down), f // bk) if split is None else split
-    parts = lambda n: jax.ShapeDtypeStruct((s_up, p, n), jnp.float32)
-    up_out = [jax.ShapeDtypeStruct((p, f), numerics.act_dtype)] if s_up == 1 else [parts(f), parts(f)]
-    up = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bm=bm, bn=bn_up, bk=bk, nkb=d // bk // s_up, limit=limit,
-                          numerics=numerics),
-        grid=(n_tiles, f // bn_up, s_up),
+    a = pl.pallas_call(
+        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
+        grid=(te.shape[0], f // bn),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape),
                            _full(w3.shape)],
-        out_specs=[_full(o.shape) for o in up_out], out_shape=up_out,
+        out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_gate_up",
     )(te, tf, tend, tok, pw, xq, w1, w3)
-    a = up[0] if s_up == 1 else _swiglu_epilogue(up[0].sum(0), up[1].sum(0), pw, numerics, limit)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
-    dn_out = jax.ShapeDtypeStruct((p, d) if s_dn == 1 else (s_dn, p, d),
-                                  numerics.act_dtype if s_dn == 1 else jnp.float32)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bm=bm, bn=bn_down, bk=bk, nkb=f // bk // s_dn, numerics=numerics),
-        grid=(n_tiles, d // bn_down, s_dn),
+        functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
+        grid=(te.shape[0], d // bn),
         in_specs=tables + [_full(a.shape), _full(w2.shape)],
-        out_specs=_full(dn_out.shape), out_shape=dn_out,
+        out_specs=_full((t * k, d)), out_shape=jax.ShapeDtypeStruct((t * k, d), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_down",
     )(te, tf, tend, a, w2)
-    y = y if s_dn == 1 else numerics.act(y.sum(0))
     return combine(y, order, t, k)
 
 
@@ -298,28 +265,27 @@ def choose_impl(tokens: int, k: int, n_experts: int) -> str:
 
 
 def launch_config(block_m: int) -> dict:
-    """Measured Triton parameters per tile height (BENCHMARKS.md): 128-row tiles need 8 warps for
-    their two fp32 [128, BN] accumulators; short decode tiles are weight streams that like a
-    deeper K step (and get K splits from `split_k`)."""
+    """Measured Triton parameters per tile height: 128-row tiles need 8 warps for their two fp32
+    [128, 128] accumulators (2.2x over 4 warps at 2048 tokens); short decode tiles are weight
+    streams that like a deeper K step."""
     if block_m >= 128:
-        return dict(block_n_up=128, block_n_down=128, block_k=64, num_warps=8, num_stages=3)
+        return dict(block_k=64, num_warps=8, num_stages=3)
     if block_m <= 32:
-        return dict(block_n_up=128, block_n_down=128, block_k=128, num_warps=4, num_stages=4)
-    return dict(block_n_up=128, block_n_down=128, block_k=64, num_warps=4, num_stages=3)
+        return dict(block_k=128, num_warps=4, num_stages=4)
+    return dict(block_k=64, num_warps=4, num_stages=3)
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
                    w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
                    backend: str | None = None, impl: str | None = None, block_m: int | None = None,
-                   split: int | None = None, **launch) -> jax.Array:
+                   block_n: int = 128, block_k: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> jax.Array:
     """x [T, D], idx [T, k] int32, w [T, k] fp32 routing weights, w1/w3 [E, F, D], w2 [E, D, F]
     -> fp32 [T, D]: Σ over each token's experts (ascending id) of the SwiGLU expert output.
 
     backend "xla" (or numerics.block_gemm) -> the model's reference loop; "pallas" -> `impl`
     ("pallas" | "ragged_dot" | "dense" | "reference"; None = `choose_impl`, the fastest exact
-    one measured on the H200). Pallas launch: `block_m` (default from the group sizes), `split`
-    K splits (None = `split_k`), and any of `launch_config`'s keys (or `block_n` for both
-    kernels) override its defaults."""
+    one measured on the H200). Launch parameters default to `launch_config(block_m)`."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
         return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
     impl = impl or choose_impl(x.shape[0], idx.shape[1], w1.shape[0])
@@ -334,20 +300,12 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
     bm = block_m or default_block_m(idx.size, w1.shape[0])
     cfg = launch_config(bm)
-    if "block_n" in launch:
-        n = launch.pop("block_n")
-        launch.update(block_n_up=n, block_n_down=n)
-    unknown = set(launch) - set(cfg)
-    if unknown:
-        raise ValueError(f"launch: unknown keys {sorted(unknown)}; expected {sorted(cfg)} or block_n")
-    cfg.update(launch)
     d, f = x.shape[1], w1.shape[1]
-    bk, bn_up, bn_dn = min(cfg["block_k"], d, f), min(cfg["block_n_up"], f), min(cfg["block_n_down"], d)
-    if f % bn_up or d % bn_dn or d % bk or f % bk:
-        raise ValueError(f"D={d}, F={f}: need F % block_n_up ({bn_up}), D % block_n_down ({bn_dn}) and "
-                         f"D, F % block_k ({bk}) to be 0")
-    if split is not None and ((d // bk) % split or (f // bk) % split):
-        raise ValueError(f"split={split} must divide the K block counts {d // bk} and {f // bk}")
-    return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm, bn_up=bn_up, bn_down=bn_dn, bk=bk,
-                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], split=split,
+    bk = block_k or min(cfg["block_k"], d, f)
+    bn = min(block_n, d, f)
+    if d % bn or f % bn or d % bk or f % bk:
+        raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
+    return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm, bn=bn, bk=bk,
+                          num_warps=num_warps or cfg["num_warps"],
+                          num_stages=num_stages or cfg["num_stages"],
                           interpret=_backend.interpret(), **kw)

@@ -384,21 +384,17 @@ def bench_moe(b: Bench, cfg: dict):
         return times
 
     if b.smoke:
-        shape_case(16, [("auto", {}), ("bm32", dict(block_m=32)), ("split1", dict(split=1))])
+        shape_case(16, [("auto", {}), ("bm32", dict(block_m=32))])
     else:
-        # decode: K splits (auto) against one split, and narrower columns
-        for t in (1, 8):
-            shape_case(t, [("auto", {}), ("split1", dict(split=1)), ("bn64", dict(block_n=64)),
-                           ("bk256", dict(block_k=256, num_stages=3))])
-        # prefill tiles: the gate/up kernel's two fp32 accumulators against narrower columns
-        shape_case(2048, [("auto", {}), ("up64", dict(block_n_up=64)),
-                          ("up64w4", dict(block_n_up=64, num_warps=4)),
-                          ("bk128s3", dict(block_k=128, num_stages=3)),
-                          ("s4", dict(num_stages=4)), ("up64s4", dict(block_n_up=64, num_stages=4))])
+        for t in (1, 8):                                       # decode: weight streams
+            shape_case(t, [("auto", {}), ("bn64bk64s3", dict(block_n=64, block_k=64, num_stages=3)),
+                           ("w8", dict(num_warps=8)), ("bn64w8", dict(block_n=64, num_warps=8))])
+        shape_case(2048, [("auto", {}), ("s4", dict(num_stages=4)),
+                          ("bm64w8s4", dict(block_m=64, num_warps=8, num_stages=4))])
         for t in (32, 128, 512, 8192):
             if b.left() < 0:
                 break
-            shape_case(t, [("auto", {}), ("up64", dict(block_n_up=64))] if t >= 512 else None)
+            shape_case(t)
     x, idx, wt = inputs(jax.random.key(1234), 64)
     got = runner("pallas", "pallas")(x, idx, wt)
     want = runner("pallas", "ragged_dot")(x, idx, wt)

@@ -148,26 +148,3 @@ def test_fixture_moe_exec(name):
                               backend="pallas", impl="pallas", block_n=16, block_k=16)
     got = np.asarray(got)[:, :d]
     assert_close(got, routed_want, rtol=1e-5, atol=1e-5 * np.abs(routed_want).max())
-
-
-@pytest.mark.parametrize("split", [1, 2, None])
-def test_k_splits_match_reference(split):
-    """One K split (fused epilogue), two (fp32 partials, epilogue in XLA) and the automatic choice."""
-    rng, seed = fresh_rng()
-    case = _case(rng, t=5, k=3)
-    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="pallas", block_n=64, block_k=32,
-                              split=split)
-    _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
-
-
-def test_split_k_choice():
-    assert kmoe.split_k(programs=6 * 18, k_blocks=40) == 5         # 540 programs: divisor of 40 <= 5
-    assert kmoe.split_k(programs=512, k_blocks=40) == 1            # the tiles alone fill the GPU
-    assert kmoe.split_k(programs=1, k_blocks=18) == 18             # capped by the K blocks
-    with pytest.raises(ValueError, match="split=3 must divide"):
-        rng, _ = fresh_rng()
-        kmoe.routed_experts(*_case(rng, t=2, k=2), FAST, 10.0, backend="pallas", impl="pallas",
-                            block_n=64, block_k=32, split=3)
-    with pytest.raises(ValueError, match="unknown keys"):
-        rng, _ = fresh_rng()
-        kmoe.routed_experts(*_case(rng, t=2, k=2), FAST, 10.0, backend="pallas", impl="pallas", bogus=1)
