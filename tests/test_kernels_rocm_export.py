@@ -56,11 +56,10 @@ def test_indexer_lowers_for_rocm(with_cand):
     assert _triton_calls(e) == 1
 
 
-@pytest.mark.parametrize("split", [1, 2], ids=["fused", "k-split"])
-def test_moe_lowers_for_rocm(split):
+def test_moe_lowers_for_rocm():
     t, d, f_, e_, k = 64, 5120, 2304, 64, 6
-    fn = functools.partial(_routed_pallas, numerics=Numerics.fast(), limit=10.0, bm=16, bn_up=128,
-                           bn_down=128, bk=64, num_warps=4, num_stages=3, split=split, interpret=False)
+    fn = functools.partial(_routed_pallas, numerics=Numerics.fast(), limit=10.0, bm=16, bn=128,
+                           bk=64, num_warps=4, num_stages=3, interpret=False)
     e = _export_rocm(fn, S((t, d), BF16), S((t, k), I32), S((t, k), F32), S((e_, f_, d), BF16),
                      S((e_, f_, d), BF16), S((e_, d, f_), BF16))
     assert _triton_calls(e) == 2          # gate/up and down
