@@ -94,6 +94,20 @@ def test_rope_yarn_band_for_released_config():
                                1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64), rtol=1e-6)
 
 
+def test_rope_frequencies_are_the_references_bits():
+    """The reference evaluates `1.0 / (base ** (arange(0, dim, 2, fp32) / dim))` in torch, whose
+    scalar ** fp32-tensor power runs in double; an fp32 power differs in the last bit on a few
+    lanes at the released widths (and moves every rotated value in those lanes)."""
+    import torch
+
+    for theta in (10000.0, 160000.0, 40000.0):
+        for dim in (64, 32):
+            cfg = SimpleNamespace(rope_head_dim=dim, rope_theta=theta, compress_rope_theta=theta,
+                                  original_seq_len=0)
+            want = (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))).numpy()
+            np.testing.assert_array_equal(rope_freqs(cfg, global_table=False), want)
+
+
 # ---- linear -------------------------------------------------------------------------------------
 
 def test_k_block_dot_sums_blocks_in_k_order():

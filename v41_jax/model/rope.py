@@ -43,8 +43,10 @@ def _yarn(freqs: np.ndarray, dim: int, base: float, cfg: ModelConfig) -> np.ndar
 def rope_freqs(cfg: ModelConfig, global_table: bool) -> np.ndarray:
     dim = cfg.rope_head_dim
     base = cfg.compress_rope_theta if global_table else cfg.rope_theta
-    freqs = (np.float32(1) / np.power(np.float32(base), np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim),
-                                      dtype=np.float32)).astype(np.float32)
+    # torch evaluates `python_float ** fp32_tensor` in double and rounds once to fp32; a float32
+    # power differs from it in the last bit for a few lanes (2 of 32 at theta 1e4, 6 at 1.6e5)
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    freqs = np.float32(1) / np.power(np.float64(base), exponent.astype(np.float64)).astype(np.float32)
     if global_table and cfg.original_seq_len > 0:
         freqs = _yarn(freqs, dim, base, cfg)
     return freqs
