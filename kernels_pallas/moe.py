@@ -41,7 +41,7 @@ from v41_jax.model import moe as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.quant import fp8_act_qdq
 
-IMPLS = ("pallas", "ragged_dot", "dense", "reference")
+IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "reference")
 _K_BLOCK = 32  # A8 fake-quant group
 
 
@@ -205,6 +205,78 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     return combine(y, order, t, k)
 
 
+# ---- decode: one weight stream per (token, expert) pair ------------------------------------------
+
+def _gemv_gate_up_kernel(pe_ref, pt_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *, bn, bk, limit,
+                         numerics):
+    """Pair p, columns j: w1[e] / w3[e] rows [BN, D] against the pair's token row, as elementwise
+    products summed in fp32 (no MMA: one row would waste 15 of 16 MMA rows)."""
+    p, j = pl.program_id(0), pl.program_id(1)
+    e, t = pe_ref[p], pt_ref[p]
+    rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
+
+    def body(kb, acc):
+        acc_g, acc_u = acc
+        ks = pl.ds(pl.multiple_of(kb * bk, bk), bk)
+        xk = x_ref[t, ks].astype(jnp.float32)[None, :]                # [1, BK]
+        return (acc_g + jnp.sum(w1_ref[e, rows, ks].astype(jnp.float32) * xk, axis=1),
+                acc_u + jnp.sum(w3_ref[e, rows, ks].astype(jnp.float32) * xk, axis=1))
+
+    zero = jnp.zeros((bn,), jnp.float32)
+    g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
+    wt = jnp.full((1,), pw_ref[p], jnp.float32)
+    a_ref[p, rows] = _swiglu_epilogue(g[None, :], u[None, :], wt, numerics, limit)[0].astype(a_ref.dtype)
+
+
+def _gemv_down_kernel(pe_ref, a_ref, w2_ref, y_ref, *, bn, bk, numerics):
+    p, j = pl.program_id(0), pl.program_id(1)
+    e = pe_ref[p]
+    rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
+
+    def body(kb, acc):
+        ks = pl.ds(pl.multiple_of(kb * bk, bk), bk)
+        return acc + jnp.sum(w2_ref[e, rows, ks].astype(jnp.float32) * a_ref[p, ks].astype(jnp.float32)[None, :],
+                             axis=1)
+
+    acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bn,), jnp.float32))
+    y_ref[p, rows] = numerics.act(acc).astype(y_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("numerics", "limit", "bn", "bk", "num_warps", "num_stages",
+                                             "interpret"))
+def _routed_gemv(x, idx, w, w1, w3, w2, *, numerics, limit, bn, bk, num_warps, num_stages, interpret):
+    t, d = x.shape
+    k = idx.shape[1]
+    f = w1.shape[1]
+    idx_t, w_t, _, _ = sort_pairs(idx, w, w1.shape[0])               # per token: ascending experts
+    pe = idx_t.reshape(-1)                                            # pair p = token * k + slot
+    pt = jnp.repeat(jnp.arange(t, dtype=jnp.int32), k)
+    pw = w_t.reshape(-1).astype(jnp.float32)
+    xq = _act_in(x, numerics)
+    cp = compiler_params(num_warps, num_stages)
+    a = pl.pallas_call(
+        functools.partial(_gemv_gate_up_kernel, bn=bn, bk=bk, limit=limit, numerics=numerics),
+        grid=(t * k, f // bn),
+        in_specs=[_full(pe.shape), _full(pt.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape),
+                  _full(w3.shape)],
+        out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
+        compiler_params=cp, interpret=interpret, name="moe_gemv_gate_up",
+    )(pe, pt, pw, xq, w1, w3)
+    a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
+    y = pl.pallas_call(
+        functools.partial(_gemv_down_kernel, bn=bn, bk=bk, numerics=numerics),
+        grid=(t * k, d // bn),
+        in_specs=[_full(pe.shape), _full(a.shape), _full(w2.shape)],
+        out_specs=_full((t * k, d)), out_shape=jax.ShapeDtypeStruct((t * k, d), numerics.act_dtype),
+        compiler_params=cp, interpret=interpret, name="moe_gemv_down",
+    )(pe, a, w2)
+    pairs = y.reshape(t, k, d)
+    out = jnp.zeros((t, d), jnp.float32)
+    for j in range(k):                                                # ascending expert order
+        out = out + pairs[:, j].astype(jnp.float32)
+    return out
+
+
 # ---- XLA alternatives (benchmarked against the kernel) ----------------------------------------
 
 def _ragged(lhs, rhs, sizes):
@@ -296,6 +368,13 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)
     if impl == "dense":
         return _routed_dense(x, idx, w, w1, w3, w2, **kw)
+    if impl == "gemv":
+        d, f = x.shape[1], w1.shape[1]
+        bn, bk = min(block_n, 32, d, f), min(block_k or 256, d, f)
+        if d % bn or f % bn or d % bk or f % bk:
+            raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
+        return _routed_gemv(x, idx, w, w1, w3, w2, bn=bn, bk=bk, num_warps=num_warps or 4,
+                            num_stages=num_stages or 3, interpret=_backend.interpret(), **kw)
     if impl != "pallas":
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
     bm = block_m or default_block_m(idx.size, w1.shape[0])

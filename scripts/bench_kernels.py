@@ -14,6 +14,7 @@ budget is spent; results are written after every case. --smoke: tiny shapes, for
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -332,7 +333,7 @@ def bench_indexer(b: Bench, cfg: dict):
 
 # ---- MoE ----------------------------------------------------------------------------------------
 
-def bench_moe(b: Bench, cfg: dict):
+def bench_moe(b: Bench, cfg: dict, decode_only: bool = False):
     d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     limit = cfg["swiglu_limit"]
     if b.smoke:
@@ -363,7 +364,8 @@ def bench_moe(b: Bench, cfg: dict):
                     weight_bytes=wbytes)
         times = {}
         for label, kw in (sweep or [("auto", {})]):
-            times[label] = b.case(f"moe/T{t}/pallas[{label}]", runner("pallas", "pallas", **kw),
+            kw = dict(kw)
+            times[label] = b.case(f"moe/T{t}/pallas[{label}]", runner("pallas", kw.pop("impl", "pallas"), **kw),
                                   (x, idx, wt), layers=1, flops=flops, bytes_=wbytes,
                                   variant=f"pallas {label}", **meta)
         tr = b.case(f"moe/T{t}/ragged_dot", runner("pallas", "ragged_dot"), (x, idx, wt), layers=1,
@@ -387,8 +389,17 @@ def bench_moe(b: Bench, cfg: dict):
         shape_case(16, [("auto", {}), ("bm32", dict(block_m=32))])
     else:
         for t in (1, 8):                                       # decode: weight streams
-            shape_case(t, [("auto", {}), ("bn64bk64s3", dict(block_n=64, block_k=64, num_stages=3)),
-                           ("w8", dict(num_warps=8)), ("bn64w8", dict(block_n=64, num_warps=8))])
+            shape_case(t, [("auto", {}), ("w8", dict(num_warps=8)),
+                           ("gemv", dict(impl="gemv")), ("gemv-bk128", dict(impl="gemv", block_k=128)),
+                           ("gemv-bn16", dict(impl="gemv", block_n=16)),
+                           ("gemv-w8", dict(impl="gemv", num_warps=8, block_k=128))])
+        x, idx, wt = inputs(jax.random.key(77), 1)
+        got, want = runner("pallas", "gemv")(x, idx, wt), runner("xla")(x, idx, wt)
+        b.results["moe_gemv_check"] = {"tokens": 1, "max_abs_diff_vs_reference": float(jnp.max(jnp.abs(got - want))),
+                                       "max_abs_out": float(jnp.max(jnp.abs(want)))}
+        b.save()
+        if decode_only:
+            return
         shape_case(2048, [("auto", {}), ("s4", dict(num_stages=4)),
                           ("bm64w8s4", dict(block_m=64, num_warps=8, num_stages=4))])
         for t in (32, 128, 512, 8192):
@@ -416,7 +427,8 @@ def main(argv=None):
         cfg = json.load(f)["text_config"]
     b = Bench(args.out, args.budget, args.reps, args.smoke)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
-    funcs = {"peak": bench_peak, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe}
+    funcs = {"peak": bench_peak, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
+             "moe-decode": functools.partial(bench_moe, decode_only=True)}
     for name in args.sections.split(","):
         if b.left() < 0:
             print(f"skip {name}: budget", flush=True)
@@ -445,7 +457,7 @@ def print_table(res):
             print(f"{c['name']:<48} {c['ms']:>9.4f} ms {c['tflops']:>7.1f} TF/s {c['gbs']:>8.1f} GB/s{extra}")
         else:
             print(f"{c['name']:<48} {c.get('error') or c.get('skipped')}"[:160])
-    for k in ("attn_best_config", "attn_check", "index_check", "moe_check", "moe_speedups"):
+    for k in ("attn_best_config", "attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups"):
         if k in res:
             print(k, res[k])
 

@@ -66,10 +66,11 @@ def test_skewed_groups_span_tiles():
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
 
 
-def test_single_token_decode():
+@pytest.mark.parametrize("impl", ["pallas", "gemv"])
+def test_single_token_decode(impl):
     rng, seed = fresh_rng()
     case = _case(rng, t=1, k=3)
-    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="pallas", block_n=64)
+    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl=impl, block_n=64)
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
 
 

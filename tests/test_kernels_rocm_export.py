@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas._compat import TRITON_CUSTOM_CALL
 from kernels_pallas.indexer import _index_scores_pallas
-from kernels_pallas.moe import _routed_pallas
+from kernels_pallas.moe import _routed_gemv, _routed_pallas
 from kernels_pallas.sparse_attn import _sparse_attn_pallas
 from v41_jax.model.numerics import Numerics
 
@@ -60,6 +60,15 @@ def test_moe_lowers_for_rocm():
     t, d, f_, e_, k = 64, 5120, 2304, 64, 6
     fn = functools.partial(_routed_pallas, numerics=Numerics.fast(), limit=10.0, bm=16, bn=128,
                            bk=64, num_warps=4, num_stages=3, interpret=False)
+    e = _export_rocm(fn, S((t, d), BF16), S((t, k), I32), S((t, k), F32), S((e_, f_, d), BF16),
+                     S((e_, f_, d), BF16), S((e_, d, f_), BF16))
+    assert _triton_calls(e) == 2          # gate/up and down
+
+
+def test_moe_gemv_lowers_for_rocm():
+    t, d, f_, e_, k = 1, 5120, 2304, 64, 6
+    fn = functools.partial(_routed_gemv, numerics=Numerics.fast(), limit=10.0, bn=32, bk=256,
+                           num_warps=4, num_stages=3, interpret=False)
     e = _export_rocm(fn, S((t, d), BF16), S((t, k), I32), S((t, k), F32), S((e_, f_, d), BF16),
                      S((e_, f_, d), BF16), S((e_, d, f_), BF16))
     assert _triton_calls(e) == 2          # gate/up and down
