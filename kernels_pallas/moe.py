@@ -21,6 +21,10 @@ Accumulation: one fp32 dot per GEMM (the `fast` policy; only fp32 summation orde
 XLA path). Under `numerics.block_gemm` (the reference's K-block order) the dispatcher takes the
 XLA path, which implements that order.
 
+Decode path (impl="gemv"): one program per (token, expert) pair and column block streams the
+expert's weight rows against the token's row as elementwise fp32 products summed over K (an MMA
+would waste 15 of its 16 rows on one token); same rounding points and fp8 fake-quant of `a`.
+
 Alternatives measured by scripts/bench_kernels.py (impl=): "ragged_dot" (jax.lax.ragged_dot_general
 on the sorted pairs), "dense" (every expert on every token, unrouted pairs weighted 0) and
 "reference" (the model's per-token loop). All are exact (same rounding points; only fp32
@@ -326,11 +330,12 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
 
 def choose_impl(tokens: int, k: int, n_experts: int) -> str:
     """The fastest exact implementation for a step, from the H200 measurements (BENCHMARKS.md,
-    64 experts, 5120 / 2304, top-6): one token -> the reference loop (it gathers just its k
-    experts' weights); every expert busy at a small batch (T*k >= 2E, T <= 256) -> "dense" (all
-    weights are read either way and cuBLAS streams them faster); otherwise the Pallas kernel."""
-    if tokens == 1:
-        return "reference"
+    64 experts, 5120 / 2304, top-6): up to 8 tokens -> "gemv" (one weight stream per pair: 0.25 ms
+    against the reference loop's 0.27-0.36 at one token, 0.91 against the grouped GEMM's 1.02-1.18
+    at eight); every expert busy at a small batch (T*k >= 2E, T <= 256) -> "dense" (all weights
+    are read either way and cuBLAS streams them faster); otherwise the Pallas grouped GEMM."""
+    if tokens <= 8:
+        return "gemv"
     if tokens * k >= 2 * n_experts and tokens <= 256:
         return "dense"
     return "pallas"
@@ -373,7 +378,8 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
         bn, bk = min(block_n, 32, d, f), min(block_k or 256, d, f)
         if d % bn or f % bn or d % bk or f % bk:
             raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
-        return _routed_gemv(x, idx, w, w1, w3, w2, bn=bn, bk=bk, num_warps=num_warps or 4,
+        # 32 x 256 weight tiles, 8 warps: the fastest of the H200 sweep at 1 and 8 tokens
+        return _routed_gemv(x, idx, w, w1, w3, w2, bn=bn, bk=bk, num_warps=num_warps or 8,
                             num_stages=num_stages or 3, interpret=_backend.interpret(), **kw)
     if impl != "pallas":
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")

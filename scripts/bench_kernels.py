@@ -389,10 +389,11 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False):
         shape_case(16, [("auto", {}), ("bm32", dict(block_m=32))])
     else:
         for t in (1, 8):                                       # decode: weight streams
-            shape_case(t, [("auto", {}), ("w8", dict(num_warps=8)),
-                           ("gemv", dict(impl="gemv")), ("gemv-bk128", dict(impl="gemv", block_k=128)),
-                           ("gemv-bn16", dict(impl="gemv", block_n=16)),
-                           ("gemv-w8", dict(impl="gemv", num_warps=8, block_k=128))])
+            shape_case(t, [("auto", {}), ("gemv-w8", dict(impl="gemv", num_warps=8, block_k=128)),
+                           ("gemv-bn16w8", dict(impl="gemv", block_n=16, num_warps=8, block_k=128)),
+                           ("gemv-bn16w4s4", dict(impl="gemv", block_n=16, num_stages=4)),
+                           ("gemv-w8bk256", dict(impl="gemv", num_warps=8, block_k=256)),
+                           ("gemv-bn16w8bk256", dict(impl="gemv", block_n=16, num_warps=8, block_k=256))])
         x, idx, wt = inputs(jax.random.key(77), 1)
         got, want = runner("pallas", "gemv")(x, idx, wt), runner("xla")(x, idx, wt)
         b.results["moe_gemv_check"] = {"tokens": 1, "max_abs_diff_vs_reference": float(jnp.max(jnp.abs(got - want))),
