@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from v41_jax.config import ModelConfig
 from v41_jax.model.linear import lin_bf, lin_f32
 from v41_jax.model.norm import rms_norm
-from v41_jax.model.numerics import Numerics
+from v41_jax.model.numerics import Numerics, rounded
 from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.quant import fp4_qdq_e4m3
 
@@ -63,7 +63,7 @@ def _pool_one(kv, score, st_kv, st_score, start, ratio):
 
     buf_kv, buf_score = buffer(st_kv, kv), buffer(st_score, score)
     groups = lambda b: b[: n_groups * ratio].reshape(n_groups, ratio, c)
-    pooled = (groups(buf_kv) * jax.nn.softmax(groups(buf_score), axis=1)).sum(axis=1)
+    pooled = rounded(groups(buf_kv) * jax.nn.softmax(groups(buf_score), axis=1)).sum(axis=1)
     done = (carried + t) // ratio
     valid = jnp.arange(n_groups) < done
     row_ids = jnp.where(valid, start // ratio + jnp.arange(n_groups), -1)

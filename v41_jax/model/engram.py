@@ -24,7 +24,7 @@ import numpy as np
 
 from v41_jax.model.linear import lin8
 from v41_jax.model.norm import rms_inv
-from v41_jax.model.numerics import Numerics, cascade_sum
+from v41_jax.model.numerics import Numerics, cascade_sum, rounded
 from v41_jax.quant import dequant_fp8_rows
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ def engram(p: dict, cfg: ModelConfig, x: jax.Array, rows: jax.Array, numerics: N
     h = x.astype(jnp.float32)
     # normalised per (token, stream) over D, not jointly over the streams
     rstd = rms_inv(h, cfg.norm_eps)[..., 0] * rms_inv(key, cfg.norm_eps)[..., 0]     # [..., N]
-    dot = cascade_sum(h * weight * key) * rstd * d ** -0.5
+    dot = cascade_sum(rounded(h * weight * key)) * rstd * d ** -0.5
     gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), _GATE_FLOOR)), dot))
     if token_mask is not None:
         gate = jnp.where(token_mask[..., None], gate, 0.0)
-    return (h + gate[..., None] * value[..., None, :]).astype(x.dtype)
+    return (h + rounded(gate[..., None] * value[..., None, :])).astype(x.dtype)

@@ -15,6 +15,9 @@ API
   exact_div(a, b)       a / b correctly rounded. XLA rewrites a division by a constant or by a
                         broadcast operand into a multiplication by its (inexact) reciprocal; the
                         reference divides. Use it wherever b is broadcast and not a power of two.
+  rounded(p)            the product p rounded to fp32 on its own: XLA:CPU contracts a*b+c into an FMA
+                        (no flag stops it, nor an optimization_barrier), torch's eager ops round the
+                        product first. Wrap the products of such sums where the reference has them.
   top_k(x, k) -> (values, ids)   lax.top_k with -0.0 and +0.0 equal, so that ties go to the lower
                         index as with IEEE comparisons (torch.topk; the fixtures' lowest-index run):
                         lax.top_k orders floats totally and ranks +0.0 above -0.0, and -0.0 is
@@ -53,6 +56,12 @@ def exact_div(a: jax.Array, b: jax.Array | float) -> jax.Array:
     # a full-shape divisor behind an optimization barrier is neither a constant nor a broadcast
     shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
     return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), shape))
+
+
+def rounded(p: jax.Array) -> jax.Array:
+    # p != p only for NaN, where p + 1 is NaN as well: no value changes, but LLVM cannot fold the
+    # select, so the product p keeps its own fp32 rounding instead of fusing into an FMA
+    return jnp.where(p != p, p + 1, p)
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

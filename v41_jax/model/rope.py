@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v41_jax.model.numerics import rounded
+
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
 
@@ -64,5 +66,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = Fal
     a, b = pairs[..., 0], pairs[..., 1]
     if inverse:
         sin = -sin
-    rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(tail.shape)
+    # the reference multiplies complex numbers: four rounded products, then one add each
+    rotated = jnp.stack([rounded(a * cos) - rounded(b * sin), rounded(a * sin) + rounded(b * cos)],
+                        axis=-1).reshape(tail.shape)
     return jnp.concatenate([head, rotated.astype(x.dtype)], axis=-1)
