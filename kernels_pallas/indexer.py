@@ -207,16 +207,10 @@ def topk_ids(scores: jax.Array, k: int, tile: int | None = None) -> jax.Array:
     return jnp.take_along_axis(i.reshape(*lead, -1), j, axis=-1).astype(jnp.int32)
 
 
-def _ascending_kept(ids: jax.Array, keep: jax.Array) -> jax.Array:
-    big = jnp.iinfo(jnp.int32).max
-    ids = jnp.sort(jnp.where(keep, ids, big), axis=-1)
-    return jnp.where(ids == big, -1, ids).astype(jnp.int32)
-
-
 def select_topk(scores: jax.Array, visible: jax.Array, k: int, tile: int | None = None) -> jax.Array:
     """The reference's `select_topk` (ascending ids, -1 where id >= visible) on `topk_ids`."""
     ids = topk_ids(scores, k, tile)
-    return _ascending_kept(ids, ids < visible[..., None])
+    return ref.ascending(ids, ids < visible[..., None])
 
 
 def select_topk_compacted(scores: jax.Array, rows: jax.Array, visible: jax.Array, k: int,
@@ -226,7 +220,7 @@ def select_topk_compacted(scores: jax.Array, rows: jax.Array, visible: jax.Array
     Columns keep row order, so top_k's lower-column tie rule is the lower-row rule. A pick is kept
     when its row is a real, visible row (the reference's by-position validity)."""
     picked = jnp.take_along_axis(rows, topk_ids(scores, k, tile), axis=-1)
-    return _ascending_kept(picked, (picked >= 0) & (picked < visible[..., None]))
+    return ref.ascending(picked, (picked >= 0) & (picked < visible[..., None]))
 
 
 def index_topk_paged(q, w, key_pages, block_table, visible, k: int, *, numerics: Numerics,

@@ -26,8 +26,8 @@ expert's weight rows against the token's row as elementwise fp32 products summed
 would waste 15 of its 16 rows on one token); same rounding points and fp8 fake-quant of `a`.
 
 Alternatives measured by scripts/bench_kernels.py (impl=): "ragged_dot" (jax.lax.ragged_dot_general
-on the sorted pairs), "dense" (every expert on every token, unrouted pairs weighted 0) and
-"reference" (the model's per-token loop). All are exact (same rounding points; only fp32
+on the sorted pairs) and "dense" (every expert on every token, unrouted pairs weighted 0), and the
+model's per-token loop (backend "xla"). All are exact (same rounding points; only fp32
 summation order differs); `choose_impl` picks per step from the H200 measurements.
 """
 
@@ -45,7 +45,7 @@ from v41_jax.model import moe as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.quant import fp8_act_qdq
 
-IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "reference")
+IMPLS = ("pallas", "gemv", "ragged_dot", "dense")
 _K_BLOCK = 32  # A8 fake-quant group
 
 
@@ -95,14 +95,9 @@ def tile_table(sizes: jax.Array, block_m: int, n_pairs: int):
 
 
 def combine(y_sorted: jax.Array, order: jax.Array, t: int, k: int) -> jax.Array:
-    """Pair outputs in sorted order [T*k, D] -> fp32 [T, D], each token's k outputs added in
-    ascending expert order (the reference's expert loop)."""
+    """Pair outputs in sorted order [T*k, D] -> fp32 [T, D] (`ref.add_slots`)."""
     inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    pairs = y_sorted[inv].reshape(t, k, -1)
-    out = jnp.zeros(pairs[:, 0].shape, jnp.float32)
-    for j in range(k):
-        out = out + pairs[:, j].astype(jnp.float32)
-    return out
+    return ref.add_slots(y_sorted[inv].reshape(t, k, -1))
 
 
 # ---- Pallas kernels -------------------------------------------------------------------------
@@ -274,11 +269,7 @@ def _routed_gemv(x, idx, w, w1, w3, w2, *, numerics, limit, bn, bk, num_warps, n
         out_specs=_full((t * k, d)), out_shape=jax.ShapeDtypeStruct((t * k, d), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_gemv_down",
     )(pe, a, w2)
-    pairs = y.reshape(t, k, d)
-    out = jnp.zeros((t, d), jnp.float32)
-    for j in range(k):                                                # ascending expert order
-        out = out + pairs[:, j].astype(jnp.float32)
-    return out
+    return ref.add_slots(y.reshape(t, k, d))
 
 
 # ---- XLA alternatives (benchmarked against the kernel) ----------------------------------------
@@ -321,11 +312,7 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     y = numerics.act(jnp.einsum("tef,edf->ted", aq, w2.astype(aq.dtype), precision=HIGHEST,
                                 preferred_element_type=jnp.float32))
     # ascending expert order per token: only the k routed terms are nonzero
-    picked = jnp.take_along_axis(y, idx_t[..., None], axis=1)         # [T, k, D]
-    out = jnp.zeros((t, y.shape[-1]), jnp.float32)
-    for j in range(k):
-        out = out + picked[:, j].astype(jnp.float32)
-    return out
+    return ref.add_slots(jnp.take_along_axis(y, idx_t[..., None], axis=1))  # [T, k, D]
 
 
 def choose_impl(tokens: int, k: int, n_experts: int) -> str:
@@ -361,36 +348,34 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     -> fp32 [T, D]: Σ over each token's experts (ascending id) of the SwiGLU expert output.
 
     backend "xla" (or numerics.block_gemm) -> the model's reference loop; "pallas" -> `impl`
-    ("pallas" | "ragged_dot" | "dense" | "reference"; None = `choose_impl`, the fastest exact
+    ("pallas" | "gemv" | "ragged_dot" | "dense"; None = `choose_impl`, the fastest exact
     one measured on the H200). Launch parameters default to `launch_config(block_m)`."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
         return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
     impl = impl or choose_impl(x.shape[0], idx.shape[1], w1.shape[0])
     kw = dict(numerics=numerics, limit=float(swiglu_limit))
-    if impl == "reference":
-        return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
     if impl == "ragged_dot":
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)
     if impl == "dense":
         return _routed_dense(x, idx, w, w1, w3, w2, **kw)
-    if impl == "gemv":
-        d, f = x.shape[1], w1.shape[1]
-        bn, bk = min(block_n, 32, d, f), min(block_k or 256, d, f)
+    d, f = x.shape[1], w1.shape[1]
+
+    def tiles(bn: int, bk: int) -> dict:
         if d % bn or f % bn or d % bk or f % bk:
             raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
+        return dict(bn=bn, bk=bk)
+
+    if impl == "gemv":
         # 32 x 256 weight tiles, 8 warps: the fastest of the H200 sweep at 1 and 8 tokens
-        return _routed_gemv(x, idx, w, w1, w3, w2, bn=bn, bk=bk, num_warps=num_warps or 8,
-                            num_stages=num_stages or 3, interpret=_backend.interpret(), **kw)
+        return _routed_gemv(x, idx, w, w1, w3, w2, **tiles(min(block_n, 32, d, f), min(block_k or 256, d, f)),
+                            num_warps=num_warps or 8, num_stages=num_stages or 3,
+                            interpret=_backend.interpret(), **kw)
     if impl != "pallas":
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
     bm = block_m or default_block_m(idx.size, w1.shape[0])
     cfg = launch_config(bm)
-    d, f = x.shape[1], w1.shape[1]
-    bk = block_k or min(cfg["block_k"], d, f)
-    bn = min(block_n, d, f)
-    if d % bn or f % bn or d % bk or f % bk:
-        raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
-    return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm, bn=bn, bk=bk,
+    return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm,
+                          **tiles(min(block_n, d, f), block_k or min(cfg["block_k"], d, f)),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],
                           interpret=_backend.interpret(), **kw)

@@ -392,7 +392,6 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False):
             shape_case(t, [("auto", {}), ("gemv-w8", dict(impl="gemv", num_warps=8, block_k=128)),
                            ("gemv-bn16w8", dict(impl="gemv", block_n=16, num_warps=8, block_k=128)),
                            ("gemv-bn16w4s4", dict(impl="gemv", block_n=16, num_stages=4)),
-                           ("gemv-w8bk256", dict(impl="gemv", num_warps=8, block_k=256)),
                            ("gemv-bn16w8bk256", dict(impl="gemv", block_n=16, num_warps=8, block_k=256))])
         x, idx, wt = inputs(jax.random.key(77), 1)
         got, want = runner("pallas", "gemv")(x, idx, wt), runner("xla")(x, idx, wt)

@@ -77,7 +77,7 @@ from kernels_pallas import backend as kernel_backend  # noqa: E402
 from scripts.make_checkpoint import _init as writer_init  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
-from v41_jax.cache.geometry import CacheGeometry, EngineSettings  # noqa: E402
+from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format  # noqa: E402
 from v41_jax.checkpoint.load import ENGRAM_KEY, EngramTables, nest, param_units  # noqa: E402
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
@@ -87,7 +87,6 @@ from v41_jax.runtime.metadata import Bucket, BucketSet, build_step  # noqa: E402
 from v41_jax.topology import Mode, resolve_topology  # noqa: E402
 
 NUMERICS = {"fast": Numerics.fast, "reference": Numerics.reference, "fp32": Numerics.fp32}
-CACHE_FORMAT = {"bfloat16": "bf16", "float32": "f32"}
 NOMINAL_COPY_GBS = 4300.0   # the workplace's measured H200 copy figure (BENCHMARKS.md)
 _HELD = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 _ITEMSIZE = {"bf16": 2, "f32": 4}
@@ -418,7 +417,7 @@ def main(argv=None) -> int:
     numerics = NUMERICS[args.numerics]()
     if args.kernels != "auto":
         kernel_backend.set_backend(args.kernels)
-    fmt = CACHE_FORMAT[numerics.act_dtype.name]
+    fmt = typed_format(numerics.act_dtype)
     batches, prefills = sorted(set(args.batches)), sorted(set(args.prefill))
     if not batches and not prefills:
         raise SystemExit("nothing to run: --batches and --prefill are both empty")

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from v41_jax.cache.geometry import EngineSettings
+from v41_jax.cache.geometry import EngineSettings, typed_format
 from v41_jax.checkpoint.load import load_params
 from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 from v41_jax.model.numerics import Numerics
@@ -32,7 +32,6 @@ from v41_jax.runtime.engine import (CompileMeter, Engine, Request, Stats, defaul
 from v41_jax.runtime.sampling import SamplingParams
 
 NUMERICS = {"reference": Numerics.reference, "fast": Numerics.fast, "fp32": Numerics.fp32}
-CACHE_FORMAT = {"bfloat16": "bf16", "float32": "f32"}
 
 
 def read_requests(path: str, args, tokenizer) -> list[Request]:
@@ -55,10 +54,9 @@ def read_requests(path: str, args, tokenizer) -> list[Request]:
     return out
 
 
-def build_engine(args) -> Engine:
+def build_engine(args, tokenizer) -> Engine:
     cfg, params = load_params(args.checkpoint, progress=not args.quiet)
     ckpt = Path(args.checkpoint)
-    tokenizer = _tokenizer(args)
     if (ckpt / "engram_token_map.json").exists():
         token_map = load_token_map(ckpt / "engram_token_map.json")
     elif tokenizer is not None and cfg.engram_layer_ids:
@@ -66,7 +64,7 @@ def build_engine(args) -> Engine:
     else:
         token_map = None
     numerics = NUMERICS[args.numerics]()
-    fmt = CACHE_FORMAT[numerics.act_dtype.name]
+    fmt = typed_format(numerics.act_dtype)
     max_context = args.max_context or cfg.max_seq_len
     buckets = parse_buckets(args.buckets) if args.buckets else default_buckets(args.max_batch, args.chunk)
     pages_per_request = -(-max_context // args.page_tokens)
@@ -116,8 +114,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.xla_cache:
         jax.config.update("jax_compilation_cache_dir", args.xla_cache)
-    engine = build_engine(args)
     tokenizer = _tokenizer(args)
+    engine = build_engine(args, tokenizer)
     requests = read_requests(args.prompts, args, tokenizer)
     stats = Stats()
     before = CompileMeter.seconds

@@ -16,7 +16,7 @@ import numpy as np
 
 from scripts.make_checkpoint import make_checkpoint
 from v41_jax.cache.geometry import EngineSettings
-from v41_jax.checkpoint.load import load_params
+from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
 from v41_jax.engram_hash import EngramHasher, load_token_map
 from v41_jax.model.engram import sequence_rows
 from v41_jax.model.forward import forward
@@ -51,7 +51,7 @@ def make_engine(cfg, params, token_map, settings=SETTINGS, buckets=BUCKETS, nume
 def forward_logits(params, cfg, token_map, tokens, numerics=FP32) -> np.ndarray:
     """The full forward from position 0 (the oracle), eagerly: fp32 logits [S, V]."""
     hasher = EngramHasher(cfg, token_map)
-    _, rows = sequence_rows(params["engram_tables"], hasher, cfg, np.asarray(tokens)[None])
+    _, rows = sequence_rows(params[ENGRAM_KEY], hasher, cfg, np.asarray(tokens)[None])
     logits = forward(params, cfg, jnp.asarray(tokens)[None], numerics=numerics,
                      engram_rows={k: jnp.asarray(v) for k, v in rows.items()})
     return np.asarray(logits[0])

@@ -49,6 +49,14 @@ _CURSOR_DTYPE = np.dtype(np.int32)  # positions < 2^31 and compressed ids fit; j
 _PLANE_ALIGN = 256  # index planes, state fields and regions start on 256 bytes
 
 
+def typed_format(dtype) -> str:
+    """The typed row format ("bf16" / "f32") that holds `dtype` values exactly."""
+    for name, dt in _TYPED.items():
+        if np.dtype(dtype) == dt:
+            return name
+    raise ValueError(f"no typed row format holds {np.dtype(dtype).name}; typed formats: {sorted(_TYPED)}")
+
+
 def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 

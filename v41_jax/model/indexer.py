@@ -78,7 +78,7 @@ def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, visible: jax
     return jnp.where(rows < visible[..., None], scores, -jnp.inf)
 
 
-def _ascending(ids: jax.Array, keep: jax.Array) -> jax.Array:
+def ascending(ids: jax.Array, keep: jax.Array) -> jax.Array:
     """Kept ids sorted ascending, -1 after them."""
     big = jnp.iinfo(jnp.int32).max
     ids = jnp.sort(jnp.where(keep, ids, big), axis=-1)
@@ -96,7 +96,7 @@ def candidate_blocks(scores: jax.Array, visible: jax.Array, topk_blocks: int, bl
     newest = (visible[..., None] - 1) // block_size
     block_score = jnp.where(jnp.arange(n_blocks) == newest, jnp.inf, block_score)
     values, ids = top_k(block_score, min(topk_blocks, n_blocks))
-    return _ascending(ids, values > -jnp.inf)
+    return ascending(ids, values > -jnp.inf)
 
 
 def candidate_mask(blocks: jax.Array, n_rows: int, block_size: int) -> jax.Array:
@@ -112,4 +112,4 @@ def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
     """The k best rows, re-sorted by position. As in the reference, validity is by position
     (id < visible) only: when fewer than k rows score finite, -inf fillers below `visible` stay."""
     _, ids = top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
-    return _ascending(ids, ids < visible[..., None])
+    return ascending(ids, ids < visible[..., None])

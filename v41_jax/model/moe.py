@@ -85,10 +85,16 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     def one_token(xt, e, wt):  # [D], expert id, routing weight -> [D]
         return swiglu_ffn(xt[None], w1[e], w3[e], w2[e], numerics, swiglu_limit, wt)[0]
 
-    y = jnp.zeros(x.shape, jnp.float32)
-    for j in range(idx.shape[-1]):
-        y = y + jax.vmap(one_token)(x, idx[:, j], w[:, j]).astype(jnp.float32)
-    return y
+    return add_slots(jnp.stack([jax.vmap(one_token)(x, idx[:, j], w[:, j]) for j in range(idx.shape[-1])], 1))
+
+
+def add_slots(pairs: jax.Array) -> jax.Array:
+    """[T, k, D] expert outputs, slots in ascending expert id -> fp32 [T, D], added slot by slot
+    (the reference's expert loop)."""
+    out = jnp.zeros(pairs[:, 0].shape, jnp.float32)
+    for j in range(pairs.shape[1]):
+        out = out + pairs[:, j].astype(jnp.float32)
+    return out
 
 
 def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,

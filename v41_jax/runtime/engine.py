@@ -33,6 +33,7 @@ import numpy as np
 from v41_jax.cache.bookkeeping import PageAllocator, SlotAllocator, check_cursor
 from v41_jax.cache.buffer import allocate, reset_slots
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings
+from v41_jax.checkpoint.load import ENGRAM_KEY
 from v41_jax.config import ModelConfig
 from v41_jax.engram_hash import EngramCursor, EngramHasher
 from v41_jax.model.numerics import Numerics
@@ -143,7 +144,7 @@ class Engine:
             raise ValueError(f"buckets: {buckets.max_requests} requests per step exceed {settings.slots} slots")
         self.prefill_chunk = prefill_chunk or buckets.max_tokens
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
-        self.tables = params.get("engram_tables")
+        self.tables = params.get(ENGRAM_KEY)
         self.step_fn = make_step(cfg, self.geom, numerics, record)
         self.reset()
 

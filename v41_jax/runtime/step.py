@@ -42,7 +42,7 @@ from kernels_pallas import backend as kernel_backend
 from kernels_pallas.indexer import index_scores_paged
 from kernels_pallas.sparse_attn import sparse_attn_paged
 from v41_jax.cache.buffer import Cache
-from v41_jax.cache.geometry import CacheGeometry
+from v41_jax.cache.geometry import CacheGeometry, typed_format
 from v41_jax.config import ModelConfig
 from v41_jax.model.attention import output_proj, query, window_kv
 from v41_jax.model.block import block
@@ -62,7 +62,6 @@ from v41_jax.quant import dequant_fp8_rows
 from v41_jax.runtime.metadata import StepBatch
 from v41_jax.topology import Candidates, LayerTopology, Mode, resolve_topology
 
-ENGRAM_SCALE_GROUP = 32  # Engram table rows: one E8M0 scale per 32 lanes
 
 
 class StepState(NamedTuple):
@@ -289,8 +288,7 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
         topo, p = topology[layer], params["layers"][layer]
         if topo.engram:
             i = cfg.engram_layer_ids.index(layer)
-            rows = dequant_fp8_rows(batch.engram_codes[i], batch.engram_scales[i], ENGRAM_SCALE_GROUP,
-                                    jnp.bfloat16)
+            rows = dequant_fp8_rows(batch.engram_codes[i], batch.engram_scales[i])
             x = engram(p["engram"], cfg, x, rows[None], numerics)
             inter["engram_out"][layer] = x[0]
         if layer in cfg.dspark_target_layer_ids:
@@ -322,7 +320,7 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
 
 def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
     """The cache holds rows in the activation dtype, so reading them back is exact."""
-    want = {"bfloat16": "bf16", "float32": "f32"}[numerics.act_dtype.name]
+    want = typed_format(numerics.act_dtype)
     if geom.settings.kv_format != want or geom.settings.index_format != want:
         raise ValueError(f"kv_format/index_format: {numerics.act_dtype.name} activations need "
                          f"{want!r} rows, got {geom.settings.kv_format!r}/{geom.settings.index_format!r}")

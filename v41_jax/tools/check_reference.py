@@ -63,6 +63,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -265,6 +266,21 @@ def compare_ids(key: str, ours_logits: np.ndarray, ref_ids: np.ndarray, bound: n
 
 # ---- running the model --------------------------------------------------------------------------
 
+class Fixture(NamedTuple):
+    cfg: object
+    params: dict
+    z: object        # the reference outputs (npz)
+    hasher: EngramHasher | None
+
+
+def load_fixture(folder: str) -> Fixture:
+    """The folder's checkpoint through the project's own reader, its reference outputs, its hasher."""
+    cfg, params = load_params(os.path.join(folder, "checkpoint"), progress=False)
+    hasher = EngramHasher(cfg, load_token_map(os.path.join(folder, "checkpoint", "engram_token_map.json"))) \
+        if cfg.engram_layer_ids else None
+    return Fixture(cfg, params, np.load(os.path.join(folder, OUTPUTS)), hasher)
+
+
 def _layer_keys(z, stage: str, kind: str) -> list[int]:
     prefix = f"{stage}.{kind}.L"
     return sorted(int(k[len(prefix):]) for k in z.files if k.startswith(prefix) and "." not in k[len(prefix):])
@@ -352,17 +368,19 @@ def nudged_params(params: dict, seed: int) -> dict:
     return dict(params, embed={"weight": _one_ulp_nudge(params["embed"]["weight"], rng)}, layers=layers)
 
 
-def selection_conditioning(cfg, params, z, hasher, numerics: Numerics, runs: int) -> dict:
+def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int) -> dict:
     """Per selection key (prefill + decode rows): over `runs` one-ulp nudges of the model, the
     fraction of rows whose picks move and the worst rank (in units of k, in the nudged model's
     scores) of an unnudged pick the nudged model dropped. It measures how far last-bit noise alone
     moves the selections: the scale the near-tie rule (rank_slack) is judged against."""
+    cfg, params, z, hasher = fx
+
     def picks(p):
         inter = run_model(cfg, p, z, hasher, numerics)["inter"]
         out = {}
-        for kind, score_key in (("index_topk", "index_scores"), ("candidate_blocks", "index_scores")):
+        for kind in ("index_topk", "candidate_blocks"):
             for l, ids in inter[kind].items():
-                sc = inter[score_key][l][0]
+                sc = inter["index_scores"][l][0]
                 sc = _block_scores(sc, cfg.candidate_block_size) if kind == "candidate_blocks" else sc
                 out[f"{kind}.L{l}"] = (_canon(ids[0], ids.shape[-1]), sc)
         return out
@@ -379,18 +397,11 @@ def selection_conditioning(cfg, params, z, hasher, numerics: Numerics, runs: int
                 "worst_rank_over_k": worst[k]} for k in base}
 
 
-def _hasher(folder: str, cfg) -> EngramHasher | None:
-    return EngramHasher(cfg, load_token_map(os.path.join(folder, "checkpoint", "engram_token_map.json"))) \
-        if cfg.engram_layer_ids else None
-
-
-def check_folder(folder: str, numerics: Numerics, tol: Tolerance | None = None, runner=None) -> list[Check]:
-    """Every comparison for one fixture folder. `runner` computes what `run_model` returns (the
-    full forward by default; `engine_replay.run_engine` goes through the cache and the step)."""
+def check_folder(fx: Fixture, numerics: Numerics, tol: Tolerance | None = None, runner=None) -> list[Check]:
+    """Every comparison for one loaded fixture folder. `runner` computes what `run_model` returns
+    (the full forward by default; `engine_replay.run_engine` goes through the cache and the step)."""
     tol = tol or default_tolerance()
-    cfg, params = load_params(os.path.join(folder, "checkpoint"), progress=False)
-    z = np.load(os.path.join(folder, OUTPUTS))
-    hasher = _hasher(folder, cfg)
+    cfg, params, z, hasher = fx
     out = (runner or run_model)(cfg, params, z, hasher, numerics)
     inter, s = out["inter"], len(z["prompt_ids"])
     dec = slice(s, s + N_DECODE)
@@ -468,14 +479,10 @@ def main(argv: list[str] | None = None) -> int:
         from v41_jax.tools.engine_replay import run_engine  # imports this module: bind late
         runner = run_engine
     tol = {"auto": None, "cpu": CPU, "gpu": GPU}[args.tolerance]
-    checks = check_folder(args.folder, getattr(Numerics, args.numerics)(), tol, runner)
+    fx, numerics = load_fixture(args.folder), getattr(Numerics, args.numerics)()
+    checks = check_folder(fx, numerics, tol, runner)
     ok = all(c.passed for c in checks)
-    cond = None
-    if args.conditioning:
-        cfg, params = load_params(os.path.join(args.folder, "checkpoint"), progress=False)
-        z = np.load(os.path.join(args.folder, OUTPUTS))
-        cond = selection_conditioning(cfg, params, z, _hasher(args.folder, cfg), getattr(Numerics, args.numerics)(),
-                                      args.conditioning)
+    cond = selection_conditioning(fx, numerics, args.conditioning) if args.conditioning else None
     if args.json:
         print(json.dumps({"folder": args.folder, "passed": ok, "checks": [asdict(c) for c in checks],
                           "conditioning": cond}, indent=1))

@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from v41_jax.cache.geometry import EngineSettings
+from v41_jax.cache.geometry import EngineSettings, typed_format
 from v41_jax.engram_hash import EngramCursor, EngramHasher
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.engine import Engine
@@ -55,7 +55,7 @@ def run_engine(cfg, params, z, hasher: EngramHasher | None, numerics: Numerics) 
     prompt = z["prompt_ids"].astype(np.int32)
     inputs = z["decode.input_ids"].astype(np.int32)
     s, n = len(prompt), len(inputs)
-    fmt = {"bfloat16": "bf16", "float32": "f32"}[numerics.act_dtype.name]
+    fmt = typed_format(numerics.act_dtype)
     pages = -(-(s + n) // PAGE_TOKENS)
     settings = EngineSettings(page_tokens=PAGE_TOKENS, num_pages=pages + 1, slots=1, max_context=cfg.max_seq_len,
                               kv_format=fmt, index_format=fmt)
