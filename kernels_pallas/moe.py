@@ -7,12 +7,12 @@ Steps (one call):
   1. XLA: each token's k picks sorted by expert id (the reference's combine order), the T*k pairs
      stably sorted by expert; group sizes -> a static-length tile table (tile -> expert, first
      row, group end); fp8 fake-quant of x once per token (A8 per 32 lanes, as `lin4`).
-  2. Pallas gate/up kernel, grid (tiles, F/BN): rows of one expert's group gathered from x by
+  2. Pallas gate/up kernel, grid (F/BN, tiles): rows of one expert's group gathered from x by
      token id (no sorted copy of x in HBM), [BM, D] @ w1[e]^T and w3[e]^T in one K loop; epilogue:
      g, u rounded to the activation dtype, u clamped to ±limit, g to <= limit,
      a = act(routing weight * silu(g) * u), stored to the pair's row.
   3. XLA: fp8 fake-quant of a (A8 per 32 lanes, the next linear's input).
-  4. Pallas down kernel, grid (tiles, D/BN): a rows [BM, F] @ w2[e]^T -> act dtype.
+  4. Pallas down kernel, grid (D/BN, tiles): a rows [BM, F] @ w2[e]^T -> act dtype.
   5. XLA: pairs back to [T, k, D], summed in fp32 in ascending expert order.
 Tiles never straddle two experts; the last tile of a group stores only its group's rows; tiles
 past the live count (the table has a static length) and empty experts read no weights.
@@ -110,7 +110,7 @@ def _dot_t(a, b, dt):
 
 def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
                     bm, bn, bk, limit, numerics):
-    i, j = pl.program_id(0), pl.program_id(1)
+    j, i = pl.program_id(0), pl.program_id(1)                         # column block, tile
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
 
     @pl.when(e >= 0)
@@ -138,7 +138,7 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
 
 
 def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics):
-    i, j = pl.program_id(0), pl.program_id(1)
+    j, i = pl.program_id(0), pl.program_id(1)
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
 
     @pl.when(e >= 0)
@@ -161,7 +161,7 @@ def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, 
 
 
 def _full(shape):
-    return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
 def default_block_m(n_pairs: int, n_experts: int) -> int:
@@ -185,9 +185,12 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     xq = _act_in(x, numerics)
     cp = compiler_params(num_warps, num_stages)
     tables = [_full(te.shape)] * 3
+    # column blocks fastest: a tile's column blocks run side by side, so its gathered rows come
+    # from L2 after the first (tiles fastest re-read them from HBM per column block: 1.14-1.24x
+    # slower at 512-8192 tokens on the H200)
     a = pl.pallas_call(
         functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
-        grid=(te.shape[0], f // bn),
+        grid=(f // bn, te.shape[0]),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape),
                            _full(w3.shape)],
         out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
@@ -196,7 +199,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
     y = pl.pallas_call(
         functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
-        grid=(te.shape[0], d // bn),
+        grid=(d // bn, te.shape[0]),
         in_specs=tables + [_full(a.shape), _full(w2.shape)],
         out_specs=_full((t * k, d)), out_shape=jax.ShapeDtypeStruct((t * k, d), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_down",
@@ -206,70 +209,91 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
 
 # ---- decode: one weight stream per (token, expert) pair ------------------------------------------
 
-def _gemv_gate_up_kernel(pe_ref, pt_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *, bn, bk, limit,
-                         numerics):
-    """Pair p, columns j: w1[e] / w3[e] rows [BN, D] against the pair's token row, as elementwise
-    products summed in fp32 (no MMA: one row would waste 15 of 16 MMA rows)."""
+def _gemv_gate_up_kernel(pe_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *, k, bn, bk, limit,
+                         numerics, defer_sum):
+    """Pair p (token p // k), columns j: w1[e] / w3[e] rows [BN, D] against the token's row, as
+    elementwise fp32 products (no MMA: one row would waste 15 of 16 MMA rows). With defer_sum the
+    products accumulate lane-wise over K and the row sums are taken once at the end, keeping the
+    cross-lane reduction out of the weight-streaming loop."""
     p, j = pl.program_id(0), pl.program_id(1)
-    e, t = pe_ref[p], pt_ref[p]
+    e, t = pe_ref[p], p // k
     rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
+    fold = (lambda v: v) if defer_sum else (lambda v: jnp.sum(v, axis=1))
 
     def body(kb, acc):
         acc_g, acc_u = acc
         ks = pl.ds(pl.multiple_of(kb * bk, bk), bk)
         xk = x_ref[t, ks].astype(jnp.float32)[None, :]                # [1, BK]
-        return (acc_g + jnp.sum(w1_ref[e, rows, ks].astype(jnp.float32) * xk, axis=1),
-                acc_u + jnp.sum(w3_ref[e, rows, ks].astype(jnp.float32) * xk, axis=1))
+        return (acc_g + fold(w1_ref[e, rows, ks].astype(jnp.float32) * xk),
+                acc_u + fold(w3_ref[e, rows, ks].astype(jnp.float32) * xk))
 
-    zero = jnp.zeros((bn,), jnp.float32)
+    zero = jnp.zeros((bn, bk) if defer_sum else (bn,), jnp.float32)
     g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
+    if defer_sum:
+        g, u = jnp.sum(g, axis=1), jnp.sum(u, axis=1)
     wt = jnp.full((1,), pw_ref[p], jnp.float32)
     a_ref[p, rows] = _swiglu_epilogue(g[None, :], u[None, :], wt, numerics, limit)[0].astype(a_ref.dtype)
 
 
-def _gemv_down_kernel(pe_ref, a_ref, w2_ref, y_ref, *, bn, bk, numerics):
+def _gemv_down_kernel(pe_ref, a_ref, w2_ref, y_ref, *, bn, bk, numerics, defer_sum):
     p, j = pl.program_id(0), pl.program_id(1)
     e = pe_ref[p]
     rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
+    fold = (lambda v: v) if defer_sum else (lambda v: jnp.sum(v, axis=1))
 
     def body(kb, acc):
         ks = pl.ds(pl.multiple_of(kb * bk, bk), bk)
-        return acc + jnp.sum(w2_ref[e, rows, ks].astype(jnp.float32) * a_ref[p, ks].astype(jnp.float32)[None, :],
-                             axis=1)
+        return acc + fold(w2_ref[e, rows, ks].astype(jnp.float32) * a_ref[p, ks].astype(jnp.float32)[None, :])
 
-    acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bn,), jnp.float32))
+    acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body,
+                            jnp.zeros((bn, bk) if defer_sum else (bn,), jnp.float32))
+    if defer_sum:
+        acc = jnp.sum(acc, axis=1)
     y_ref[p, rows] = numerics.act(acc).astype(y_ref.dtype)
 
 
+def gemv_gate_up(pe, pw, xq, w1, w3, *, numerics, limit, bn, bk, num_warps, num_stages, interpret,
+                 defer_sum=True):
+    """pe [P] expert of pair p = token * k + slot, pw [P] its routing weight, xq [T, D] -> a [P, F]."""
+    n_pairs, f = pe.shape[0], w1.shape[1]
+    return pl.pallas_call(
+        functools.partial(_gemv_gate_up_kernel, k=n_pairs // xq.shape[0], bn=bn, bk=bk, limit=limit,
+                          numerics=numerics, defer_sum=defer_sum),
+        grid=(n_pairs, f // bn),
+        in_specs=[_full(pe.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape), _full(w3.shape)],
+        out_specs=_full((n_pairs, f)), out_shape=jax.ShapeDtypeStruct((n_pairs, f), numerics.act_dtype),
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+        name="moe_gemv_gate_up",
+    )(pe, pw, xq, w1, w3)
+
+
+def gemv_down(pe, a, w2, *, numerics, bn, bk, num_warps, num_stages, interpret, defer_sum=True):
+    """pe [P], a [P, F] -> y [P, D] in the activation dtype."""
+    n_pairs, d = pe.shape[0], w2.shape[1]
+    return pl.pallas_call(
+        functools.partial(_gemv_down_kernel, bn=bn, bk=bk, numerics=numerics, defer_sum=defer_sum),
+        grid=(n_pairs, d // bn),
+        in_specs=[_full(pe.shape), _full(a.shape), _full(w2.shape)],
+        out_specs=_full((n_pairs, d)), out_shape=jax.ShapeDtypeStruct((n_pairs, d), numerics.act_dtype),
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+        name="moe_gemv_down",
+    )(pe, a, w2)
+
+
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bn", "bk", "num_warps", "num_stages",
-                                             "interpret"))
-def _routed_gemv(x, idx, w, w1, w3, w2, *, numerics, limit, bn, bk, num_warps, num_stages, interpret):
+                                             "interpret", "defer_sum"))
+def _routed_gemv(x, idx, w, w1, w3, w2, *, numerics, limit, bn, bk, num_warps, num_stages, interpret,
+                 defer_sum):
     t, d = x.shape
     k = idx.shape[1]
-    f = w1.shape[1]
     idx_t, w_t, _, _ = sort_pairs(idx, w, w1.shape[0])               # per token: ascending experts
     pe = idx_t.reshape(-1)                                            # pair p = token * k + slot
-    pt = jnp.repeat(jnp.arange(t, dtype=jnp.int32), k)
     pw = w_t.reshape(-1).astype(jnp.float32)
-    xq = _act_in(x, numerics)
-    cp = compiler_params(num_warps, num_stages)
-    a = pl.pallas_call(
-        functools.partial(_gemv_gate_up_kernel, bn=bn, bk=bk, limit=limit, numerics=numerics),
-        grid=(t * k, f // bn),
-        in_specs=[_full(pe.shape), _full(pt.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape),
-                  _full(w3.shape)],
-        out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
-        compiler_params=cp, interpret=interpret, name="moe_gemv_gate_up",
-    )(pe, pt, pw, xq, w1, w3)
+    launch = dict(numerics=numerics, bn=bn, bk=bk, num_warps=num_warps, num_stages=num_stages,
+                  interpret=interpret, defer_sum=defer_sum)
+    a = gemv_gate_up(pe, pw, _act_in(x, numerics), w1, w3, limit=limit, **launch)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
-    y = pl.pallas_call(
-        functools.partial(_gemv_down_kernel, bn=bn, bk=bk, numerics=numerics),
-        grid=(t * k, d // bn),
-        in_specs=[_full(pe.shape), _full(a.shape), _full(w2.shape)],
-        out_specs=_full((t * k, d)), out_shape=jax.ShapeDtypeStruct((t * k, d), numerics.act_dtype),
-        compiler_params=cp, interpret=interpret, name="moe_gemv_down",
-    )(pe, a, w2)
-    return ref.add_slots(y.reshape(t, k, d))
+    return ref.add_slots(gemv_down(pe, a, w2, **launch).reshape(t, k, d))
 
 
 # ---- XLA alternatives (benchmarked against the kernel) ----------------------------------------
@@ -342,8 +366,8 @@ def launch_config(block_m: int) -> dict:
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
                    w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
                    backend: str | None = None, impl: str | None = None, block_m: int | None = None,
-                   block_n: int = 128, block_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None) -> jax.Array:
+                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None, variant: dict | None = None) -> jax.Array:
     """x [T, D], idx [T, k] int32, w [T, k] fp32 routing weights, w1/w3 [E, F, D], w2 [E, D, F]
     -> fp32 [T, D]: Σ over each token's experts (ascending id) of the SwiGLU expert output.
 
@@ -367,15 +391,15 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
 
     if impl == "gemv":
         # 32 x 256 weight tiles, 8 warps: the fastest of the H200 sweep at 1 and 8 tokens
-        return _routed_gemv(x, idx, w, w1, w3, w2, **tiles(min(block_n, 32, d, f), min(block_k or 256, d, f)),
+        return _routed_gemv(x, idx, w, w1, w3, w2, **tiles(min(block_n or 32, d, f), min(block_k or 256, d, f)),
                             num_warps=num_warps or 8, num_stages=num_stages or 3,
-                            interpret=_backend.interpret(), **kw)
+                            interpret=_backend.interpret(), defer_sum=(variant or {}).get("defer_sum", True), **kw)
     if impl != "pallas":
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
     bm = block_m or default_block_m(idx.size, w1.shape[0])
     cfg = launch_config(bm)
     return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm,
-                          **tiles(min(block_n, d, f), block_k or min(cfg["block_k"], d, f)),
+                          **tiles(min(block_n or 128, d, f), block_k or min(cfg["block_k"], d, f)),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],
                           interpret=_backend.interpret(), **kw)

@@ -133,9 +133,9 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "head_block"))
+                                             "num_stages", "interpret", "head_block", "heads_fastest"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block=None):
+                        num_stages, interpret, head_block=None, heads_fastest=False):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -149,22 +149,25 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     per_split = -(-total // n_splits)
 
     hb = max(16, min(head_block or hp, hp))                            # heads per program (pow2)
-    grid = (t, hp // hb, n_splits)
+    # heads_fastest launches a token's head blocks side by side (its rows come from HBM once and
+    # from L2 after); the index maps below always see (token, head block, split)
+    grid = (hp // hb, t, n_splits) if heads_fastest else (t, hp // hb, n_splits)
+    at = (lambda f: lambda g, i, s: f(i, g, s)) if heads_fastest else (lambda f: f)
     sq = SQUEEZED
-    in_specs = ([pl.BlockSpec((sq, hb, d), lambda i, g, s: (i, g, 0)),
-                 pl.BlockSpec((hb,), lambda i, g, s: (g,))]
-                + [pl.BlockSpec((sq, x.shape[1]), lambda i, g, s: (i, 0)) for x in idx]
-                + [pl.BlockSpec(r.shape, lambda i, g, s: (0, 0)) for r in rows])
+    in_specs = ([pl.BlockSpec((sq, hb, d), at(lambda i, g, s: (i, g, 0))),
+                 pl.BlockSpec((hb,), at(lambda i, g, s: (g,)))]
+                + [pl.BlockSpec((sq, x.shape[1]), at(lambda i, g, s: (i, 0))) for x in idx]
+                + [pl.BlockSpec(r.shape, lambda *_: (0, 0)) for r in rows])
     if n_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t, hp, d), q.dtype)
-        out_specs = pl.BlockSpec((sq, hb, d), lambda i, g, s: (i, g, 0))
+        out_specs = pl.BlockSpec((sq, hb, d), at(lambda i, g, s: (i, g, 0)))
     else:
         out_shape = (jax.ShapeDtypeStruct((t, n_splits, hp, d), jnp.float32),
                      jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32))
-        out_specs = (pl.BlockSpec((sq, sq, hb, d), lambda i, g, s: (i, s, g, 0)),
-                     pl.BlockSpec((sq, sq, hb), lambda i, g, s: (i, s, g)),
-                     pl.BlockSpec((sq, sq, hb), lambda i, g, s: (i, s, g)))
+        out_specs = (pl.BlockSpec((sq, sq, hb, d), at(lambda i, g, s: (i, s, g, 0))),
+                     pl.BlockSpec((sq, sq, hb), at(lambda i, g, s: (i, s, g))),
+                     pl.BlockSpec((sq, sq, hb), at(lambda i, g, s: (i, s, g))))
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
                                bf16_probs=bf16_probs)
@@ -209,7 +212,8 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
 def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float, *,
                       numerics: Numerics, backend: str | None = None,
                       num_splits: int | None = None, num_warps: int = 4,
-                      num_stages: int = 2, head_block: int | None = 32) -> jax.Array:
+                      num_stages: int = 2, head_block: int | None = 32,
+                      heads_fastest: bool = False) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -229,5 +233,6 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,
                               num_splits=splits, num_warps=num_warps, num_stages=num_stages,
-                              interpret=_backend.interpret(), head_block=head_block)
+                              interpret=_backend.interpret(), head_block=head_block,
+                              heads_fastest=heads_fastest)
     return out.reshape(*lead, *q.shape[-2:])

@@ -3,9 +3,9 @@
     python scripts/bench_kernels.py --out bench.json [--sections peak,attn,indexer,moe]
                                     [--budget SECONDS] [--smoke]
 
-Every case: median wall time of `--reps` calls via block_until_ready after warm-up. One call
-runs L independent "layers" (separate inputs, one jit) so host dispatch is amortised; times are
-per layer. Reported: ms, achieved TFLOP/s and GB/s (minimum bytes: every input row read once,
+Every case: after warm-up, five rounds of `--reps` calls queued back to back with one
+block_until_ready per round; the median round's time per call. One call runs L independent
+"layers" (separate inputs, one jit); times are per layer. Reported: ms, achieved TFLOP/s and GB/s (minimum bytes: every input row read once,
 every output written once), ratio to the measured bf16 GEMM peak and copy bandwidth, and the
 speed-up over the XLA path in the same run. Sections stop starting new cases once the time
 budget is spent; results are written after every case. --smoke: tiny shapes, for CPU checks.
@@ -54,14 +54,19 @@ class Bench:
             json.dump(self.results, f, indent=1)
 
     def time(self, fn, *args) -> float:
-        """Median seconds of one call (compile and warm-up excluded)."""
+        """Median seconds of one call (compile and warm-up excluded), device-bound: each round
+        queues `reps` calls and waits once, so the host's dispatch overlaps the device's work and
+        the per-call sync latency (tens of microseconds, the size of a decode kernel) is paid
+        once per round instead of once per call."""
         jax.block_until_ready(fn(*args))
         jax.block_until_ready(fn(*args))
         ts = []
-        for _ in range(self.reps):
+        for _ in range(5):
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ts.append(time.perf_counter() - t0)
+            for _ in range(self.reps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            ts.append((time.perf_counter() - t0) / self.reps)
         return float(np.median(ts))
 
     def record(self, **row):
@@ -132,7 +137,7 @@ def _attn_inputs(key, layers, t, h, d, n_win, n_comp, ring_rows, comp_rows, ctx,
     return tuple(qs), tuple(wids), tuple(cids)
 
 
-def bench_attn(b: Bench, cfg: dict):
+def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
     h, d, w, k = cfg["num_attention_heads"], cfg["head_dim"], cfg["sliding_window"], cfg["index_topk"]
     if b.smoke:
         h, d, w, k = 16, 64, 64, 128
@@ -172,6 +177,20 @@ def bench_attn(b: Bench, cfg: dict):
                 b.save()
         return times
 
+    if sweep_only:
+        base = dict(num_warps=4, num_stages=2, head_block=32)
+        hf = dict(base, heads_fastest=True)
+        variants = [("default", {}), ("heads-fastest", hf), ("h32w8", dict(base, num_warps=8)),
+                    ("h32w8-hf", dict(hf, num_warps=8)), ("h16w4", dict(base, head_block=16)),
+                    ("h16w4-hf", dict(hf, head_block=16)), ("h16w2-hf", dict(hf, head_block=16, num_warps=2)),
+                    ("h32s3-hf", dict(hf, num_stages=3)), ("h64w8-hf", dict(hf, head_block=64, num_warps=8))]
+        splits = lambda n: [(f"{name}-split{n}", dict(kw, num_splits=n)) for name, kw in variants[:5]]
+        for kind, t, extra in (("decode", 32, splits(1) + splits(4)), ("decode", 128, []),
+                               ("verify", 192, []), ("decode", 8, splits(2))):
+            if b.left() < 0:
+                break
+            shape_case(kind, t, 32768, True, "ring", variants + extra, xla=False)
+        return
     # 1. launch-parameter sweep at one decode shape
     sweep = [("w8s2", dict(num_warps=8, num_stages=2, num_splits=1)),
              ("w8s1", dict(num_warps=8, num_stages=1, num_splits=1)),
@@ -333,7 +352,7 @@ def bench_indexer(b: Bench, cfg: dict):
 
 # ---- MoE ----------------------------------------------------------------------------------------
 
-def bench_moe(b: Bench, cfg: dict, decode_only: bool = False):
+def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False):
     d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     limit = cfg["swiglu_limit"]
     if b.smoke:
@@ -343,40 +362,43 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False):
     w3 = (jax.random.normal(kw3, (e, f, d), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
     w2 = (jax.random.normal(kw2, (e, d, f), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
 
-    def inputs(key, t):
-        k1, k2, k3 = jax.random.split(key, 3)
-        x = jax.random.normal(k1, (t, d), jnp.bfloat16)
-        idx = jax.lax.top_k(jax.random.uniform(k2, (t, e)), k)[1].astype(jnp.int32)
-        wt = jax.random.uniform(k3, (t, k), jnp.float32)
-        return x, idx, wt
+    def inputs(key, t, layers=1):
+        """`layers` independent (x, idx, wt) triples; one timed call runs them all."""
+        out = []
+        for key in jax.random.split(key, layers):
+            k1, k2, k3 = jax.random.split(key, 3)
+            out.append((jax.random.normal(k1, (t, d), jnp.bfloat16),
+                        jax.lax.top_k(jax.random.uniform(k2, (t, e)), k)[1].astype(jnp.int32),
+                        jax.random.uniform(k3, (t, k), jnp.float32)))
+        return tuple(out)
 
     def runner(backend, impl=None, **kw):
-        jitted = jax.jit(lambda x, idx, wt, w1_, w3_, w2_: kmoe.routed_experts(
-            x, idx, wt, w1_, w3_, w2_, FAST, limit, backend=backend, impl=impl, **kw))
-        return lambda x, idx, wt: jitted(x, idx, wt, w1, w3, w2)
+        jitted = jax.jit(lambda ins, w1_, w3_, w2_: tuple(kmoe.routed_experts(
+            x, idx, wt, w1_, w3_, w2_, FAST, limit, backend=backend, impl=impl, **kw) for x, idx, wt in ins))
+        return lambda ins: jitted(ins, w1, w3, w2)
 
-    def shape_case(t, sweep=None):
-        x, idx, wt = inputs(jax.random.key(t), t)
-        active = int(jnp.sum(jnp.bincount(idx.reshape(-1), length=e) > 0))
+    def shape_case(t, sweep=None, others=True):
+        # small batches are weight streams of ~0.1-1 ms: several layers per call keep the host's
+        # dispatch and sync out of the per-layer time
+        layers = 8 if t <= 128 else 1
+        ins = inputs(jax.random.key(t), t, layers)
+        active = np.mean([int(jnp.sum(jnp.bincount(idx.reshape(-1), length=e) > 0)) for _, idx, _ in ins])
         flops = 6.0 * t * k * d * f
         wbytes = active * 3 * d * f * 2
-        meta = dict(kernel="moe", tokens=t, experts=e, topk=k, active_experts=active,
+        meta = dict(kernel="moe", tokens=t, experts=e, topk=k, active_experts=float(active),
                     weight_bytes=wbytes)
+        case = lambda name, fn, variant: b.case(f"moe/T{t}/{name}", fn, (ins,), layers=layers,
+                                                flops=flops, bytes_=wbytes, variant=variant, **meta)
         times = {}
         for label, kw in (sweep or [("auto", {})]):
             kw = dict(kw)
-            times[label] = b.case(f"moe/T{t}/pallas[{label}]", runner("pallas", kw.pop("impl", "pallas"), **kw),
-                                  (x, idx, wt), layers=1, flops=flops, bytes_=wbytes,
-                                  variant=f"pallas {label}", **meta)
-        tr = b.case(f"moe/T{t}/ragged_dot", runner("pallas", "ragged_dot"), (x, idx, wt), layers=1,
-                    flops=flops, bytes_=wbytes, variant="ragged_dot", **meta)
-        td = None
-        if t <= (64 if b.smoke else 2048):
-            td = b.case(f"moe/T{t}/dense", runner("pallas", "dense"), (x, idx, wt), layers=1,
-                        flops=flops, bytes_=wbytes, variant="dense all-experts", **meta)
+            times[label] = case(f"pallas[{label}]", runner("pallas", kw.pop("impl", None), **kw), f"pallas {label}")
+        if not others:
+            return times
+        tr = case("ragged_dot", runner("pallas", "ragged_dot"), "ragged_dot")
+        td = case("dense", runner("pallas", "dense"), "dense all-experts") if t <= (64 if b.smoke else 2048) else None
         if t <= 8:
-            b.case(f"moe/T{t}/xla-reference", runner("xla"), (x, idx, wt), layers=1, flops=flops,
-                   bytes_=wbytes, variant="xla reference loop", **meta)
+            case("xla-reference", runner("xla"), "xla reference loop")
         ok = {k_: v for k_, v in times.items() if v}
         if ok:
             for other, name in ((tr, "ragged_dot"), (td, "dense")):
@@ -385,30 +407,57 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False):
             b.save()
         return times
 
-    if b.smoke:
+    def gemv_parts(t):
+        """The two GEMV kernels alone (no routing bookkeeping, no fp8 fake-quant between them)."""
+        layers = 8
+        ins = inputs(jax.random.key(t + 1), t, layers)
+        launch = dict(numerics=FAST, bn=32, bk=128 if b.smoke else 256, num_warps=8, num_stages=3,
+                      interpret=kmoe._backend.interpret())
+        pes = tuple(jnp.sort(idx, axis=-1).reshape(-1) for _, idx, _ in ins)
+        pws = tuple(wt.reshape(-1) for _, _, wt in ins)
+        xs = tuple(x for x, _, _ in ins)
+        a_s = tuple(jnp.ones((t * k, f), jnp.bfloat16) * 0.01 for _ in ins)
+        gu = jax.jit(lambda pes, pws, xs, w1_, w3_: tuple(
+            kmoe.gemv_gate_up(pe, pw, x, w1_, w3_, limit=limit, **launch) for pe, pw, x in zip(pes, pws, xs)))
+        dn = jax.jit(lambda pes, a_s, w2_: tuple(kmoe.gemv_down(pe, a, w2_, **launch) for pe, a in zip(pes, a_s)))
+        meta = dict(kernel="moe-part", tokens=t, experts=e, topk=k)
+        b.case(f"moe/T{t}/gemv_gate_up_only", lambda: gu(pes, pws, xs, w1, w3), (), layers=layers,
+               flops=4.0 * t * k * d * f, bytes_=t * k * 2 * d * f * 2, **meta)
+        b.case(f"moe/T{t}/gemv_down_only", lambda: dn(pes, a_s, w2), (), layers=layers,
+               flops=2.0 * t * k * d * f, bytes_=t * k * d * f * 2, **meta)
+
+    if b.smoke and not sweep_only:
         shape_case(16, [("auto", {}), ("bm32", dict(block_m=32))])
+    elif sweep_only:
+        gemv = lambda **kw: dict(impl="gemv", **kw)
+        nodefer = dict(variant=dict(defer_sum=False))
+        for t in (1, 2, 4, 8):
+            shape_case(t, [("auto", {}), ("gemv-nodefer", gemv(**nodefer)),
+                           ("gemv-bn64bk128", gemv(block_n=64, block_k=128)),
+                           ("gemv-bn64bk128-nodefer", gemv(block_n=64, block_k=128, **nodefer)),
+                           ("gemv-bn16", gemv(block_n=16))], others=t == 1)
+            if t in (1, 8):
+                gemv_parts(t)
+        if b.smoke:
+            return
+        return
     else:
         for t in (1, 8):                                       # decode: weight streams
-            shape_case(t, [("auto", {}), ("gemv-w8", dict(impl="gemv", num_warps=8, block_k=128)),
-                           ("gemv-bn16w8", dict(impl="gemv", block_n=16, num_warps=8, block_k=128)),
-                           ("gemv-bn16w4s4", dict(impl="gemv", block_n=16, num_stages=4)),
-                           ("gemv-bn16w8bk256", dict(impl="gemv", block_n=16, num_warps=8, block_k=256))])
-        x, idx, wt = inputs(jax.random.key(77), 1)
-        got, want = runner("pallas", "gemv")(x, idx, wt), runner("xla")(x, idx, wt)
+            shape_case(t, [("auto", {})])
+        x, idx, wt = inputs(jax.random.key(77), 1)[0]
+        got, want = runner("pallas", "gemv")(((x, idx, wt),))[0], runner("xla")(((x, idx, wt),))[0]
         b.results["moe_gemv_check"] = {"tokens": 1, "max_abs_diff_vs_reference": float(jnp.max(jnp.abs(got - want))),
                                        "max_abs_out": float(jnp.max(jnp.abs(want)))}
         b.save()
         if decode_only:
             return
-        shape_case(2048, [("auto", {}), ("s4", dict(num_stages=4)),
-                          ("bm64w8s4", dict(block_m=64, num_warps=8, num_stages=4))])
-        for t in (32, 128, 512, 8192):
+        for t in (32, 128, 512, 2048, 8192):
             if b.left() < 0:
                 break
             shape_case(t)
-    x, idx, wt = inputs(jax.random.key(1234), 64)
-    got = runner("pallas", "pallas")(x, idx, wt)
-    want = runner("pallas", "ragged_dot")(x, idx, wt)
+    ins = inputs(jax.random.key(1234), 64)
+    got = runner("pallas", "pallas")(ins)[0]
+    want = runner("pallas", "ragged_dot")(ins)[0]
     b.results["moe_check"] = {"tokens": 64, "max_abs_diff_vs_ragged_dot": float(jnp.max(jnp.abs(got - want))),
                               "max_abs_out": float(jnp.max(jnp.abs(want)))}
     b.save()
@@ -428,7 +477,8 @@ def main(argv=None):
     b = Bench(args.out, args.budget, args.reps, args.smoke)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
-             "moe-decode": functools.partial(bench_moe, decode_only=True)}
+             "moe-decode": functools.partial(bench_moe, decode_only=True),
+             "moe-sweep": functools.partial(bench_moe, sweep_only=True), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
     for name in args.sections.split(","):
         if b.left() < 0:
             print(f"skip {name}: budget", flush=True)
