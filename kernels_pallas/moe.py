@@ -108,56 +108,69 @@ def _dot_t(a, b, dt):
                                preferred_element_type=jnp.float32)
 
 
+def _by_height(first, end, bm: int, halves: bool, run):
+    """run(m) for this tile with MMA height m = bm, or bm // 2 when its live rows fit in half
+    (a group's last tile): without the half-height path a 192-row group pays for two full
+    128-row tiles, a quarter of the MMA work at 2K tokens under uniform routing."""
+    if not halves or bm < 32:
+        run(bm)
+        return
+    pl.when(end - first <= bm // 2)(lambda: run(bm // 2))
+    pl.when(end - first > bm // 2)(lambda: run(bm))
+
+
 def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
-                    bm, bn, bk, limit, numerics):
+                    bm, bn, bk, limit, numerics, halves):
     j, i = pl.program_id(0), pl.program_id(1)                         # column block, tile
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
+    cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+    wcols = pl.ds(pl.multiple_of(j * bn, bn), bn)
 
-    @pl.when(e >= 0)
-    def _():
-        rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)   # sorted pair rows
+    def run(m):
+        rows = first + jax.lax.broadcasted_iota(jnp.int32, (m,), 0)    # sorted pair rows
         live = rows < end
         tok = load(tok_ref.at[rows], mask=live, other=0)                # token of each pair
-        cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
-        kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        dt = x_ref.dtype
 
         def body(kb, acc):
             acc_g, acc_u = acc
             k0 = kb * bk
+            ks = pl.ds(pl.multiple_of(k0, bk), bk)
             xt = load(x_ref.at[tok[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
-            w1t = w1_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
-            w3t = w3_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
-            return acc_g + _dot_t(xt, w1t, dt), acc_u + _dot_t(xt, w3t, dt)
+            return (acc_g + _dot_t(xt, w1_ref[e, wcols, ks], x_ref.dtype),
+                    acc_u + _dot_t(xt, w3_ref[e, wcols, ks], x_ref.dtype))
 
-        zero = jnp.zeros((bm, bn), jnp.float32)
+        zero = jnp.zeros((m, bn), jnp.float32)
         acc_g, acc_u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
         wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
         a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
         store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
 
+    pl.when(e >= 0)(lambda: _by_height(first, end, bm, halves, run))
 
-def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics):
+
+def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics, halves):
     j, i = pl.program_id(0), pl.program_id(1)
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
+    cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+    wcols = pl.ds(pl.multiple_of(j * bn, bn), bn)
 
-    @pl.when(e >= 0)
-    def _():
-        rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
+    def run(m):
+        rows = first + jax.lax.broadcasted_iota(jnp.int32, (m,), 0)
         live = rows < end
         safe = jnp.where(live, rows, 0)
-        cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
-        kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
 
         def body(kb, acc):
             k0 = kb * bk
             at = load(a_ref.at[safe[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
-            w2t = w2_ref[e, pl.ds(pl.multiple_of(j * bn, bn), bn), pl.ds(pl.multiple_of(k0, bk), bk)]
-            return acc + _dot_t(at, w2t, a_ref.dtype)
+            return acc + _dot_t(at, w2_ref[e, wcols, pl.ds(pl.multiple_of(k0, bk), bk)], a_ref.dtype)
 
-        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((m, bn), jnp.float32))
         store(y_ref.at[rows[:, None], cols[None, :]], numerics.act(acc).astype(y_ref.dtype),
-                 mask=live[:, None])
+              mask=live[:, None])
+
+    pl.when(e >= 0)(lambda: _by_height(first, end, bm, halves, run))
 
 
 def _full(shape):
@@ -172,9 +185,9 @@ def default_block_m(n_pairs: int, n_experts: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn", "bk", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "halves", "down_bn"))
 def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
-                   interpret):
+                   interpret, halves=True, down_bn=None):
     t, d = x.shape
     k = idx.shape[1]
     n_exp, f, _ = w1.shape
@@ -189,7 +202,8 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     # from L2 after the first (tiles fastest re-read them from HBM per column block: 1.14-1.24x
     # slower at 512-8192 tokens on the H200)
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
+        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics,
+                          halves=halves),
         grid=(f // bn, te.shape[0]),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape),
                            _full(w3.shape)],
@@ -198,8 +212,9 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     )(te, tf, tend, tok, pw, xq, w1, w3)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
-        grid=(d // bn, te.shape[0]),
+        functools.partial(_down_kernel, bm=bm, bn=down_bn or bn, bk=bk, numerics=numerics,
+                          halves=halves),
+        grid=(d // (down_bn or bn), te.shape[0]),
         in_specs=tables + [_full(a.shape), _full(w2.shape)],
         out_specs=_full((t * k, d)), out_shape=jax.ShapeDtypeStruct((t * k, d), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_down",
@@ -210,55 +225,47 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
 # ---- decode: one weight stream per (token, expert) pair ------------------------------------------
 
 def _gemv_gate_up_kernel(pe_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *, k, bn, bk, limit,
-                         numerics, defer_sum):
+                         numerics):
     """Pair p (token p // k), columns j: w1[e] / w3[e] rows [BN, D] against the token's row, as
-    elementwise fp32 products (no MMA: one row would waste 15 of 16 MMA rows). With defer_sum the
-    products accumulate lane-wise over K and the row sums are taken once at the end, keeping the
-    cross-lane reduction out of the weight-streaming loop."""
+    elementwise fp32 products summed per K step (no MMA: one row would waste 15 of 16 MMA rows).
+    Summing lane-wise over K and reducing once at the end measured no faster (1-8 tokens)."""
     p, j = pl.program_id(0), pl.program_id(1)
     e, t = pe_ref[p], p // k
     rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
-    fold = (lambda v: v) if defer_sum else (lambda v: jnp.sum(v, axis=1))
 
     def body(kb, acc):
         acc_g, acc_u = acc
         ks = pl.ds(pl.multiple_of(kb * bk, bk), bk)
         xk = x_ref[t, ks].astype(jnp.float32)[None, :]                # [1, BK]
-        return (acc_g + fold(w1_ref[e, rows, ks].astype(jnp.float32) * xk),
-                acc_u + fold(w3_ref[e, rows, ks].astype(jnp.float32) * xk))
+        return (acc_g + jnp.sum(w1_ref[e, rows, ks].astype(jnp.float32) * xk, axis=1),
+                acc_u + jnp.sum(w3_ref[e, rows, ks].astype(jnp.float32) * xk, axis=1))
 
-    zero = jnp.zeros((bn, bk) if defer_sum else (bn,), jnp.float32)
+    zero = jnp.zeros((bn,), jnp.float32)
     g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
-    if defer_sum:
-        g, u = jnp.sum(g, axis=1), jnp.sum(u, axis=1)
     wt = jnp.full((1,), pw_ref[p], jnp.float32)
     a_ref[p, rows] = _swiglu_epilogue(g[None, :], u[None, :], wt, numerics, limit)[0].astype(a_ref.dtype)
 
 
-def _gemv_down_kernel(pe_ref, a_ref, w2_ref, y_ref, *, bn, bk, numerics, defer_sum):
+def _gemv_down_kernel(pe_ref, a_ref, w2_ref, y_ref, *, bn, bk, numerics):
     p, j = pl.program_id(0), pl.program_id(1)
     e = pe_ref[p]
     rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
-    fold = (lambda v: v) if defer_sum else (lambda v: jnp.sum(v, axis=1))
 
     def body(kb, acc):
         ks = pl.ds(pl.multiple_of(kb * bk, bk), bk)
-        return acc + fold(w2_ref[e, rows, ks].astype(jnp.float32) * a_ref[p, ks].astype(jnp.float32)[None, :])
+        return acc + jnp.sum(w2_ref[e, rows, ks].astype(jnp.float32) * a_ref[p, ks].astype(jnp.float32)[None, :],
+                             axis=1)
 
-    acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body,
-                            jnp.zeros((bn, bk) if defer_sum else (bn,), jnp.float32))
-    if defer_sum:
-        acc = jnp.sum(acc, axis=1)
+    acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bn,), jnp.float32))
     y_ref[p, rows] = numerics.act(acc).astype(y_ref.dtype)
 
 
-def gemv_gate_up(pe, pw, xq, w1, w3, *, numerics, limit, bn, bk, num_warps, num_stages, interpret,
-                 defer_sum=True):
+def gemv_gate_up(pe, pw, xq, w1, w3, *, numerics, limit, bn, bk, num_warps, num_stages, interpret):
     """pe [P] expert of pair p = token * k + slot, pw [P] its routing weight, xq [T, D] -> a [P, F]."""
     n_pairs, f = pe.shape[0], w1.shape[1]
     return pl.pallas_call(
         functools.partial(_gemv_gate_up_kernel, k=n_pairs // xq.shape[0], bn=bn, bk=bk, limit=limit,
-                          numerics=numerics, defer_sum=defer_sum),
+                          numerics=numerics),
         grid=(n_pairs, f // bn),
         in_specs=[_full(pe.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape), _full(w3.shape)],
         out_specs=_full((n_pairs, f)), out_shape=jax.ShapeDtypeStruct((n_pairs, f), numerics.act_dtype),
@@ -267,11 +274,11 @@ def gemv_gate_up(pe, pw, xq, w1, w3, *, numerics, limit, bn, bk, num_warps, num_
     )(pe, pw, xq, w1, w3)
 
 
-def gemv_down(pe, a, w2, *, numerics, bn, bk, num_warps, num_stages, interpret, defer_sum=True):
+def gemv_down(pe, a, w2, *, numerics, bn, bk, num_warps, num_stages, interpret):
     """pe [P], a [P, F] -> y [P, D] in the activation dtype."""
     n_pairs, d = pe.shape[0], w2.shape[1]
     return pl.pallas_call(
-        functools.partial(_gemv_down_kernel, bn=bn, bk=bk, numerics=numerics, defer_sum=defer_sum),
+        functools.partial(_gemv_down_kernel, bn=bn, bk=bk, numerics=numerics),
         grid=(n_pairs, d // bn),
         in_specs=[_full(pe.shape), _full(a.shape), _full(w2.shape)],
         out_specs=_full((n_pairs, d)), out_shape=jax.ShapeDtypeStruct((n_pairs, d), numerics.act_dtype),
@@ -281,16 +288,15 @@ def gemv_down(pe, a, w2, *, numerics, bn, bk, num_warps, num_stages, interpret, 
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bn", "bk", "num_warps", "num_stages",
-                                             "interpret", "defer_sum"))
-def _routed_gemv(x, idx, w, w1, w3, w2, *, numerics, limit, bn, bk, num_warps, num_stages, interpret,
-                 defer_sum):
+                                             "interpret"))
+def _routed_gemv(x, idx, w, w1, w3, w2, *, numerics, limit, bn, bk, num_warps, num_stages, interpret):
     t, d = x.shape
     k = idx.shape[1]
     idx_t, w_t, _, _ = sort_pairs(idx, w, w1.shape[0])               # per token: ascending experts
     pe = idx_t.reshape(-1)                                            # pair p = token * k + slot
     pw = w_t.reshape(-1).astype(jnp.float32)
     launch = dict(numerics=numerics, bn=bn, bk=bk, num_warps=num_warps, num_stages=num_stages,
-                  interpret=interpret, defer_sum=defer_sum)
+                  interpret=interpret)
     a = gemv_gate_up(pe, pw, _act_in(x, numerics), w1, w3, limit=limit, **launch)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
     return ref.add_slots(gemv_down(pe, a, w2, **launch).reshape(t, k, d))
@@ -393,7 +399,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
         # 32 x 256 weight tiles, 8 warps: the fastest of the H200 sweep at 1 and 8 tokens
         return _routed_gemv(x, idx, w, w1, w3, w2, **tiles(min(block_n or 32, d, f), min(block_k or 256, d, f)),
                             num_warps=num_warps or 8, num_stages=num_stages or 3,
-                            interpret=_backend.interpret(), defer_sum=(variant or {}).get("defer_sum", True), **kw)
+                            interpret=_backend.interpret(), **kw)
     if impl != "pallas":
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
     bm = block_m or default_block_m(idx.size, w1.shape[0])
@@ -402,4 +408,4 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
                           **tiles(min(block_n or 128, d, f), block_k or min(cfg["block_k"], d, f)),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],
-                          interpret=_backend.interpret(), **kw)
+                          interpret=_backend.interpret(), **(variant or {}), **kw)

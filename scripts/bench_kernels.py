@@ -378,9 +378,10 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         return lambda ins: jitted(ins, w1, w3, w2)
 
     def shape_case(t, sweep=None, others=True):
-        # small batches are weight streams of ~0.1-1 ms: several layers per call keep the host's
-        # dispatch and sync out of the per-layer time
-        layers = 8 if t <= 128 else 1
+        # one layer per call: the layers would share the weights here, and XLA merges dots with a
+        # shared operand (the dense and loop paths then read the weights once for all layers);
+        # the queued timing already keeps host dispatch out of the device time
+        layers = 1
         ins = inputs(jax.random.key(t), t, layers)
         active = np.mean([int(jnp.sum(jnp.bincount(idx.reshape(-1), length=e) > 0)) for _, idx, _ in ins])
         flops = 6.0 * t * k * d * f
@@ -430,16 +431,18 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         shape_case(16, [("auto", {}), ("bm32", dict(block_m=32))])
     elif sweep_only:
         gemv = lambda **kw: dict(impl="gemv", **kw)
-        nodefer = dict(variant=dict(defer_sum=False))
-        for t in (1, 2, 4, 8):
-            shape_case(t, [("auto", {}), ("gemv-nodefer", gemv(**nodefer)),
-                           ("gemv-bn64bk128", gemv(block_n=64, block_k=128)),
-                           ("gemv-bn64bk128-nodefer", gemv(block_n=64, block_k=128, **nodefer)),
-                           ("gemv-bn16", gemv(block_n=16))], others=t == 1)
-            if t in (1, 8):
-                gemv_parts(t)
+        for t in (1, 8):
+            shape_case(t, [("auto", {}), ("gemv-bn16", gemv(block_n=16))], others=t == 1)
+            gemv_parts(t)
         if b.smoke:
             return
+        grouped = lambda **kw: dict(impl="pallas", **kw)
+        shape_case(2048, [("auto", {}), ("no-halves", grouped(variant=dict(halves=False))),
+                          ("down-bn256", grouped(variant=dict(down_bn=256))),
+                          ("no-halves-down-bn256", grouped(variant=dict(halves=False, down_bn=256)))],
+                   others=False)
+        for t in (512, 8192):
+            shape_case(t, [("auto", {}), ("no-halves", grouped(variant=dict(halves=False)))], others=False)
         return
     else:
         for t in (1, 8):                                       # decode: weight streams
