@@ -124,6 +124,14 @@ def _merge_splits(acc, run_max, denom, sink, dtype):
     return ((acc * w[..., None]).sum(1) / den[..., None]).astype(dtype)
 
 
+def launch_config(tokens: int) -> dict:
+    """Heads per program and warps, measured on the H200 (BENCHMARKS.md): up to 32 query tokens
+    16-head programs on 4 warps (more programs to hide the gather latency: [16, 512] fp32
+    accumulators leave room for 2+ per SM); from 128 tokens every head in one 8-warp program
+    (each row read once per token; the grid fills the GPU anyway)."""
+    return dict(head_block=16, num_warps=4) if tokens < 64 else dict(head_block=64, num_warps=8)
+
+
 def default_splits(tokens: int, n_chunks: int) -> int:
     """Splits only while the token grid alone leaves most of the GPU idle: each split costs an
     fp32 [H, D] partial write + read (128 KiB per token at real size, twice one chunk's rows).
@@ -133,9 +141,9 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "head_block", "heads_fastest"))
+                                             "num_stages", "interpret", "head_block"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block=None, heads_fastest=False):
+                        num_stages, interpret, head_block):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -149,25 +157,24 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     per_split = -(-total // n_splits)
 
     hb = max(16, min(head_block or hp, hp))                            # heads per program (pow2)
-    # heads_fastest launches a token's head blocks side by side (its rows come from HBM once and
-    # from L2 after); the index maps below always see (token, head block, split)
-    grid = (hp // hb, t, n_splits) if heads_fastest else (t, hp // hb, n_splits)
-    at = (lambda f: lambda g, i, s: f(i, g, s)) if heads_fastest else (lambda f: f)
+    # grid (head block, token, split): a token's head blocks run side by side, so its rows come
+    # from HBM once and from L2 after (measured as fast or faster at every shape, 2-8%)
+    grid = (hp // hb, t, n_splits)
     sq = SQUEEZED
-    in_specs = ([pl.BlockSpec((sq, hb, d), at(lambda i, g, s: (i, g, 0))),
-                 pl.BlockSpec((hb,), at(lambda i, g, s: (g,)))]
-                + [pl.BlockSpec((sq, x.shape[1]), at(lambda i, g, s: (i, 0))) for x in idx]
+    in_specs = ([pl.BlockSpec((sq, hb, d), lambda g, i, s: (i, g, 0)),
+                 pl.BlockSpec((hb,), lambda g, i, s: (g,))]
+                + [pl.BlockSpec((sq, x.shape[1]), lambda g, i, s: (i, 0)) for x in idx]
                 + [pl.BlockSpec(r.shape, lambda *_: (0, 0)) for r in rows])
     if n_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t, hp, d), q.dtype)
-        out_specs = pl.BlockSpec((sq, hb, d), at(lambda i, g, s: (i, g, 0)))
+        out_specs = pl.BlockSpec((sq, hb, d), lambda g, i, s: (i, g, 0))
     else:
         out_shape = (jax.ShapeDtypeStruct((t, n_splits, hp, d), jnp.float32),
                      jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32))
-        out_specs = (pl.BlockSpec((sq, sq, hb, d), at(lambda i, g, s: (i, s, g, 0))),
-                     pl.BlockSpec((sq, sq, hb), at(lambda i, g, s: (i, s, g))),
-                     pl.BlockSpec((sq, sq, hb), at(lambda i, g, s: (i, s, g))))
+        out_specs = (pl.BlockSpec((sq, sq, hb, d), lambda g, i, s: (i, s, g, 0)),
+                     pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g)),
+                     pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g)))
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
                                bf16_probs=bf16_probs)
@@ -211,9 +218,8 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
 
 def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float, *,
                       numerics: Numerics, backend: str | None = None,
-                      num_splits: int | None = None, num_warps: int = 4,
-                      num_stages: int = 2, head_block: int | None = 32,
-                      heads_fastest: bool = False) -> jax.Array:
+                      num_splits: int | None = None, num_warps: int | None = None,
+                      num_stages: int = 2, head_block: int | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -221,18 +227,18 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     scale: softmax scale of q.k (Dh^-0.5). Returns [..., H, D] in the activation dtype; 0 for a
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).
-    num_splits None = `default_splits`; head_block: heads per program (None = all, the rows are
-    read once per token; 32, two programs per token, measured fastest: a [32, 512] fp32
-    accumulator fits 4 warps' registers); num_warps / num_stages: Triton launch parameters.
+    num_splits None = `default_splits`; head_block (heads per program, a power of two) and
+    num_warps None = `launch_config`; num_stages: Triton software-pipelining depth.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
     lead, q2, rows, idx = _flatten(q, sources)
     n_chunks = sum(-(-i.shape[1] // CHUNK) for i in idx)
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
+    launch = launch_config(q2.shape[0])
+    launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps)) if v})
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,
-                              num_splits=splits, num_warps=num_warps, num_stages=num_stages,
-                              interpret=_backend.interpret(), head_block=head_block,
-                              heads_fastest=heads_fastest)
+                              num_splits=splits, num_stages=num_stages,
+                              interpret=_backend.interpret(), **launch)
     return out.reshape(*lead, *q.shape[-2:])

@@ -17,6 +17,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -39,8 +40,9 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 class Bench:
-    def __init__(self, out: str, budget: float, reps: int, smoke: bool):
+    def __init__(self, out: str, budget: float, reps: int, smoke: bool, only: str | None = None):
         self.out, self.deadline, self.reps, self.smoke = out, time.time() + budget, reps, smoke
+        self.only = re.compile(only) if only else None
         self.results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                         "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M"),
                         "cases": []}
@@ -80,6 +82,8 @@ class Bench:
 
     def case(self, name: str, fn, args, *, layers: int, flops: float, bytes_: float, **meta):
         """Time fn(*args) (which runs `layers` layers) -> per-layer row; errors are recorded."""
+        if self.only and not self.only.search(name):
+            return None
         if self.left() < 0:
             self.record(name=name, skipped="time budget", **meta)
             return None
@@ -166,10 +170,10 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
         meta = dict(kernel="sparse_attn", kind=kind, tokens=t, ctx=ctx, heads=h, dh=d, ids=w + k)
         times = {}
         for label, kw in variants:
-            times[label] = b.case(f"attn/{kind}/pallas[{label}]", runner("pallas", **kw), ins,
+            times[label] = b.case(f"attn/{kind}{t}/pallas[{label}]", runner("pallas", **kw), ins,
                                   layers=layers, flops=flops, bytes_=bytes_, variant=label, **meta)
         if xla:
-            tx = b.case(f"attn/{kind}/xla", runner("xla"), ins, layers=layers, flops=flops,
+            tx = b.case(f"attn/{kind}{t}/xla", runner("xla"), ins, layers=layers, flops=flops,
                         bytes_=bytes_, variant="xla", **meta)
             best = min((v for v in times.values() if v), default=None)
             if tx and best:
@@ -178,39 +182,24 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
         return times
 
     if sweep_only:
-        base = dict(num_warps=4, num_stages=2, head_block=32)
-        hf = dict(base, heads_fastest=True)
-        variants = [("default", {}), ("heads-fastest", hf), ("h32w8", dict(base, num_warps=8)),
-                    ("h32w8-hf", dict(hf, num_warps=8)), ("h16w4", dict(base, head_block=16)),
-                    ("h16w4-hf", dict(hf, head_block=16)), ("h16w2-hf", dict(hf, head_block=16, num_warps=2)),
-                    ("h32s3-hf", dict(hf, num_stages=3)), ("h64w8-hf", dict(hf, head_block=64, num_warps=8))]
-        splits = lambda n: [(f"{name}-split{n}", dict(kw, num_splits=n)) for name, kw in variants[:5]]
-        for kind, t, extra in (("decode", 32, splits(1) + splits(4)), ("decode", 128, []),
-                               ("verify", 192, []), ("decode", 8, splits(2))):
+        variants = [("auto", {}), ("h16w4", dict(head_block=16, num_warps=4)),
+                    ("h32w4", dict(head_block=32, num_warps=4)), ("h32w8", dict(head_block=32, num_warps=8)),
+                    ("h64w8", dict(head_block=64, num_warps=8)),
+                    ("h64w8s3", dict(head_block=64, num_warps=8, num_stages=3))]
+        for kind, t, wkind in (("decode", 32, "ring"), ("decode", 64, "ring"), ("decode", 128, "ring"),
+                               ("verify", 192, "ring"), ("prefill", 4096, "extend")):
             if b.left() < 0:
                 break
-            shape_case(kind, t, 32768, True, "ring", variants + extra, xla=False)
+            shape_case(kind, t, 32768, wkind == "ring", wkind, variants, xla=False)
         return
-    # 1. launch-parameter sweep at one decode shape
-    sweep = [("w8s2", dict(num_warps=8, num_stages=2, num_splits=1)),
-             ("w8s1", dict(num_warps=8, num_stages=1, num_splits=1)),
-             ("w8s3", dict(num_warps=8, num_stages=3, num_splits=1)),
-             ("w4s2h32", dict(num_warps=4, num_stages=2, num_splits=1, head_block=32)),
-             ("w8s2h32", dict(num_warps=8, num_stages=2, num_splits=1, head_block=32))]
-    t_sweep = 8 if b.smoke else 64
-    times = shape_case("decode-sweep", t_sweep, 32768 if not b.smoke else 64, True, "ring", sweep, xla=False)
-    ok = {k_: v for k_, v in times.items() if v}
-    best = dict(sweep)[min(ok, key=ok.get)] if ok else dict(num_warps=8, num_stages=2)
-    best = {k_: v for k_, v in best.items() if k_ != "num_splits"}
-    b.results["attn_best_config"] = best
-    split_variants = [("best", dict(best, num_splits=1)), ("best+split2", dict(best, num_splits=2)),
-                      ("best+split4", dict(best, num_splits=4))]
-    one = [("best", dict(best, num_splits=1))]
+    # launch parameters: `launch_config` / `default_splits` ("auto"); splits compared at <= 32 tokens
+    auto = [("auto", {})]
+    splits = auto + [(f"split{n}", dict(num_splits=n)) for n in (1, 2, 4)]
     ctx_s = 64 if b.smoke else 32768
-    shapes = ([("decode", bb, ctx_s, True, "ring", split_variants if bb <= 32 else one) for bb in (1, 8, 32, 64, 128)]
-              + [("decode", 32, c, True, "ring", one) for c in ((131072,) if not b.smoke else (32,))]
-              + [("verify", bb * 6, ctx_s, True, "ring", one) for bb in (8, 32)]
-              + [("prefill", tt, c, False, "extend", one) for tt, c in
+    shapes = ([("decode", bb, ctx_s, True, "ring", splits if bb <= 32 else auto) for bb in (1, 8, 32, 64, 128)]
+              + [("decode", 32, c, True, "ring", auto) for c in ((131072,) if not b.smoke else (32,))]
+              + [("verify", bb * 6, ctx_s, True, "ring", auto) for bb in (8, 32)]
+              + [("prefill", tt, c, False, "extend", auto) for tt, c in
                  (((1024, 32768), (4096, 32768), (8192, 131072)) if not b.smoke else ((64, 64),))])
     for kind, t, ctx, per_tok, wkind, variants in shapes:
         if b.left() < 0:
@@ -220,7 +209,7 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
     # correctness at real size: kernel vs XLA path
     t = 8
     ins = _attn_inputs(jax.random.key(99), 1, t, h, d, w, k, ring_rows, comp_rows, 4096, True, "ring")
-    got = runner("pallas", **dict(best, num_splits=1))(*ins)[0]
+    got = runner("pallas", num_splits=1)(*ins)[0]
     want = runner("xla")(*ins)[0]
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
     b.results["attn_check"] = {"tokens": t, "max_abs_diff_vs_xla": err,
@@ -474,10 +463,12 @@ def main(argv=None):
     ap.add_argument("--section-budget", type=str, default="", help="e.g. attn=150,indexer=120")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--cases", default=None, help="regex: time only the cases whose name matches "
+                    "(e.g. to profile one kernel under ncu)")
     args = ap.parse_args(argv)
     with open(CONFIG) as f:
         cfg = json.load(f)["text_config"]
-    b = Bench(args.out, args.budget, args.reps, args.smoke)
+    b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
@@ -510,7 +501,7 @@ def print_table(res):
             print(f"{c['name']:<48} {c['ms']:>9.4f} ms {c['tflops']:>7.1f} TF/s {c['gbs']:>8.1f} GB/s{extra}")
         else:
             print(f"{c['name']:<48} {c.get('error') or c.get('skipped')}"[:160])
-    for k in ("attn_best_config", "attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups"):
+    for k in ("attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups"):
         if k in res:
             print(k, res[k])
 

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas._compat import TRITON_CUSTOM_CALL
 from kernels_pallas.indexer import _index_scores_pallas
 from kernels_pallas.moe import _routed_gemv, _routed_pallas
-from kernels_pallas.sparse_attn import _sparse_attn_pallas
+from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config
 from v41_jax.model.numerics import Numerics
 
 S = jax.ShapeDtypeStruct
@@ -34,11 +34,11 @@ def _triton_calls(exported) -> int:
     return exported.mlir_module().count(f"custom_call @{TRITON_CUSTOM_CALL}")
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_sparse_attn_lowers_for_rocm(splits):
-    t = 8  # a verify step's worth of tokens; H=64, Dh=512, window 128 + 512 compressed ids
+@pytest.mark.parametrize("t,splits", [(8, 1), (8, 2), (128, 1)])
+def test_sparse_attn_lowers_for_rocm(t, splits):
+    # H=64, Dh=512, window 128 + 512 compressed ids; both launch configs (16- and 64-head programs)
     f = functools.partial(_sparse_attn_pallas, scale=512 ** -0.5, bf16_probs=True,
-                          num_splits=splits, num_warps=8, num_stages=2, interpret=False)
+                          num_splits=splits, num_stages=2, interpret=False, **launch_config(t))
     e = _export_rocm(f, S((t, 64, 512), BF16), S((64,), F32),
                      (S((4096, 512), BF16), S((65536, 512), BF16)), (S((t, 128), I32), S((t, 512), I32)))
     assert e.platforms == ("rocm",)
@@ -56,9 +56,10 @@ def test_indexer_lowers_for_rocm(with_cand):
     assert _triton_calls(e) == 1
 
 
-def test_moe_lowers_for_rocm():
+@pytest.mark.parametrize("bm", [16, 128])      # 128: with the half-height branch
+def test_moe_lowers_for_rocm(bm):
     t, d, f_, e_, k = 64, 5120, 2304, 64, 6
-    fn = functools.partial(_routed_pallas, numerics=Numerics.fast(), limit=10.0, bm=16, bn=128,
+    fn = functools.partial(_routed_pallas, numerics=Numerics.fast(), limit=10.0, bm=bm, bn=128,
                            bk=64, num_warps=4, num_stages=3, interpret=False)
     e = _export_rocm(fn, S((t, d), BF16), S((t, k), I32), S((t, k), F32), S((e_, f_, d), BF16),
                      S((e_, f_, d), BF16), S((e_, d, f_), BF16))
