@@ -10,10 +10,12 @@ Steps (one call):
   2. Pallas gate/up kernel, grid (F/BN, tiles): rows of one expert's group gathered from x by
      token id (no sorted copy of x in HBM), [BM, D] @ w1[e]^T and w3[e]^T in one K loop; epilogue:
      g, u rounded to the activation dtype, u clamped to ±limit, g to <= limit,
-     a = act(routing weight * silu(g) * u), stored to the pair's row.
+     a = act(routing weight * silu(g) * u), stored to the pair's sorted row.
   3. XLA: fp8 fake-quant of a (A8 per 32 lanes, the next linear's input).
-  4. Pallas down kernel, grid (D/BN, tiles): a rows [BM, F] @ w2[e]^T -> act dtype.
-  5. XLA: pairs back to [T, k, D], summed in fp32 in ascending expert order.
+  4. Pallas down kernel, grid (D/BN, tiles): a rows [BM, F] @ w2[e]^T -> act dtype, stored at the
+     pair's own row (token * k + slot), so no gather puts the rows back in token order.
+  5. XLA: [T, k, D] summed in fp32 in ascending expert order.
+Column blocks run fastest in both grids, so a tile's gathered rows come from L2 after the first.
 Tiles never straddle two experts; the last tile of a group stores only its group's rows; tiles
 past the live count (the table has a static length) and empty experts read no weights.
 
@@ -108,27 +110,17 @@ def _dot_t(a, b, dt):
                                preferred_element_type=jnp.float32)
 
 
-def _by_height(first, end, bm: int, halves: bool, run):
-    """run(m) for this tile with MMA height m = bm, or bm // 2 when its live rows fit in half
-    (a group's last tile): without the half-height path a 192-row group pays for two full
-    128-row tiles, a quarter of the MMA work at 2K tokens under uniform routing."""
-    if not halves or bm < 32:
-        run(bm)
-        return
-    pl.when(end - first <= bm // 2)(lambda: run(bm // 2))
-    pl.when(end - first > bm // 2)(lambda: run(bm))
-
-
 def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
-                    bm, bn, bk, limit, numerics, halves):
+                    bm, bn, bk, limit, numerics):
     j, i = pl.program_id(0), pl.program_id(1)                         # column block, tile
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
     cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
     wcols = pl.ds(pl.multiple_of(j * bn, bn), bn)
 
-    def run(m):
-        rows = first + jax.lax.broadcasted_iota(jnp.int32, (m,), 0)    # sorted pair rows
+    @pl.when(e >= 0)
+    def _():
+        rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)    # sorted pair rows
         live = rows < end
         tok = load(tok_ref.at[rows], mask=live, other=0)                # token of each pair
 
@@ -140,24 +132,26 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
             return (acc_g + _dot_t(xt, w1_ref[e, wcols, ks], x_ref.dtype),
                     acc_u + _dot_t(xt, w3_ref[e, wcols, ks], x_ref.dtype))
 
-        zero = jnp.zeros((m, bn), jnp.float32)
+        zero = jnp.zeros((bm, bn), jnp.float32)
         acc_g, acc_u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
         wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
         a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
         store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
 
-    pl.when(e >= 0)(lambda: _by_height(first, end, bm, halves, run))
 
-
-def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics, halves):
+def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics):
+    """y rows are stored at their pair's place (token * k + slot), so the combine reads them in
+    place instead of gathering the sorted rows back. A tile's rows past its group go to BM spare
+    rows after the pairs: each lane keeps a row of its own, also under a masked store."""
     j, i = pl.program_id(0), pl.program_id(1)
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
     cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     kk = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
     wcols = pl.ds(pl.multiple_of(j * bn, bn), bn)
 
-    def run(m):
-        rows = first + jax.lax.broadcasted_iota(jnp.int32, (m,), 0)
+    @pl.when(e >= 0)
+    def _():
+        rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
         live = rows < end
         safe = jnp.where(live, rows, 0)
 
@@ -166,11 +160,11 @@ def _down_kernel(te_ref, tf_ref, tend_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, 
             at = load(a_ref.at[safe[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
             return acc + _dot_t(at, w2_ref[e, wcols, pl.ds(pl.multiple_of(k0, bk), bk)], a_ref.dtype)
 
-        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((m, bn), jnp.float32))
-        store(y_ref.at[rows[:, None], cols[None, :]], numerics.act(acc).astype(y_ref.dtype),
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        spare = pair_ref.shape[0] + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
+        dst = jnp.where(live, load(pair_ref.at[safe], mask=live, other=0), spare)
+        store(y_ref.at[dst[:, None], cols[None, :]], numerics.act(acc).astype(y_ref.dtype),
               mask=live[:, None])
-
-    pl.when(e >= 0)(lambda: _by_height(first, end, bm, halves, run))
 
 
 def _full(shape):
@@ -185,9 +179,9 @@ def default_block_m(n_pairs: int, n_experts: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn", "bk", "num_warps",
-                                             "num_stages", "interpret", "halves", "down_bn"))
+                                             "num_stages", "interpret"))
 def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
-                   interpret, halves=True, down_bn=None):
+                   interpret):
     t, d = x.shape
     k = idx.shape[1]
     n_exp, f, _ = w1.shape
@@ -202,8 +196,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     # from L2 after the first (tiles fastest re-read them from HBM per column block: 1.14-1.24x
     # slower at 512-8192 tokens on the H200)
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics,
-                          halves=halves),
+        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
         grid=(f // bn, te.shape[0]),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape),
                            _full(w3.shape)],
@@ -212,14 +205,13 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     )(te, tf, tend, tok, pw, xq, w1, w3)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bm=bm, bn=down_bn or bn, bk=bk, numerics=numerics,
-                          halves=halves),
-        grid=(d // (down_bn or bn), te.shape[0]),
-        in_specs=tables + [_full(a.shape), _full(w2.shape)],
-        out_specs=_full((t * k, d)), out_shape=jax.ShapeDtypeStruct((t * k, d), numerics.act_dtype),
+        functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
+        grid=(d // bn, te.shape[0]),
+        in_specs=tables + [_full(order.shape), _full(a.shape), _full(w2.shape)],
+        out_specs=_full((t * k + bm, d)), out_shape=jax.ShapeDtypeStruct((t * k + bm, d), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_down",
-    )(te, tf, tend, a, w2)
-    return combine(y, order, t, k)
+    )(te, tf, tend, order, a, w2)
+    return ref.add_slots(y[:t * k].reshape(t, k, d))
 
 
 # ---- decode: one weight stream per (token, expert) pair ------------------------------------------
@@ -373,7 +365,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
                    w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
                    backend: str | None = None, impl: str | None = None, block_m: int | None = None,
                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, variant: dict | None = None) -> jax.Array:
+                   num_stages: int | None = None) -> jax.Array:
     """x [T, D], idx [T, k] int32, w [T, k] fp32 routing weights, w1/w3 [E, F, D], w2 [E, D, F]
     -> fp32 [T, D]: Σ over each token's experts (ascending id) of the SwiGLU expert output.
 
@@ -408,4 +400,4 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
                           **tiles(min(block_n or 128, d, f), block_k or min(cfg["block_k"], d, f)),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],
-                          interpret=_backend.interpret(), **(variant or {}), **kw)
+                          interpret=_backend.interpret(), **kw)

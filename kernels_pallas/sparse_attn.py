@@ -125,11 +125,13 @@ def _merge_splits(acc, run_max, denom, sink, dtype):
 
 
 def launch_config(tokens: int) -> dict:
-    """Heads per program and warps, measured on the H200 (BENCHMARKS.md): up to 32 query tokens
-    16-head programs on 4 warps (more programs to hide the gather latency: [16, 512] fp32
-    accumulators leave room for 2+ per SM); from 128 tokens every head in one 8-warp program
-    (each row read once per token; the grid fills the GPU anyway)."""
-    return dict(head_block=16, num_warps=4) if tokens < 64 else dict(head_block=64, num_warps=8)
+    """Heads per program, warps and pipeline depth, measured on the H200 (BENCHMARKS.md): up to
+    64 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
+    [16, 512] fp32 accumulator needs no spills); from 128 tokens every head in one 8-warp
+    program with 3 stages (each row read once per token; the grid fills the GPU anyway)."""
+    if tokens <= 64:
+        return dict(head_block=16, num_warps=4, num_stages=2)
+    return dict(head_block=64, num_warps=8, num_stages=3)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -219,7 +221,7 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
 def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float, *,
                       numerics: Numerics, backend: str | None = None,
                       num_splits: int | None = None, num_warps: int | None = None,
-                      num_stages: int = 2, head_block: int | None = None) -> jax.Array:
+                      num_stages: int | None = None, head_block: int | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -227,8 +229,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     scale: softmax scale of q.k (Dh^-0.5). Returns [..., H, D] in the activation dtype; 0 for a
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).
-    num_splits None = `default_splits`; head_block (heads per program, a power of two) and
-    num_warps None = `launch_config`; num_stages: Triton software-pipelining depth.
+    num_splits None = `default_splits`; head_block (heads per program, a power of two),
+    num_warps and num_stages (Triton launch parameters) None = `launch_config`.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
@@ -236,9 +238,9 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     n_chunks = sum(-(-i.shape[1] // CHUNK) for i in idx)
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
     launch = launch_config(q2.shape[0])
-    launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps)) if v})
+    launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
+                                     ("num_stages", num_stages)) if v})
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,
-                              num_splits=splits, num_stages=num_stages,
-                              interpret=_backend.interpret(), **launch)
+                              num_splits=splits, interpret=_backend.interpret(), **launch)
     return out.reshape(*lead, *q.shape[-2:])

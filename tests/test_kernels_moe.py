@@ -66,21 +66,6 @@ def test_skewed_groups_span_tiles():
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
 
 
-@pytest.mark.parametrize("block_m", [32, 64])
-def test_half_height_tiles(block_m):
-    """Group sizes 40 / 10 / 30 pairs: with 32-row tiles expert 0's second tile (8 rows) and
-    expert 1 (10) take the 16-row path, expert 2 (30) and expert 0's first tile the full one;
-    with 64-row tiles all three groups' last tiles take the 32-row path."""
-    rng, seed = fresh_rng()
-    x, _, w, w1, w3, w2 = _case(rng, t=40, e=3, k=2)
-    second = rng.permutation(np.r_[np.ones(10), np.full(30, 2)]).astype(np.int32)
-    idx = jnp.asarray(np.stack([np.zeros(40, np.int32), second], 1))
-    case = (x, idx, w, w1, w3, w2)
-    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="pallas", block_m=block_m,
-                              block_n=64)
-    _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
-
-
 @pytest.mark.parametrize("impl", ["pallas", "gemv"])
 def test_single_token_decode(impl):
     rng, seed = fresh_rng()
