@@ -426,12 +426,10 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         if b.smoke:
             return
         grouped = lambda **kw: dict(impl="pallas", **kw)
-        shape_case(2048, [("auto", {}), ("no-halves", grouped(variant=dict(halves=False))),
-                          ("down-bn256", grouped(variant=dict(down_bn=256))),
-                          ("no-halves-down-bn256", grouped(variant=dict(halves=False, down_bn=256)))],
-                   others=False)
-        for t in (512, 8192):
-            shape_case(t, [("auto", {}), ("no-halves", grouped(variant=dict(halves=False)))], others=False)
+        shape_case(2048, [("auto", {}), ("bn64w4", grouped(block_n=64, num_warps=4)),
+                          ("bn64w8", grouped(block_n=64, num_warps=8)),
+                          ("bk128s2", grouped(block_k=128, num_stages=2)),
+                          ("bk32s4", grouped(block_k=32, num_stages=4))], others=False)
         return
     else:
         for t in (1, 8):                                       # decode: weight streams
