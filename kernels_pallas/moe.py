@@ -339,10 +339,10 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
 
 def choose_impl(tokens: int, k: int, n_experts: int) -> str:
     """The fastest exact implementation for a step, from the H200 measurements (BENCHMARKS.md,
-    64 experts, 5120 / 2304, top-6): up to 8 tokens -> "gemv" (one weight stream per pair: 0.25 ms
-    against the reference loop's 0.27-0.36 at one token, 0.91 against the grouped GEMM's 1.02-1.18
-    at eight); every expert busy at a small batch (T*k >= 2E, T <= 256) -> "dense" (all weights
-    are read either way and cuBLAS streams them faster); otherwise the Pallas grouped GEMM."""
+    64 experts, 5120 / 2304, top-6): up to 8 tokens -> "gemv" (one weight stream per pair: 0.72 ms
+    at eight tokens against the reference loop's 0.85; the two tie at one token, 0.14-0.15);
+    every expert busy at a small batch (T*k >= 2E, T <= 256) -> "dense" (all weights are read
+    either way; 88% / 76% of 4.3 TB/s at 32 / 128 tokens); otherwise the Pallas grouped GEMM."""
     if tokens <= 8:
         return "gemv"
     if tokens * k >= 2 * n_experts and tokens <= 256:
