@@ -461,11 +461,15 @@ def main(argv=None):
     ap.add_argument("--section-budget", type=str, default="", help="e.g. attn=150,indexer=120")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts for the MoE sections (default: the config's)")
     ap.add_argument("--cases", default=None, help="regex: time only the cases whose name matches "
                     "(e.g. to profile one kernel under ncu)")
     args = ap.parse_args(argv)
     with open(CONFIG) as f:
         cfg = json.load(f)["text_config"]
+    if args.experts:
+        cfg["n_routed_experts"] = args.experts
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
