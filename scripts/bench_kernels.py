@@ -441,10 +441,12 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         b.save()
         if decode_only:
             return
-        for t in (32, 128, 512, 2048, 8192):
+        for t in (32, 128, 256, 512, 2048, 8192):
             if b.left() < 0:
                 break
-            shape_case(t)
+            # where `choose_impl` does not take the grouped GEMM, time it too
+            grouped = [] if kmoe.choose_impl(t, k, e) == "pallas" else [("grouped", dict(impl="pallas"))]
+            shape_case(t, [("auto", {})] + grouped)
     ins = inputs(jax.random.key(1234), 64)
     got = runner("pallas", "pallas")(ins)[0]
     want = runner("pallas", "ragged_dot")(ins)[0]
