@@ -337,17 +337,14 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     return ref.add_slots(jnp.take_along_axis(y, idx_t[..., None], axis=1))  # [T, k, D]
 
 
-def choose_impl(tokens: int, k: int, n_experts: int) -> str:
+def choose_impl(tokens: int) -> str:
     """The fastest exact implementation for a step, from the H200 measurements (BENCHMARKS.md,
-    64 experts, 5120 / 2304, top-6): up to 8 tokens -> "gemv" (one weight stream per pair: 0.72 ms
-    at eight tokens against the reference loop's 0.85; the two tie at one token, 0.14-0.15);
-    every expert busy at a small batch (T*k >= 2E, T <= 256) -> "dense" (all weights are read
-    either way; 88% / 76% of 4.3 TB/s at 32 / 128 tokens); otherwise the Pallas grouped GEMM."""
-    if tokens <= 8:
-        return "gemv"
-    if tokens * k >= 2 * n_experts and tokens <= 256:
-        return "dense"
-    return "pallas"
+    5120 / 2304, top-6, 64 and 384 experts): up to 8 tokens -> "gemv" (one weight stream per
+    pair: 0.72 ms at eight tokens against the reference loop's 0.85 with 64 experts; they tie at
+    one token, 0.14-0.15); otherwise the Pallas grouped GEMM, which also beats the dense
+    all-experts GEMM where every expert is busy (1.12 / 1.20 vs 1.17 / 1.38 ms at 32 / 128 tokens
+    with 64 experts; 5.3 / 6.1 vs 7.8 / 12.2 ms at 128 / 256 tokens with 384)."""
+    return "gemv" if tokens <= 8 else "pallas"
 
 
 def launch_config(block_m: int) -> dict:
@@ -374,7 +371,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     one measured on the H200). Launch parameters default to `launch_config(block_m)`."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
         return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
-    impl = impl or choose_impl(x.shape[0], idx.shape[1], w1.shape[0])
+    impl = impl or choose_impl(x.shape[0])
     kw = dict(numerics=numerics, limit=float(swiglu_limit))
     if impl == "ragged_dot":
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)

@@ -445,7 +445,7 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
             if b.left() < 0:
                 break
             # where `choose_impl` does not take the grouped GEMM, time it too
-            grouped = [] if kmoe.choose_impl(t, k, e) == "pallas" else [("grouped", dict(impl="pallas"))]
+            grouped = [] if kmoe.choose_impl(t) == "pallas" else [("grouped", dict(impl="pallas"))]
             shape_case(t, [("auto", {})] + grouped)
     ins = inputs(jax.random.key(1234), 64)
     got = runner("pallas", "pallas")(ins)[0]
