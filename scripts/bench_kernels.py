@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels_pallas import indexer as kidx  # noqa: E402
+from scripts.bench_common import copy_bandwidth  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
@@ -110,13 +111,10 @@ def bench_peak(b: Bench):
         jax.block_until_ready(mm(x, y))
     t = b.time(mm, x, y)
     b.peak_tflops = 2 * n ** 3 / t / 1e12
-    m = (1 << 20) if b.smoke else (1 << 30)                           # 4 GiB fp32
-    big = jax.random.normal(key, (m,), jnp.float32)
-    cp = jax.jit(lambda a: a * 2.0)
-    t2 = b.time(cp, big)
-    b.peak_gbs = 2 * m * 4 / t2 / 1e9
+    copy = copy_bandwidth(4 if b.smoke else 4096, b.reps)
+    b.peak_gbs = copy["copy_gbs_read_plus_write"]
     b.results["peak"] = {"bf16_gemm_tflops": round(b.peak_tflops, 1), "gemm_n": n,
-                         "copy_gbs_read_plus_write": round(b.peak_gbs, 1), "copy_bytes": 2 * m * 4}
+                         "copy_gbs_read_plus_write": b.peak_gbs, "copy_bytes": copy["copy_bytes"]}
     b.save()
     print("peak", b.results["peak"], flush=True)
 
@@ -332,11 +330,11 @@ def bench_indexer(b: Bench, cfg: dict):
         if b.left() < 0:
             return
         shape_case("decode", bsz, 1, ctx, sweep=[("best", best)])
-    for kind, bsz, s, ctx, re in (("verify", 32, 6, 32768, False), ("reindex", 32, 1, 131072, True),
+    for kind, bsz, s, ctx, reindex in (("verify", 32, 6, 32768, False), ("reindex", 32, 1, 131072, True),
                                   ("prefill", 1, 1024, 16384, False), ("prefill", 1, 4096, 16384, False)):
         if b.left() < 0:
             return
-        shape_case(kind, bsz, s, ctx, reindex=re, sweep=[("best", best)], xla=bsz * s <= 1024)
+        shape_case(kind, bsz, s, ctx, reindex=reindex, sweep=[("best", best)], xla=bsz * s <= 1024)
 
 
 # ---- MoE ----------------------------------------------------------------------------------------

@@ -74,11 +74,12 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import backend as kernel_backend  # noqa: E402
-from scripts.make_checkpoint import _init as writer_init  # noqa: E402
+from scripts.bench_common import copy_bandwidth  # noqa: E402
+from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format  # noqa: E402
-from v41_jax.checkpoint.load import ENGRAM_KEY, EngramTables, nest, param_units  # noqa: E402
+from v41_jax.checkpoint.load import ENGRAM_KEY, HELD_DTYPES, EngramTables, nest, param_units  # noqa: E402
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
@@ -88,8 +89,6 @@ from v41_jax.topology import Mode, resolve_topology  # noqa: E402
 
 NUMERICS = {"fast": Numerics.fast, "reference": Numerics.reference, "fp32": Numerics.fp32}
 NOMINAL_COPY_GBS = 4300.0   # the workplace's measured H200 copy figure (BENCHMARKS.md)
-_HELD = {"bf16": jnp.bfloat16, "f32": jnp.float32}
-_ITEMSIZE = {"bf16": 2, "f32": 4}
 GiB = float(1 << 30)
 
 
@@ -105,18 +104,7 @@ class LeafSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * _ITEMSIZE[self.held]
-
-
-class _ConstantDraw:
-    """Stands in for the writer's np.random.Generator: every 'normal draw' is one constant, so
-    `make_checkpoint._init` (affine in its draw) shows its offset (draw 0) and scale (draw 1)."""
-
-    def __init__(self, value: float):
-        self.value = value
-
-    def standard_normal(self, shape, dtype=np.float32):
-        return np.full((), self.value, dtype)
+        return int(np.prod(self.shape)) * jnp.dtype(HELD_DTYPES[self.held]).itemsize
 
 
 def param_leaf_specs(cfg: ModelConfig) -> dict[str, LeafSpec]:
@@ -126,8 +114,7 @@ def param_leaf_specs(cfg: ModelConfig) -> dict[str, LeafSpec]:
     for path, unit in param_units(schema).items():
         spec = schema[unit.names[0]]
         shape = tuple(logical_shape(spec))               # the dequantized [out, in]
-        offset = float(writer_init(unit.names[0], shape, _ConstantDraw(0.0)))
-        scale = float(writer_init(unit.names[0], shape, _ConstantDraw(1.0))) - offset
+        offset, scale = init_affine(unit.names[0], shape)
         full = ((len(unit.names),) if unit.stacked else ()) + shape
         out[path] = LeafSpec(path, full, spec.held, offset, scale)
     return out
@@ -135,7 +122,7 @@ def param_leaf_specs(cfg: ModelConfig) -> dict[str, LeafSpec]:
 
 @partial(jax.jit, static_argnums=(1, 2))
 def _draw(key, shape, held, offset, scale):
-    dt = _HELD[held]
+    dt = HELD_DTYPES[held]
     return (jax.random.normal(key, shape, dt) * scale.astype(dt) + offset.astype(dt)).astype(dt)
 
 
@@ -242,24 +229,6 @@ def prefill_weight_flops(cfg: ModelConfig, specs: dict[str, LeafSpec], tokens: i
 
 
 # ---- measurement helpers -------------------------------------------------------------------------
-
-def copy_bandwidth(mib: int, reps: int = 10) -> dict:
-    """fp32 `a * 2` over `mib` MiB (bytes read + written / median time), as bench_kernels does."""
-    n = mib * (1 << 20) // 4
-    a = jax.random.normal(jax.random.key(0, impl="rbg"), (n,), jnp.float32)
-    f = jax.jit(lambda x: x * 2.0)
-    for _ in range(3):
-        jax.block_until_ready(f(a))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(a))
-        ts.append(time.perf_counter() - t0)
-    del a
-    t = float(np.median(ts))
-    return {"copy_gbs_read_plus_write": round(2 * n * 4 / t / 1e9, 1), "copy_bytes": 2 * n * 4,
-            "copy_ms": round(t * 1e3, 4)}
-
 
 def device_memory_limit() -> int | None:
     try:

@@ -35,20 +35,24 @@ def logical_shape(spec: TensorSpec) -> tuple[int, ...]:
     return (spec.shape[0], 2 * spec.shape[1]) if spec.dtype == "I8" else spec.shape
 
 
+def init_affine(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """(offset, scale): the writer draws offset + scale * N(0, 1) for this tensor (norm weights
+    near 1, inputs of a linear at 1/sqrt(fan-in), small hyper-connection and bias terms)."""
+    if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
+        return 1.0, 0.1
+    if ".hc_" in name:
+        return 0.0, 0.1 / np.sqrt(shape[1]) if name.endswith("_fn") else 0.1
+    if name.endswith(("attn_sink", "gate.bias", "gate.bias_vl")):
+        return 0.0, 0.01 if "gate" in name else 0.1
+    if name in ("embed.weight",) or name.endswith(("markov_head.embed.weight", "engram.embed.weight")):
+        return 0.0, 1.0
+    return 0.0, 1 / np.sqrt(shape[-1])
+
+
 def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """One tensor's random values, fp32."""
-    n = rng.standard_normal(shape, dtype=np.float32)
-    if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
-        return 1 + np.float32(0.1) * n
-    if ".hc_" in name:
-        if name.endswith("_fn"):
-            return n * np.float32(0.1 / np.sqrt(shape[1]))
-        return np.float32(0.1) * n
-    if name.endswith(("attn_sink", "gate.bias", "gate.bias_vl")):
-        return np.float32(0.01 if "gate" in name else 0.1) * n
-    if name in ("embed.weight",) or name.endswith(("markov_head.embed.weight", "engram.embed.weight")):
-        return n
-    return n / np.float32(np.sqrt(shape[-1]))
+    offset, scale = init_affine(name, shape)
+    return np.float32(offset) + np.float32(scale) * rng.standard_normal(shape, dtype=np.float32)
 
 
 def random_weights(schema: Mapping[str, TensorSpec], seed: int) -> dict[str, np.ndarray]:

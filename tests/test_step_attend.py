@@ -25,7 +25,7 @@ def _setup():
     geom = CacheGeometry.build(cfg, EngineSettings(page_tokens=8, num_pages=16, slots=4, max_context=64,
                                                    kv_format="f32", index_format="f32"))
     rng = np.random.default_rng(0)
-    d, w, ring = cfg.head_dim, cfg.window_size, geom.ring_slots
+    d, ring = cfg.head_dim, geom.ring_slots
     ne, cols, hd = len(cfg.engram_layer_ids), cfg.engram_hash_cols, cfg.engram_head_dim
 
     def span(rid, slot, pos, n, pages):

@@ -44,7 +44,7 @@ from .safetensors_io import Checkpoint
 from .schema import TensorSpec, validate_checkpoint
 
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
-_HELD = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+HELD_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # a params leaf's dtype by TensorSpec.held
 ENGRAM_KEY = "engram_tables"
 
 
@@ -90,7 +90,7 @@ def param_units(schema: Mapping[str, TensorSpec]) -> dict[str, Unit]:
     units: dict[str, list[tuple[int, str]]] = {}
     stacked: set[str] = set()
     for name, spec in schema.items():
-        if spec.held not in _HELD:
+        if spec.held not in HELD_DTYPES:
             continue
         m = _EXPERT.fullmatch(name)
         if m:
@@ -115,7 +115,7 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec) -> jax.Array:
         out = quant.dequant_fp4_rows(w, read(scales))
     else:
         out = jnp.asarray(w)
-    return out.astype(_HELD[spec.held])
+    return out.astype(HELD_DTYPES[spec.held])
 
 
 def nest(flat: Mapping[str, Any]) -> dict:

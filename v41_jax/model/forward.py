@@ -83,16 +83,22 @@ def _attend(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: A
     return out, (ctx, own)
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Numerics,
-            engram_rows: dict | None = None, image_mask: jax.Array | None = None,
-            forced: dict | None = None, return_intermediates: bool = False):
+PICK_KINDS = ("index_topk", "index_scores", "candidate_blocks", "gate_topk", "gate_scores")
+
+
+def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, pre: jax.Array, carry, attend, numerics: Numerics,
+               *, engram_rows: dict | None = None, image_mask: jax.Array | None = None,
+               forced_gates: dict | None = None):
+    """The layer stack shared by `forward` and the cached step (`runtime.step`): Engram before its
+    block, the drafter's taps, the blocks; the two differ only in how a layer attends.
+
+    x [B, S, N, D], pre [B, S, N]; attend(p_attn, topo, h, carry) -> (out, (carry, picks)), picks =
+    this layer's own selections {kind: [B, S, ...]}; engram_rows {layer: [B, S, cols, hd]};
+    forced_gates {layer: [B, S, k]}. -> (x, pre, carry, intermediates: every one `forward`
+    documents but the final hidden states)."""
     topology = resolve_topology(cfg)
-    x = embed(params, tokens, cfg.hc_mult, numerics)
-    pre = one_hot_pre(tokens.shape, cfg.hc_mult)
     token_mask = None if image_mask is None else ~image_mask
-    ctx = empty_context()
-    inter: dict = {"block_out": [], "next_pre": [], "engram_out": {}, "index_topk": {}, "index_scores": {},
-                   "candidate_blocks": {}, "gate_topk": {}, "gate_scores": {}}
+    inter: dict = {"block_out": [], "next_pre": [], "engram_out": {}, **{k: {} for k in PICK_KINDS}}
     taps = []
     for layer in range(cfg.n_layers):
         topo, p = topology[layer], params["layers"][layer]
@@ -101,21 +107,32 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Nume
             inter["engram_out"][layer] = x
         if layer in cfg.dspark_target_layer_ids:
             taps.append(stream_mean(x))  # the drafter reads the block's input, not its output
-        out = block(p, cfg, layer, x, pre,
-                    lambda h, p=p, topo=topo, ctx=ctx: _attend(p["attn"], cfg, topo, h, ctx, numerics, forced),
-                    numerics, image_mask, None if forced is None else forced.get("gate_topk", {}).get(layer))
-        x, pre, (ctx, own) = out.x, out.pre, out.attn_aux
+        out = block(p, cfg, layer, x, pre, lambda h, p=p, topo=topo, carry=carry: attend(p["attn"], topo, h, carry),
+                    numerics, image_mask, (forced_gates or {}).get(layer))
+        x, pre, (carry, picks) = out.x, out.pre, out.attn_aux
         inter["block_out"].append(x)
         inter["next_pre"].append(pre)
         inter["gate_topk"][layer] = out.gate_idx
         inter["gate_scores"][layer] = out.gate_scores
-        for kind, picks in own.items():
-            inter[kind][layer] = picks
+        for kind, ids in picks.items():
+            inter[kind][layer] = ids
+    inter.update(block_out=jnp.stack(inter["block_out"]), next_pre=jnp.stack(inter["next_pre"]),
+                 main_hidden=jnp.concatenate(taps, -1) if taps else None)
+    return x, pre, carry, inter
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Numerics,
+            engram_rows: dict | None = None, image_mask: jax.Array | None = None,
+            forced: dict | None = None, return_intermediates: bool = False):
+    x = embed(params, tokens, cfg.hc_mult, numerics)
+    pre = one_hot_pre(tokens.shape, cfg.hc_mult)
+    attend = lambda p, topo, h, ctx: _attend(p, cfg, topo, h, ctx, numerics, forced)
+    x, pre, _, inter = run_layers(params, cfg, x, pre, empty_context(), attend, numerics,
+                                  engram_rows=engram_rows, image_mask=image_mask,
+                                  forced_gates=None if forced is None else forced.get("gate_topk"))
     collapsed, normed = final_hidden(params, cfg, x, pre)
     logits = lm_head(params["head"]["weight"], normed)
     if not return_intermediates:
         return logits
-    inter.update(block_out=jnp.stack(inter["block_out"]), next_pre=jnp.stack(inter["next_pre"]),
-                 final_collapsed=collapsed, final_normed=normed,
-                 main_hidden=jnp.concatenate(taps, -1) if taps else None)
+    inter.update(final_collapsed=collapsed, final_normed=normed)
     return logits, inter

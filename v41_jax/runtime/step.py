@@ -45,22 +45,20 @@ from v41_jax.cache.buffer import Cache
 from v41_jax.cache.geometry import CacheGeometry, typed_format
 from v41_jax.config import ModelConfig
 from v41_jax.model.attention import output_proj, query, window_kv
-from v41_jax.model.block import block
 from v41_jax.model.compressor import compress, init_state, pool_groups, stored_rows
-from v41_jax.model.engram import engram
-from v41_jax.model.forward import embed, fit_ids
+from v41_jax.model.forward import embed, fit_ids, run_layers
 from v41_jax.model.head import final_hidden, lm_head
 from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_keys, index_query,
                                    index_weights, select_topk)
 from v41_jax.model.linear import lin_f32
-from v41_jax.model.mhc import one_hot_pre, stream_mean
+from v41_jax.model.mhc import one_hot_pre
 from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.quant import dequant_fp8_rows
 from v41_jax.runtime.metadata import StepBatch
-from v41_jax.topology import Candidates, LayerTopology, Mode, resolve_topology
+from v41_jax.topology import Candidates, LayerTopology, Mode
 
 
 
@@ -69,7 +67,6 @@ class StepState(NamedTuple):
     cache: Cache
     selected: dict      # topk owner layer -> [T, K] compressed ids, ascending, -1 padded
     candidates: dict    # candidate source layer -> [T, 1, Kb] block ids (the scorer's query axis kept)
-    own: dict           # what each scorer chose itself (before forcing): kind -> {layer: [T, ...]}
 
 
 def _drop(valid: jax.Array, index: jax.Array, bound: int) -> jax.Array:
@@ -164,9 +161,10 @@ def _swap(arrays: tuple, k: int, new: jax.Array) -> tuple:
 
 
 def _select(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology, h: jax.Array,
-            c_q: jax.Array, batch: StepBatch, state: StepState, numerics: Numerics) -> StepState:
+            c_q: jax.Array, batch: StepBatch, state: StepState, numerics: Numerics) -> tuple[StepState, dict]:
     """FULL / REINDEX: score the kv owner's index keys of each query's own request (visible
-    columns only) and publish the top-k (the candidate source also its blocks)."""
+    columns only) and publish the top-k (the candidate source also its blocks).
+    -> (state, this layer's picks and scores {kind: [1, T, ...]})."""
     key_pages = state.cache.index[geom.owner_index(topo.kv_owner)]
     visible = batch.visible[geom.ratios.index(topo.ratio)][:, None]        # [T, 1]
     # each query is its own "request" of the paged scorer, with its request's block table
@@ -185,16 +183,15 @@ def _select(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology,
         keep = candidate_mask(candidates[cfg.candidate_source_layer], n_rows, cfg.candidate_block_size)
         scores = jnp.where(keep, scores, -jnp.inf)
     selected = select_topk(scores, visible, cfg.index_topk)[:, 0]
-    own = {**state.own, "index_topk": {**state.own["index_topk"], topo.layer: selected},
-           "index_scores": {**state.own["index_scores"], topo.layer: scores[:, 0]}}
+    picks = {"index_topk": selected[None], "index_scores": scores[:, 0][None]}
     if topo.candidates is Candidates.PRODUCE:
-        own["candidate_blocks"] = {**own["candidate_blocks"], topo.layer: candidates[topo.layer][:, 0]}
-    return state._replace(selected={**state.selected, topo.layer: selected}, candidates=candidates, own=own)
+        picks["candidate_blocks"] = candidates[topo.layer][:, 0][None]
+    return state._replace(selected={**state.selected, topo.layer: selected}, candidates=candidates), picks
 
 
 def _force(state: StepState, layer: int, forced: dict) -> StepState:
     """Teacher forcing (checking against a reference): this layer's published picks become the
-    forced ones, as the full forward's `forced` does; `own` keeps what the layer chose."""
+    forced ones, as the full forward's `forced` does; the recorded picks stay the layer's own."""
     candidates, selected = dict(state.candidates), dict(state.selected)
     if layer in candidates and layer in forced.get("candidate_blocks", {}):
         candidates[layer] = fit_ids(forced["candidate_blocks"][layer], candidates[layer].shape[-1])[:, None]
@@ -243,26 +240,27 @@ def _attend(q: jax.Array, sink: jax.Array, window: tuple, compressed: tuple | No
 
 def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology, h: jax.Array,
                      batch: StepBatch, state: StepState, numerics: Numerics,
-                     forced: dict | None = None) -> tuple[jax.Array, StepState]:
-    """One layer's attention sublayer over the cache. h [1, T, D] (attn_norm output) -> [1, T, D]."""
+                     forced: dict | None = None) -> tuple[jax.Array, tuple[StepState, dict]]:
+    """One layer's attention sublayer over the cache. h [1, T, D] (attn_norm output) ->
+    ([1, T, D], (state, this layer's own picks {kind: [1, T, ...]}))."""
     cos, sin = rope_cos_sin(cfg, batch.positions, global_table=topo.rope_global)
     c_q, q = query(p, cfg, h, cos, sin, numerics)                                  # [1, T, Q], [1, T, H, Dh]
     kv = window_kv(p, cfg, h, cos, sin, numerics)[0]                               # [T, Dh]
     window = _window_source(state.cache.window, topo.layer, kv, batch, cfg.window_size)
-    compressed = None
+    compressed, picks = None, {}
     if topo.mode is not Mode.WINDOW:
         if topo.mode is Mode.FULL:
             state = state._replace(cache=_compress_and_store(p, cfg, geom, topo, h[0], batch, state.cache,
                                                              numerics))
         if topo.scores:
-            state = _select(p, cfg, geom, topo, h[0], c_q[0], batch, state, numerics)
+            state, picks = _select(p, cfg, geom, topo, h[0], c_q[0], batch, state, numerics)
             if forced:
                 state = _force(state, topo.layer, forced)
         main = state.cache.main[geom.owner_index(topo.kv_owner)]
         compressed = _compressed_source(main, state.selected[topo.topk_owner], batch)
     o = _attend(q, p["attn_sink"], window, compressed, batch, cfg, numerics)
     cache = replace(state.cache, window=_write_window(state.cache.window, topo.layer, kv, batch))
-    return output_proj(p, cfg, o, cos, sin, numerics), state._replace(cache=cache)
+    return output_proj(p, cfg, o, cos, sin, numerics), (state._replace(cache=cache), picks)
 
 
 def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = None, *, cfg: ModelConfig,
@@ -277,33 +275,14 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     (index_topk, index_scores, candidate_blocks, gate_topk, gate_scores; dicts by layer).
     """
     forced = forced or {}
-    topology = resolve_topology(cfg)
-    n_tokens = batch.tokens.shape[0]
     x = embed(params, batch.tokens[None], cfg.hc_mult, numerics)                   # [1, T, N, D]
-    pre = one_hot_pre((1, n_tokens), cfg.hc_mult)
-    kinds = ("index_topk", "index_scores", "candidate_blocks", "gate_topk", "gate_scores")
-    state = StepState(cache, {}, {}, {k: {} for k in kinds})
-    inter = {"block_out": [], "next_pre": [], "engram_out": {}, "taps": []}
-    for layer in range(cfg.n_layers):
-        topo, p = topology[layer], params["layers"][layer]
-        if topo.engram:
-            i = cfg.engram_layer_ids.index(layer)
-            rows = dequant_fp8_rows(batch.engram_codes[i], batch.engram_scales[i])
-            x = engram(p["engram"], cfg, x, rows[None], numerics)
-            inter["engram_out"][layer] = x[0]
-        if layer in cfg.dspark_target_layer_ids:
-            inter["taps"].append(stream_mean(x[0]))     # the drafter reads the block's input
-
-        def attend(h, p=p, topo=topo, state=state):
-            return cached_attention(p["attn"], cfg, geom, topo, h, batch, state, numerics, forced)
-
-        gate = forced.get("gate_topk", {}).get(layer)
-        out = block(p, cfg, layer, x, pre, attend, numerics, None, None if gate is None else gate[None])
-        x, pre, state = out.x, out.pre, out.attn_aux
-        state = state._replace(own={**state.own, "gate_topk": {**state.own["gate_topk"], layer: out.gate_idx[0]},
-                                    "gate_scores": {**state.own["gate_scores"], layer: out.gate_scores[0]}})
-        inter["block_out"].append(x[0])
-        inter["next_pre"].append(pre[0])
+    pre = one_hot_pre((1, batch.tokens.shape[0]), cfg.hc_mult)
+    rows = {layer: dequant_fp8_rows(codes, scales)[None]
+            for layer, codes, scales in zip(cfg.engram_layer_ids, batch.engram_codes, batch.engram_scales)}
+    attend = lambda p, topo, h, state: cached_attention(p, cfg, geom, topo, h, batch, state, numerics, forced)
+    x, pre, state, inter = run_layers(params, cfg, x, pre, StepState(cache, {}, {}), attend, numerics,
+                                      engram_rows=rows,
+                                      forced_gates={l: g[None] for l, g in forced.get("gate_topk", {}).items()})
     collapsed, normed = final_hidden(params, cfg, x, pre)
     logits = lm_head(params["head"]["weight"], normed[0, batch.logit_rows])
     cache = state.cache
@@ -311,10 +290,11 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     cache = replace(cache, cursor=cache.cursor.at[slot].set(batch.cursor_rows, mode="drop"))
     if not record:
         return logits, cache
-    taps = inter.pop("taps")
-    inter.update(block_out=jnp.stack(inter["block_out"]), next_pre=jnp.stack(inter["next_pre"]),
-                 final_collapsed=collapsed[0], final_normed=normed[0],
-                 main_hidden=jnp.concatenate(taps, -1) if taps else None, **state.own)
+    # per token row: drop the batch axis of one
+    inter = {k: ({l: a[0] for l, a in v.items()} if isinstance(v, dict) else v) for k, v in inter.items()}
+    inter.update(block_out=inter["block_out"][:, 0], next_pre=inter["next_pre"][:, 0],
+                 main_hidden=None if inter["main_hidden"] is None else inter["main_hidden"][0],
+                 final_collapsed=collapsed[0], final_normed=normed[0])
     return logits, cache, inter
 
 
