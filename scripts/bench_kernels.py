@@ -5,8 +5,8 @@
 
 Every case: after warm-up, five rounds of `--reps` calls queued back to back with one
 block_until_ready per round; the median round's time per call. One call runs L independent
-"layers" (separate inputs, one jit); times are per layer. Reported: ms, achieved TFLOP/s and GB/s (minimum bytes: every input row read once,
-every output written once), ratio to the measured bf16 GEMM peak and copy bandwidth, and the
+"layers" (separate inputs, one jit); times are per layer. Reported: ms, achieved TFLOP/s and
+GB/s (minimum bytes: every input row read once, every output written once), ratio to the measured bf16 GEMM peak and copy bandwidth, and the
 speed-up over the XLA path in the same run. Sections stop starting new cases once the time
 budget is spent; results are written after every case. --smoke: tiny shapes, for CPU checks.
 """
@@ -29,9 +29,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels_pallas import indexer as kidx  # noqa: E402
-from scripts.bench_common import copy_bandwidth  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
+from scripts.bench_common import copy_bandwidth  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
 
 REF = Numerics.reference()
@@ -368,14 +368,13 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         # one layer per call: the layers would share the weights here, and XLA merges dots with a
         # shared operand (the dense and loop paths then read the weights once for all layers);
         # the queued timing already keeps host dispatch out of the device time
-        layers = 1
-        ins = inputs(jax.random.key(t), t, layers)
-        active = np.mean([int(jnp.sum(jnp.bincount(idx.reshape(-1), length=e) > 0)) for _, idx, _ in ins])
+        ins = inputs(jax.random.key(t), t)
+        active = int(jnp.sum(jnp.bincount(ins[0][1].reshape(-1), length=e) > 0))
         flops = 6.0 * t * k * d * f
         wbytes = active * 3 * d * f * 2
         meta = dict(kernel="moe", tokens=t, experts=e, topk=k, active_experts=float(active),
                     weight_bytes=wbytes)
-        case = lambda name, fn, variant: b.case(f"moe/T{t}/{name}", fn, (ins,), layers=layers,
+        case = lambda name, fn, variant: b.case(f"moe/T{t}/{name}", fn, (ins,), layers=1,
                                                 flops=flops, bytes_=wbytes, variant=variant, **meta)
         times = {}
         for label, kw in (sweep or [("auto", {})]):

@@ -50,8 +50,9 @@ Tolerances (the arithmetic behind them)
     (random signs, N seeds) and reports how far that alone moves its selections. On the official
     fixtures (4 seeds) it moves 38-88% of the index rows and drops picks down to rank 2.9k
     (small_a) / 4.4k (small_b) on CPU, 2.0k / 3.75k on the H200 (BENCHMARKS.md), so a rule tighter
-    than that spread would be judging noise (test_rank_slack_is_no_looser_than_last_bit_noise). Also reported per key: recall (share of reference picks the
-    model made) and the worst missed rank.
+    than that spread would be judging noise (test_rank_slack_is_no_looser_than_last_bit_noise).
+    Also reported per key: recall (share of reference picks the model made) and the worst missed
+    rank.
   * greedy ids (decode outputs, DSpark drafts): equal, or the model's logit gap between its argmax
     and the reference's token is within that row's logit bound (a near-tie).
 """
