@@ -45,7 +45,7 @@ from kernels_pallas import backend as _backend
 from kernels_pallas._compat import compiler_params, load, store
 from v41_jax.model import moe as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
-from v41_jax.quant import fp8_act_qdq
+from v41_jax.quant import Fp4Weight, fp8_act_qdq, held
 
 IMPLS = ("pallas", "gemv", "ragged_dot", "dense")
 _K_BLOCK = 32  # A8 fake-quant group
@@ -102,6 +102,57 @@ def combine(y_sorted: jax.Array, order: jax.Array, t: int, k: int) -> jax.Array:
     return ref.add_slots(y_sorted[inv].reshape(t, k, -1))
 
 
+# ---- expert weight tiles: bf16 as held, or FP4 dequantized in registers --------------------------
+
+def _fp4_halves(codes, scale):
+    """Packed E2M1 codes uint8 [BN, BK/2], E8M0 codes uint8 [BN, BK/32] -> fp32 (even, odd) inputs,
+    each [BN, BK/2]; exact. A nibble's bits moved into an E4M3 byte (sign to bit 7, exponent and
+    mantissa to bits 4..2) are its E2M1 value times 2^-6, normal or not, so one hardware fp8
+    conversion decodes it; the scale 2^(c-127) times 2^6 is the fp32 with exponent field c + 6."""
+    lo = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
+    hi = (codes & 0x80) | ((codes >> 2) & 0x1C)
+    bn, g = scale.shape
+    s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
+    s = jnp.broadcast_to(s[:, :, None], (bn, g, 16)).reshape(bn, g * 16)   # a byte holds 2 of 32
+    dec = lambda b: jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float32) * s
+    return dec(lo), dec(hi)
+
+
+def _weight_halves(w_ref, e, rows, k0, bk):
+    """FP4 expert e, weight rows `rows`, inputs [k0, k0 + BK) -> fp32 (even, odd) [BN, BK/2]."""
+    codes = w_ref.codes[e, rows, pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)]
+    scale = w_ref.scale[e, rows, pl.ds(pl.multiple_of(k0 // 32, bk // 32), bk // 32)]
+    return _fp4_halves(codes, scale)
+
+
+def _weight_tile(w_ref, e, rows, k0, bk, dtype):
+    """Expert e's weight rows `rows` (BN), inputs [k0, k0 + BK) -> [BN, BK] in `dtype` for the MMA:
+    a held bf16 / fp32 ref as is, an `Fp4Weight` of refs decoded and interleaved back in place."""
+    if not isinstance(w_ref, Fp4Weight):
+        return w_ref[e, rows, pl.ds(pl.multiple_of(k0, bk), bk)].astype(dtype)
+    even, odd = _weight_halves(w_ref, e, rows, k0, bk)
+    bn = even.shape[0]
+    return jnp.stack([even, odd], axis=-1).reshape(bn, bk).astype(dtype)
+
+
+def _gemv_block(w_ref, e, rows, k0, bk, v_ref, r):
+    """Σ over inputs [k0, k0 + BK) of expert e's weight rows `rows` times row r of v -> fp32 [BN],
+    as elementwise products (no MMA for one row). FP4 weights are summed as their even and odd
+    halves against v's even and odd lanes: no interleave needed for a plain sum."""
+    if not isinstance(w_ref, Fp4Weight):
+        ks = pl.ds(pl.multiple_of(k0, bk), bk)
+        return jnp.sum(w_ref[e, rows, ks].astype(jnp.float32) * v_ref[r, ks].astype(jnp.float32)[None, :],
+                       axis=1)
+    even, odd = _weight_halves(w_ref, e, rows, k0, bk)
+    lanes = lambda first: v_ref[r, pl.ds(first, bk // 2, stride=2)].astype(jnp.float32)[None, :]
+    return jnp.sum(even * lanes(k0) + odd * lanes(k0 + 1), axis=1)
+
+
+def _specs(w):
+    """Whole-array block specs for a weight: one for a held array, a pair for an `Fp4Weight`."""
+    return jax.tree.map(lambda a: _full(a.shape), w)
+
+
 # ---- Pallas kernels -------------------------------------------------------------------------
 
 def _dot_t(a, b, dt):
@@ -127,10 +178,9 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
         def body(kb, acc):
             acc_g, acc_u = acc
             k0 = kb * bk
-            ks = pl.ds(pl.multiple_of(k0, bk), bk)
             xt = load(x_ref.at[tok[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
-            return (acc_g + _dot_t(xt, w1_ref[e, wcols, ks], x_ref.dtype),
-                    acc_u + _dot_t(xt, w3_ref[e, wcols, ks], x_ref.dtype))
+            return (acc_g + _dot_t(xt, _weight_tile(w1_ref, e, wcols, k0, bk, x_ref.dtype), x_ref.dtype),
+                    acc_u + _dot_t(xt, _weight_tile(w3_ref, e, wcols, k0, bk, x_ref.dtype), x_ref.dtype))
 
         zero = jnp.zeros((bm, bn), jnp.float32)
         acc_g, acc_u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
@@ -158,7 +208,7 @@ def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm
         def body(kb, acc):
             k0 = kb * bk
             at = load(a_ref.at[safe[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
-            return acc + _dot_t(at, w2_ref[e, wcols, pl.ds(pl.multiple_of(k0, bk), bk)], a_ref.dtype)
+            return acc + _dot_t(at, _weight_tile(w2_ref, e, wcols, k0, bk, a_ref.dtype), a_ref.dtype)
 
         acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
         spare = pair_ref.shape[0] + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
@@ -198,8 +248,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     a = pl.pallas_call(
         functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
         grid=(f // bn, te.shape[0]),
-        in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape),
-                           _full(w3.shape)],
+        in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _specs(w1), _specs(w3)],
         out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_gate_up",
     )(te, tf, tend, tok, pw, xq, w1, w3)
@@ -207,7 +256,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     y = pl.pallas_call(
         functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
         grid=(d // bn, te.shape[0]),
-        in_specs=tables + [_full(order.shape), _full(a.shape), _full(w2.shape)],
+        in_specs=tables + [_full(order.shape), _full(a.shape), _specs(w2)],
         out_specs=_full((t * k + bm, d)), out_shape=jax.ShapeDtypeStruct((t * k + bm, d), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_down",
     )(te, tf, tend, order, a, w2)
@@ -227,10 +276,8 @@ def _gemv_gate_up_kernel(pe_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *, k, bn,
 
     def body(kb, acc):
         acc_g, acc_u = acc
-        ks = pl.ds(pl.multiple_of(kb * bk, bk), bk)
-        xk = x_ref[t, ks].astype(jnp.float32)[None, :]                # [1, BK]
-        return (acc_g + jnp.sum(w1_ref[e, rows, ks].astype(jnp.float32) * xk, axis=1),
-                acc_u + jnp.sum(w3_ref[e, rows, ks].astype(jnp.float32) * xk, axis=1))
+        return (acc_g + _gemv_block(w1_ref, e, rows, kb * bk, bk, x_ref, t),
+                acc_u + _gemv_block(w3_ref, e, rows, kb * bk, bk, x_ref, t))
 
     zero = jnp.zeros((bn,), jnp.float32)
     g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
@@ -244,9 +291,7 @@ def _gemv_down_kernel(pe_ref, a_ref, w2_ref, y_ref, *, bn, bk, numerics):
     rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
 
     def body(kb, acc):
-        ks = pl.ds(pl.multiple_of(kb * bk, bk), bk)
-        return acc + jnp.sum(w2_ref[e, rows, ks].astype(jnp.float32) * a_ref[p, ks].astype(jnp.float32)[None, :],
-                             axis=1)
+        return acc + _gemv_block(w2_ref, e, rows, kb * bk, bk, a_ref, p)
 
     acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bn,), jnp.float32))
     y_ref[p, rows] = numerics.act(acc).astype(y_ref.dtype)
@@ -259,7 +304,7 @@ def gemv_gate_up(pe, pw, xq, w1, w3, *, numerics, limit, bn, bk, num_warps, num_
         functools.partial(_gemv_gate_up_kernel, k=n_pairs // xq.shape[0], bn=bn, bk=bk, limit=limit,
                           numerics=numerics),
         grid=(n_pairs, f // bn),
-        in_specs=[_full(pe.shape), _full(pw.shape), _full(xq.shape), _full(w1.shape), _full(w3.shape)],
+        in_specs=[_full(pe.shape), _full(pw.shape), _full(xq.shape), _specs(w1), _specs(w3)],
         out_specs=_full((n_pairs, f)), out_shape=jax.ShapeDtypeStruct((n_pairs, f), numerics.act_dtype),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="moe_gemv_gate_up",
@@ -272,7 +317,7 @@ def gemv_down(pe, a, w2, *, numerics, bn, bk, num_warps, num_stages, interpret):
     return pl.pallas_call(
         functools.partial(_gemv_down_kernel, bn=bn, bk=bk, numerics=numerics),
         grid=(n_pairs, d // bn),
-        in_specs=[_full(pe.shape), _full(a.shape), _full(w2.shape)],
+        in_specs=[_full(pe.shape), _full(a.shape), _specs(w2)],
         out_specs=_full((n_pairs, d)), out_shape=jax.ShapeDtypeStruct((n_pairs, d), numerics.act_dtype),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="moe_gemv_down",
@@ -308,6 +353,7 @@ def _ragged(lhs, rhs, sizes):
 @functools.partial(jax.jit, static_argnames=("numerics", "limit"))
 def _routed_ragged_dot(x, idx, w, w1, w3, w2, *, numerics, limit):
     t, k = idx.shape
+    w1, w3, w2 = held(w1), held(w3), held(w2)
     _, w_t, order, sizes = sort_pairs(idx, w, w1.shape[0])
     xs = _act_in(x, numerics)[order // k]                              # [T*k, D] sorted copy
     pw = w_t.reshape(-1)[order].astype(jnp.float32)
@@ -322,6 +368,7 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     and add nothing to the fp32 sum."""
     t, k = idx.shape
     n_exp = w1.shape[0]
+    w1, w3, w2 = held(w1), held(w3), held(w2)
     idx_t, w_t, _, _ = sort_pairs(idx, w, n_exp)
     xq = _act_in(x, numerics)
     dense_w = jnp.zeros((t, n_exp), jnp.float32).at[jnp.arange(t)[:, None], idx_t].add(w_t.astype(jnp.float32))
@@ -382,6 +429,8 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     def tiles(bn: int, bk: int) -> dict:
         if d % bn or f % bn or d % bk or f % bk:
             raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
+        if isinstance(w1, Fp4Weight) and bk % 32:
+            raise ValueError(f"FP4 experts: block_k={bk} must cover whole 32-input scale groups")
         return dict(bn=bn, bk=bk)
 
     if impl == "gemv":

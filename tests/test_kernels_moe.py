@@ -12,6 +12,7 @@ The fp32 policy is held to 1e-5 relative to the largest |y| (fp32 sums of a few 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,20 +21,33 @@ from kernels_common import assert_close, fresh_rng, load_fixture
 from kernels_pallas import moe as kmoe
 from v41_jax.model import moe as ref
 from v41_jax.model.numerics import Numerics
+from v41_jax.quant import Fp4Weight, dequant_fp4_rows, quant_weight_fp4
 
 FAST = Numerics.fast()
 F32 = Numerics.fp32()
 
 
-def _case(rng, t=17, d=64, f=128, e=6, k=2, skew=False, dtype=jnp.bfloat16):
+def _fp4_experts(rng, shape):
+    """Random expert weights quantized as the checkpoint holds them: rows of different magnitudes,
+    so the E8M0 scales vary per 32-input group (codes cover all 16 nibbles)."""
+    mag = 2.0 ** rng.integers(-6, 0, size=(*shape[:-1], shape[-1] // 32, 1))
+    w = (rng.standard_normal((*shape[:-1], shape[-1] // 32, 32)) * mag).reshape(shape)
+    codes, scale = jax.vmap(quant_weight_fp4)(jnp.asarray(w, jnp.float32))
+    return Fp4Weight(codes, scale)
+
+
+def _case(rng, t=17, d=64, f=128, e=6, k=2, skew=False, dtype=jnp.bfloat16, held="bf16"):
     if skew:   # one hot expert spanning several tiles, others empty
         idx = np.stack([np.r_[0, rng.choice(np.arange(1, 3), k - 1, replace=False)] for _ in range(t)])
     else:
         idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
     x = jnp.asarray(rng.standard_normal((t, d)), dtype)
     w = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
-    ws = [jnp.asarray(rng.standard_normal(s) * 0.15, jnp.bfloat16)
-          for s in ((e, f, d), (e, f, d), (e, d, f))]
+    shapes = ((e, f, d), (e, f, d), (e, d, f))
+    if held == "fp4":
+        ws = [_fp4_experts(rng, s) for s in shapes]
+    else:
+        ws = [jnp.asarray(rng.standard_normal(s) * 0.15, jnp.bfloat16) for s in shapes]
     return x, jnp.asarray(idx, jnp.int32), w, *ws
 
 
@@ -55,6 +69,40 @@ def test_matches_reference(impl, numerics):
     case = _case(rng, dtype=dtype)
     got = kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl, block_n=64)
     _check(got, ref.routed_experts(*case, numerics, 1.0), seed, numerics)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "gemv"])
+def test_fp4_held_experts_match_their_dequantized_bf16(impl):
+    """Experts held as published (FP4 codes + E8M0 scales) are decoded in the kernels' registers:
+    the result equals the same kernel on the loader's bf16 dequantization (the grouped GEMM feeds
+    the MMA the identical bf16 tile, so bit for bit; the GEMV sums even and odd inputs apart, an
+    fp32 order change), and the reference loop on the held weights."""
+    rng, seed = fresh_rng()
+    x, idx, w, *ws = _case(rng, t=9, d=128, f=64, held="fp4")
+    bf = [q.dequant() for q in ws]
+    got = kmoe.routed_experts(x, idx, w, *ws, FAST, 1.0, backend="pallas", impl=impl, block_n=32,
+                              block_k=64)
+    on_bf16 = kmoe.routed_experts(x, idx, w, *bf, FAST, 1.0, backend="pallas", impl=impl, block_n=32,
+                                  block_k=64)
+    if impl == "pallas":
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(on_bf16), err_msg=f"seed {seed}")
+    else:
+        _check(got, on_bf16, seed, FAST)
+    want = ref.routed_experts(x, idx, w, *ws, FAST, 1.0)
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(ref.routed_experts(x, idx, w, *bf, FAST, 1.0)))
+    _check(got, want, seed, FAST)
+
+
+def test_fp4_tile_decode_is_exact_for_every_byte_and_scale():
+    """The in-register decode (nibble -> E4M3 byte -> fp32, times 2^(c-121)) against the loader's
+    table decode, for all 256 code bytes under scale codes from 2^-20 to 2^+20."""
+    codes = jnp.tile(jnp.arange(256, dtype=jnp.uint8), (41, 1))                  # [41, 256]
+    scale = jnp.repeat(jnp.arange(107, 148, dtype=jnp.uint8)[:, None], 16, axis=1)  # [41, 16]
+    even, odd = kmoe._fp4_halves(codes, scale)
+    want = np.asarray(dequant_fp4_rows(codes, scale, dtype=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(even), want[:, 0::2])
+    np.testing.assert_array_equal(np.asarray(odd), want[:, 1::2])
+    assert np.signbit(np.asarray(even)[0, 8])                                  # code 8 is -0.0
 
 
 def test_skewed_groups_span_tiles():

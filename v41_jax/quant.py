@@ -34,6 +34,7 @@ x.dtype, exactly like the reference's `inplace=True` calls on bf16 tensors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -363,3 +364,31 @@ def quant_weight_fp8(w, block: int = 32) -> tuple[jax.Array, jax.Array]:
 def quant_weight_fp4(w, group: int = 32) -> tuple[jax.Array, jax.Array]:
     """Expert weight [out, in] -> (packed E2M1 uint8 [out, in/2], E8M0 codes [out, in/group])."""
     return quant_fp4_ue8m0(jnp.asarray(w, jnp.float32), group)
+
+
+# ---- held FP4 weights ----------------------------------------------------------------------------
+
+@partial(jax.tree_util.register_dataclass, data_fields=["codes", "scale"], meta_fields=[])
+@dataclass(frozen=True)
+class Fp4Weight:
+    """A weight held on the device as published: packed E2M1 codes uint8 [..., out, in/2] (even
+    input in the low nibble) and E8M0 codes uint8 [..., out, in/32]. A quarter of the bf16 bytes
+    (plus 1/64 for the scales): the released routed experts only fit one node's HBM this way.
+    Routed experts stack on a leading axis; `w[e]` is expert e (e may be traced)."""
+    codes: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
+
+    def __getitem__(self, i) -> "Fp4Weight":
+        return Fp4Weight(self.codes[i], self.scale[i])
+
+    def dequant(self, dtype=jnp.bfloat16) -> jax.Array:
+        return dequant_fp4_rows(self.codes, self.scale, dtype=dtype)
+
+
+def held(w) -> jax.Array:
+    """A params weight as the GEMM takes it: an `Fp4Weight` dequantized to bf16 (exact), else as is."""
+    return w.dequant() if isinstance(w, Fp4Weight) else w

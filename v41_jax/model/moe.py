@@ -12,7 +12,8 @@ API
   routed_experts(x [T, D], idx [T, k], w [T, k], w1 [E, F, D], w3 [E, F, D], w2 [E, D, F],
                  numerics, swiglu_limit) -> fp32 [T, D]
       the jnp reference for the expert kernels: each token's k expert outputs (act dtype) summed
-      in fp32 in ascending expert id, the order the reference's expert loop adds them.
+      in fp32 in ascending expert id, the order the reference's expert loop adds them. The expert
+      weights are bf16 arrays or `quant.Fp4Weight`s (held as published, dequantized per pick).
   moe(p, cfg, layer, x [T, D], numerics, image_mask=None, forced_idx=None)
       -> (y act dtype [T, D], idx [T, k], select [T, E])   idx: the router's own selection (also
       when forced); select: the scores it was taken from (bias included), for tie diagnostics.
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 
 from v41_jax.model.linear import lin4, lin_f32
 from v41_jax.model.numerics import Numerics, exact_div, top_k
+from v41_jax.quant import held
 
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
@@ -83,7 +85,8 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     w = jnp.take_along_axis(w, order, axis=-1)
 
     def one_token(xt, e, wt):  # [D], expert id, routing weight -> [D]
-        return swiglu_ffn(xt[None], w1[e], w3[e], w2[e], numerics, swiglu_limit, wt)[0]
+        return swiglu_ffn(xt[None], held(w1[e]), held(w3[e]), held(w2[e]), numerics, swiglu_limit,
+                          wt)[0]
 
     return add_slots(jnp.stack([jax.vmap(one_token)(x, idx[:, j], w[:, j]) for j in range(idx.shape[-1])], 1))
 
