@@ -33,6 +33,7 @@ from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
+from v41_jax.quant import Fp4Weight  # noqa: E402
 
 REF = Numerics.reference()
 FAST = Numerics.fast()
@@ -339,7 +340,8 @@ def bench_indexer(b: Bench, cfg: dict):
 
 # ---- MoE ----------------------------------------------------------------------------------------
 
-def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False):
+def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False,
+              helds: tuple[str, ...] = ("bf16", "fp4")):
     d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     limit = cfg["swiglu_limit"]
     if b.smoke:
@@ -348,6 +350,15 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
     w1 = (jax.random.normal(kw1, (e, f, d), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
     w3 = (jax.random.normal(kw3, (e, f, d), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
     w2 = (jax.random.normal(kw2, (e, d, f), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
+
+    def fp4(key, shape):
+        """Held as published: uniform E2M1 codes (rms 2.93) under E8M0 2^-7 (rms ~0.023)."""
+        return Fp4Weight(jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint8),
+                         jnp.full((*shape[:-1], shape[-1] // 32), 120, jnp.uint8))
+
+    weights = {"bf16": (w1, w3, w2),
+               "fp4": (fp4(kw1, (e, f, d)), fp4(kw3, (e, f, d)), fp4(kw2, (e, d, f)))}
+    bytes_per_weight = {"bf16": 2.0, "fp4": 0.5 + 1 / 32}
 
     def inputs(key, t, layers=1):
         """`layers` independent (x, idx, wt) triples; one timed call runs them all."""
@@ -359,10 +370,10 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
                         jax.random.uniform(k3, (t, k), jnp.float32)))
         return tuple(out)
 
-    def runner(backend, impl=None, **kw):
+    def runner(backend, impl=None, held="bf16", **kw):
         jitted = jax.jit(lambda ins, w1_, w3_, w2_: tuple(kmoe.routed_experts(
             x, idx, wt, w1_, w3_, w2_, FAST, limit, backend=backend, impl=impl, **kw) for x, idx, wt in ins))
-        return lambda ins: jitted(ins, w1, w3, w2)
+        return lambda ins: jitted(ins, *weights[held])
 
     def shape_case(t, sweep=None, others=True):
         # one layer per call: the layers would share the weights here, and XLA merges dots with a
@@ -371,22 +382,27 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         ins = inputs(jax.random.key(t), t)
         active = int(jnp.sum(jnp.bincount(ins[0][1].reshape(-1), length=e) > 0))
         flops = 6.0 * t * k * d * f
-        wbytes = active * 3 * d * f * 2
-        meta = dict(kernel="moe", tokens=t, experts=e, topk=k, active_experts=float(active),
-                    weight_bytes=wbytes)
-        case = lambda name, fn, variant: b.case(f"moe/T{t}/{name}", fn, (ins,), layers=1,
-                                                flops=flops, bytes_=wbytes, variant=variant, **meta)
+        wbytes = {h: active * 3 * d * f * n for h, n in bytes_per_weight.items()}
+
+        def case(name, fn, variant, held="bf16"):
+            return b.case(f"moe/T{t}/{name}", fn, (ins,), layers=1, flops=flops, bytes_=wbytes[held],
+                          variant=variant, kernel="moe", tokens=t, experts=e, topk=k,
+                          active_experts=float(active), weight_bytes=wbytes[held], experts_held=held)
+
         times = {}
         for label, kw in (sweep or [("auto", {})]):
-            kw = dict(kw)
-            times[label] = case(f"pallas[{label}]", runner("pallas", kw.pop("impl", None), **kw), f"pallas {label}")
+            for held in helds:
+                kw_ = dict(kw)
+                tag = label if held == "bf16" else f"{held}-{label}"     # bf16 names as in earlier runs
+                times[tag] = case(f"pallas[{tag}]", runner("pallas", kw_.pop("impl", None), held, **kw_),
+                                  f"pallas {tag}", held)
         if not others:
             return times
         tr = case("ragged_dot", runner("pallas", "ragged_dot"), "ragged_dot")
         td = case("dense", runner("pallas", "dense"), "dense all-experts") if t <= (64 if b.smoke else 2048) else None
         if t <= 8:
             case("xla-reference", runner("xla"), "xla reference loop")
-        ok = {k_: v for k_, v in times.items() if v}
+        ok = {k_: v for k_, v in times.items() if v and not k_.startswith("fp4")}   # vs bf16 XLA paths
         if ok:
             for other, name in ((tr, "ragged_dot"), (td, "dense")):
                 if other:
@@ -435,6 +451,10 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         got, want = runner("pallas", "gemv")(((x, idx, wt),))[0], runner("xla")(((x, idx, wt),))[0]
         b.results["moe_gemv_check"] = {"tokens": 1, "max_abs_diff_vs_reference": float(jnp.max(jnp.abs(got - want))),
                                        "max_abs_out": float(jnp.max(jnp.abs(want)))}
+        got = runner("pallas", "gemv", "fp4")(((x, idx, wt),))[0]
+        want = runner("xla", held="fp4")(((x, idx, wt),))[0]
+        b.results["moe_gemv_fp4_check"] = {"tokens": 1, "max_abs_diff_vs_reference": float(jnp.max(jnp.abs(got - want))),
+                                           "max_abs_out": float(jnp.max(jnp.abs(want)))}
         b.save()
         if decode_only:
             return
@@ -449,6 +469,10 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
     want = runner("pallas", "ragged_dot")(ins)[0]
     b.results["moe_check"] = {"tokens": 64, "max_abs_diff_vs_ragged_dot": float(jnp.max(jnp.abs(got - want))),
                               "max_abs_out": float(jnp.max(jnp.abs(want)))}
+    got = runner("pallas", "pallas", "fp4")(ins)[0]
+    want = runner("pallas", "ragged_dot", "fp4")(ins)[0]
+    b.results["moe_fp4_check"] = {"tokens": 64, "max_abs_diff_vs_ragged_dot": float(jnp.max(jnp.abs(got - want))),
+                                  "max_abs_out": float(jnp.max(jnp.abs(want)))}
     b.save()
 
 

@@ -79,7 +79,9 @@ from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format  # noqa: E402
-from v41_jax.checkpoint.load import ENGRAM_KEY, HELD_DTYPES, EngramTables, nest, param_units  # noqa: E402
+from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables, held_as,  # noqa: E402
+                                     nest, param_units)
+from v41_jax.quant import Fp4Weight  # noqa: E402
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
@@ -98,17 +100,18 @@ GiB = float(1 << 30)
 class LeafSpec:
     path: str                  # dotted params path (`nest` turns it into the pytree)
     shape: tuple[int, ...]
-    held: str                  # "bf16" | "f32"
+    held: str                  # "bf16" | "f32" | "fp4" (`load.held_as`)
     offset: float              # value = offset + scale * N(0, 1), as the writer draws it
     scale: float
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * jnp.dtype(HELD_DTYPES[self.held]).itemsize
+        n = int(np.prod(self.shape))
+        return n // 2 + n // 32 if self.held == "fp4" else n * jnp.dtype(HELD_DTYPES[self.held]).itemsize
 
 
-def param_leaf_specs(cfg: ModelConfig) -> dict[str, LeafSpec]:
-    """Every params leaf `load_params` would produce for `cfg`: path -> LeafSpec."""
+def param_leaf_specs(cfg: ModelConfig, experts: str = "fp4") -> dict[str, LeafSpec]:
+    """Every params leaf `load_params(..., experts=experts)` would produce for `cfg`: path -> LeafSpec."""
     schema = checkpoint_schema(cfg)
     out = {}
     for path, unit in param_units(schema).items():
@@ -116,12 +119,18 @@ def param_leaf_specs(cfg: ModelConfig) -> dict[str, LeafSpec]:
         shape = tuple(logical_shape(spec))               # the dequantized [out, in]
         offset, scale = init_affine(unit.names[0], shape)
         full = ((len(unit.names),) if unit.stacked else ()) + shape
-        out[path] = LeafSpec(path, full, spec.held, offset, scale)
+        out[path] = LeafSpec(path, full, held_as(spec, unit, experts), offset, scale)
     return out
 
 
 @partial(jax.jit, static_argnums=(1, 2))
 def _draw(key, shape, held, offset, scale):
+    if held == "fp4":
+        # uniform codes (E2M1 magnitudes have an rms of 2.93) under one E8M0 scale that gives
+        # the writer's rms `scale`
+        code = jnp.clip(jnp.round(127 + jnp.log2(scale / 2.93)), 1, 254).astype(jnp.uint8)
+        codes = jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint8)
+        return Fp4Weight(codes, jnp.full((*shape[:-1], shape[-1] // 32), code, jnp.uint8))
     dt = HELD_DTYPES[held]
     return (jax.random.normal(key, shape, dt) * scale.astype(dt) + offset.astype(dt)).astype(dt)
 
@@ -332,6 +341,8 @@ def parse_args(argv=None):
     ap.add_argument("--page-tokens", type=int, default=256)
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
     ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
+    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="fp4",
+                    help="routed experts held as published (fp4) or dequantized (bf16), as load_params")
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (0: 4096 on GPU, 64 elsewhere)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="print the estimates and stop")
@@ -398,7 +409,7 @@ def main(argv=None) -> int:
     settings = EngineSettings(page_tokens=page, num_pages=1 + max(batches, default=0) * pages_decode + pages_prefill,
                               slots=max(batches + [1]), max_context=max_context, kv_format=fmt, index_format=fmt)
     geom = CacheGeometry.build(cfg, settings)
-    specs = param_leaf_specs(cfg)
+    specs = param_leaf_specs(cfg, args.experts)
 
     # ---- estimates first ----------------------------------------------------------------------
     p_bytes = sum(s.nbytes for s in specs.values())
@@ -421,7 +432,7 @@ def main(argv=None) -> int:
     meta = {"config": args.config, "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
             "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": sys.version.split()[0],
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-            "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(),
+            "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(), "experts_held": args.experts,
             "args": vars(args), "estimates": est,
             "geometry": {"page_tokens": page, "num_pages": settings.num_pages, "slots": settings.slots,
                          "max_context": max_context, "kv_format": fmt, "index_format": fmt,

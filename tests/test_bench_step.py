@@ -21,10 +21,11 @@ def _layout(tree):
     return jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
 
 
-def test_random_params_have_the_loaders_layout(tmp_path):
+@pytest.mark.parametrize("experts", ["fp4", "bf16"])
+def test_random_params_have_the_loaders_layout(tmp_path, experts):
     make_checkpoint(TINY, str(tmp_path), seed=0)
-    cfg, loaded = load_params(tmp_path, progress=False)
-    made = bs.random_params(cfg, seed=0)
+    cfg, loaded = load_params(tmp_path, progress=False, experts=experts)
+    made = bs.random_params(cfg, seed=0, specs=bs.param_leaf_specs(cfg, experts))
     made_tables, tables = made.pop(ENGRAM_KEY), loaded.pop(ENGRAM_KEY)   # static nodes: by source
     assert jax.tree_util.tree_structure(_layout(made)) == jax.tree_util.tree_structure(_layout(loaded))
     assert _layout(made) == _layout(loaded)
@@ -34,8 +35,12 @@ def test_random_params_have_the_loaders_layout(tmp_path):
                           (made_tables.scale[layer], tables.scale[layer])):
             assert got.shape == want.shape and got.dtype == want.dtype
         assert np.isfinite(made_tables.weight[layer].astype(np.float32)).all()
-    leaves = [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(made)]
-    assert all(np.isfinite(x).all() and x.std() > 0 for x in leaves if x.size > 1)
+    leaves = [x for x in jax.tree_util.tree_leaves(made) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+    assert all(np.isfinite(x).all() and x.std() > 0 for x in (np.asarray(v, np.float32) for v in leaves) if x.size > 1)
+    if experts == "fp4":   # the codes vary; the scale gives the writer's rms
+        w2 = made["layers"][0]["ffn"]["experts"]["w2"]
+        assert np.asarray(w2.codes).std() > 0
+        assert np.std(np.asarray(w2.dequant(jax.numpy.float32))) == pytest.approx(cfg.moe_inter_dim ** -0.5, rel=0.5)
 
 
 def test_specs_take_the_writers_scales():
@@ -48,6 +53,9 @@ def test_specs_take_the_writers_scales():
     experts = specs["layers.0.ffn.experts.w2"]
     assert experts.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
     assert experts.scale == pytest.approx(cfg.moe_inter_dim ** -0.5)
+    n = int(np.prod(experts.shape))
+    assert experts.held == "fp4" and experts.nbytes == n // 2 + n // 32       # codes + E8M0 scales
+    assert bs.param_leaf_specs(cfg, "bf16")["layers.0.ffn.experts.w2"].nbytes == 2 * n
     assert specs["head.weight"].held == "f32" and specs["embed.weight"].scale == 1
 
 

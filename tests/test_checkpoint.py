@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from scripts.make_checkpoint import encode, engram_token_map, main, make_checkpoint
 from v41_jax import quant
+from v41_jax.quant import Fp4Weight
 from v41_jax.checkpoint import converted
 from v41_jax.checkpoint.load import ENGRAM_KEY, EngramTables, load_params, param_units
 from v41_jax.checkpoint.safetensors_io import (INDEX_NAME, Checkpoint, CheckpointError, write_checkpoint,
@@ -89,9 +90,16 @@ def test_official_schema_and_load(name):
     nib = np.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
     table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     scale = ckpt.get(f"layers.1.ffn.experts.{e}.w2.scale").astype(np.float32).repeat(32, 1)
-    w2 = params["layers"][1]["ffn"]["experts"]["w2"]
-    assert w2.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
-    assert np.array_equal(f32(w2[e]), table[nib] * scale)
+    w2 = params["layers"][1]["ffn"]["experts"]["w2"]            # held as published (default)
+    assert isinstance(w2, Fp4Weight) and w2.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
+    assert np.array_equal(np.asarray(w2.codes[e]), packed)
+    assert np.array_equal(np.asarray(w2.scale[e]), u8(ckpt.get(f"layers.1.ffn.experts.{e}.w2.scale")).reshape(w2.scale.shape[1:]))
+    assert np.array_equal(f32(w2[e].dequant()), table[nib] * scale)
+    _, as_bf16 = load_params(d, progress=False, experts="bf16")
+    w2 = as_bf16["layers"][1]["ffn"]["experts"]["w2"]
+    assert w2.dtype == jnp.bfloat16 and np.array_equal(f32(w2[e]), table[nib] * scale)
+    with pytest.raises(ValueError, match="experts: 'fp8'"):
+        load_params(d, progress=False, experts="fp8")
     # fp32-held tensors are the file's bf16 values, widened
     assert params["head"]["weight"].dtype == jnp.float32
     assert np.array_equal(f32(params["head"]["weight"]), ckpt.get("head.weight").astype(np.float32))
@@ -184,7 +192,7 @@ def test_dequant_within_format_rounding(tiny):
         leaf = params
         for key in path.split("."):
             leaf = leaf[int(key)] if isinstance(leaf, list) else leaf[key]
-        got = f32(leaf)
+        got = f32(quant.held(leaf))           # FP4 experts: their exact bf16 decode
         w = np.stack([weights[n] for n in unit.names]) if unit.stacked else weights[unit.names[0]]
         assert got.shape == w.shape, path
         err = np.abs(got - w)
@@ -267,6 +275,8 @@ def test_orbax_cache_roundtrip_bit_exact(tiny, tmp_path, monkeypatch):
     # another config (same files) does not hit the cache
     with pytest.raises(AssertionError, match="must not convert"):
         converted.load_params_cached(out, cache, cfg.replace(max_seq_len=cfg.max_seq_len * 2), progress=False)
+    with pytest.raises(AssertionError, match="must not convert"):                 # nor another expert format
+        converted.load_params_cached(out, cache, progress=False, experts="bf16")
 
 
 # ---- malformed checkpoints ---------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """Orbax cache of converted params, so a second start skips reading and dequantizing the shards.
 
-    cfg, params = load_params_cached(ckpt_dir, cache_dir)
+    cfg, params = load_params_cached(ckpt_dir, cache_dir, experts="fp4")
 
 The first call runs `load_params` and saves the device params (everything but the host Engram
 tables) with orbax into `cache_dir/params`, next to `cache_dir/source.json`, which records a
 fingerprint of the source checkpoint (config.json, the index and every shard's size and header)
-and the config used. A later call whose fingerprint matches restores the params bit-exactly and
+and the config and expert format used. A later call whose fingerprint matches restores the params bit-exactly and
 re-attaches the Engram tables as memmaps of the source shards; a mismatch reconverts.
 """
 
@@ -19,6 +19,7 @@ import shutil
 import orbax.checkpoint as ocp
 
 from ..config import ModelConfig
+from ..quant import Fp4Weight
 from .load import ENGRAM_KEY, EngramTables, load_params
 from .safetensors_io import INDEX_NAME, Checkpoint
 
@@ -26,12 +27,12 @@ _SOURCE = "source.json"
 _PARAMS = "params"
 
 
-def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig) -> str:
-    """sha256 over the config used, config.json, the index and each shard's name, size and header
+def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str = "fp4") -> str:
+    """sha256 over the config and expert format used, config.json, the index and each shard's name, size and header
     bytes: it changes whenever a tensor's name, dtype, shape or placement does, or the config does.
     Tensor bytes are not read (a shard rewritten in place with equal headers is not detected)."""
     ckpt_dir = os.fspath(ckpt_dir)
-    h = hashlib.sha256(repr(cfg).encode())
+    h = hashlib.sha256(repr(cfg).encode() + b"\0experts=" + experts.encode())
     for fname in ("config.json", INDEX_NAME):
         path = os.path.join(ckpt_dir, fname)
         if os.path.exists(path):
@@ -61,7 +62,18 @@ def save_converted(cache_dir: str | os.PathLike, params: dict, source: str) -> N
 def restore_converted(cache_dir: str | os.PathLike) -> dict:
     """The saved device params, as saved (structure, dtypes and values), without Engram tables."""
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(os.path.join(os.path.abspath(os.fspath(cache_dir)), _PARAMS))
+        return _rewrap(ckptr.restore(os.path.join(os.path.abspath(os.fspath(cache_dir)), _PARAMS)))
+
+
+def _rewrap(node):
+    """Orbax restores a pytree dataclass as the dict of its fields: give FP4 experts their type back."""
+    if isinstance(node, dict):
+        if set(node) == {"codes", "scale"}:
+            return Fp4Weight(node["codes"], node["scale"])
+        return {k: _rewrap(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rewrap(v) for v in node]
+    return node
 
 
 def cached_fingerprint(cache_dir: str | os.PathLike) -> str | None:
@@ -73,14 +85,15 @@ def cached_fingerprint(cache_dir: str | os.PathLike) -> str | None:
 
 
 def load_params_cached(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike,
-                       cfg: ModelConfig | None = None, *, progress: bool = True) -> tuple[ModelConfig, dict]:
+                       cfg: ModelConfig | None = None, *, progress: bool = True,
+                       experts: str = "fp4") -> tuple[ModelConfig, dict]:
     """`load_params`, served from the orbax cache when it was made from this same checkpoint."""
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
         cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))
-    source = fingerprint(ckpt_dir, cfg)
+    source = fingerprint(ckpt_dir, cfg, experts)
     if cached_fingerprint(cache_dir) != source:
-        cfg, params = load_params(ckpt_dir, cfg, progress=progress)
+        cfg, params = load_params(ckpt_dir, cfg, progress=progress, experts=experts)
         save_converted(cache_dir, params, source)
         return cfg, params
     params = restore_converted(cache_dir)

@@ -1,6 +1,6 @@
 """Published checkpoint -> params pytree (DESIGN.md, "Checkpoint -> params").
 
-`load_params(ckpt_dir, cfg=None) -> (cfg, params)`:
+`load_params(ckpt_dir, cfg=None, experts="fp4") -> (cfg, params)`:
 
   * config from `ckpt_dir/config.json` (ModelConfig.from_file) unless given, then `validate(cfg)`;
   * every tensor checked against `checkpoint_schema(cfg)` before any data is read;
@@ -10,10 +10,15 @@
       params["layers"][i]["attn"]["wq_a"]["weight"]      bf16 [Q, D]   (FP8 blocks dequantized)
       params["layers"][i]["hc_attn_fn"]                  f32  [24, 4D]
       params["layers"][i]["ffn"]["gate"]["bias"]         f32  [E]
-      params["layers"][i]["ffn"]["experts"]              {"w1": bf16 [E, F, D], "w3": [E, F, D], "w2": [E, D, F]}
+      params["layers"][i]["ffn"]["experts"]              {"w1": [E, F, D], "w3": [E, F, D], "w2": [E, D, F]}
+                                                         as `quant.Fp4Weight`s (experts="fp4") or bf16
       params["mtp"][m]["markov_head"]["head"]["weight"]  f32  [V, R]
     A quantized weight's `.scale` is consumed by its dequantization and has no leaf. Routed experts
     are stacked along a new leading axis (`.weight` dropped), as DESIGN.md specifies.
+  * routed experts, experts="fp4" (default): held as published, E2M1 codes + E8M0 scales stacked
+    in an `Fp4Weight` (0.53 bytes a weight; the released model's experts do not fit one 8-GPU
+    node in bf16). The MoE kernels decode them in registers, the reference loop per pick: both
+    see the exact bf16 values experts="bf16" holds, so the two give identical outputs.
   * dtypes: every dequantized weight and every BF16 tensor is bf16 (exact: e4m3 / e2m1 times a
     power of two fits in bf16), except the tensors the reference holds in fp32 (`head`,
     `markov_head.head`, ratio > 1 `compressor.wkv/wgate`, `confidence_head.proj`), which are fp32;
@@ -45,6 +50,7 @@ from .schema import TensorSpec, validate_checkpoint
 
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
 HELD_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # a params leaf's dtype by TensorSpec.held
+EXPERT_HOLDS = ("fp4", "bf16")
 ENGRAM_KEY = "engram_tables"
 
 
@@ -102,13 +108,24 @@ def param_units(schema: Mapping[str, TensorSpec]) -> dict[str, Unit]:
     return {k: Unit(tuple(n for _, n in sorted(v)), k in stacked) for k, v in units.items()}
 
 
-def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec) -> jax.Array:
-    """Read (and stack) the stored tensors of one unit, dequantize, cast to `spec.held`."""
+def held_as(spec: TensorSpec, unit: Unit, experts: str) -> str:
+    """A leaf's held format: "fp4" for the FP4 routed experts when they are kept as published,
+    else the schema's `spec.held` ("bf16" | "f32")."""
+    if experts not in EXPERT_HOLDS:
+        raise ValueError(f"experts: {experts!r} is not one of {EXPERT_HOLDS}")
+    return "fp4" if experts == "fp4" and unit.stacked and spec.dtype == "I8" else spec.held
+
+
+def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
+    """Read (and stack) the stored tensors of one unit; keep FP4 experts packed or dequantize and
+    cast to `spec.held`."""
     def read(names) -> np.ndarray:
         return np.stack([ckpt.get(n) for n in names]) if unit.stacked else ckpt.get(names[0])
 
     w = read(unit.names)
     scales = [n.removesuffix(".weight") + ".scale" for n in unit.names]
+    if held_as(spec, unit, experts) == "fp4":
+        return quant.Fp4Weight(quant.as_u8(w), quant.as_u8(read(scales)))
     if spec.dtype == "F8_E4M3":
         out = quant.dequant_fp8_blocks(w, read(scales))
     elif spec.dtype == "I8":
@@ -140,15 +157,17 @@ def nest(flat: Mapping[str, Any]) -> dict:
 
 
 def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
-                progress: bool = True) -> tuple[ModelConfig, dict]:
+                progress: bool = True, experts: str = "fp4") -> tuple[ModelConfig, dict]:
     """Read, check and convert a published checkpoint; see the module docstring for the layout."""
+    if experts not in EXPERT_HOLDS:
+        raise ValueError(f"experts: {experts!r} is not one of {EXPERT_HOLDS}")
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
         cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))
     validate(cfg)
     ckpt = Checkpoint(ckpt_dir)
     _, schema = validate_checkpoint(ckpt, cfg)
-    flat = {path: _convert(ckpt, unit, schema[unit.names[0]])
+    flat = {path: _convert(ckpt, unit, schema[unit.names[0]], experts)
             for path, unit in tqdm(param_units(schema).items(), desc="checkpoint", unit="param",
                                     disable=not progress)}
     params = nest(flat)
