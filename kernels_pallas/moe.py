@@ -45,7 +45,7 @@ from kernels_pallas import backend as _backend
 from kernels_pallas._compat import compiler_params, load, store
 from v41_jax.model import moe as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
-from v41_jax.quant import Fp4Weight, fp8_act_qdq, held
+from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp8_act_qdq, held
 
 IMPLS = ("pallas", "gemv", "ragged_dot", "dense")
 _K_BLOCK = 32  # A8 fake-quant group
@@ -102,7 +102,7 @@ def combine(y_sorted: jax.Array, order: jax.Array, t: int, k: int) -> jax.Array:
     return ref.add_slots(y_sorted[inv].reshape(t, k, -1))
 
 
-# ---- expert weight tiles: bf16 as held, or FP4 dequantized in registers --------------------------
+# ---- expert weight tiles: as held (bf16, FP8 rows, FP4), decoded in registers --------------------
 
 def _fp4_halves(codes, scale):
     """Packed E2M1 codes uint8 [BN, BK/2], E8M0 codes uint8 [BN, BK/32] -> fp32 (even, odd) inputs,
@@ -114,8 +114,11 @@ def _fp4_halves(codes, scale):
     bn, g = scale.shape
     s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
     s = jnp.broadcast_to(s[:, :, None], (bn, g, 16)).reshape(bn, g * 16)   # a byte holds 2 of 32
-    dec = lambda b: jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float32) * s
-    return dec(lo), dec(hi)
+    return _e4m3(lo).astype(jnp.float32) * s, _e4m3(hi).astype(jnp.float32) * s
+
+
+def _e4m3(codes):
+    return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
 
 
 def _weight_halves(w_ref, e, rows, k0, bk):
@@ -127,29 +130,39 @@ def _weight_halves(w_ref, e, rows, k0, bk):
 
 def _weight_tile(w_ref, e, rows, k0, bk, dtype):
     """Expert e's weight rows `rows` (BN), inputs [k0, k0 + BK) -> [BN, BK] in `dtype` for the MMA:
-    a held bf16 / fp32 ref as is, an `Fp4Weight` of refs decoded and interleaved back in place."""
+    a held bf16 / fp32 ref as is; FP8 rows as their E4M3 values (the row scale comes after the
+    GEMM, `_row_scale`); FP4 decoded and its even and odd inputs interleaved back in place."""
+    ks = pl.ds(pl.multiple_of(k0, bk), bk)
+    if isinstance(w_ref, Fp8RowWeight):
+        return _e4m3(w_ref.codes[e, rows, ks]).astype(dtype)
     if not isinstance(w_ref, Fp4Weight):
-        return w_ref[e, rows, pl.ds(pl.multiple_of(k0, bk), bk)].astype(dtype)
+        return w_ref[e, rows, ks].astype(dtype)
     even, odd = _weight_halves(w_ref, e, rows, k0, bk)
     bn = even.shape[0]
     return jnp.stack([even, odd], axis=-1).reshape(bn, bk).astype(dtype)
 
 
+def _row_scale(w_ref, e, rows, out):
+    """A GEMM's fp32 output columns [..., BN] for weight rows `rows`, times their FP8 row scales
+    (exact: powers of two); other formats are already scaled."""
+    return out * w_ref.row_scale[e, rows] if isinstance(w_ref, Fp8RowWeight) else out
+
+
 def _gemv_block(w_ref, e, rows, k0, bk, v_ref, r):
-    """Σ over inputs [k0, k0 + BK) of expert e's weight rows `rows` times row r of v -> fp32 [BN],
-    as elementwise products (no MMA for one row). FP4 weights are summed as their even and odd
-    halves against v's even and odd lanes: no interleave needed for a plain sum."""
+    """Σ over inputs [k0, k0 + BK) of expert e's weight rows `rows` times row r of v -> fp32 [BN]
+    (before `_row_scale`), as elementwise products (no MMA for one row). FP4 weights are summed as
+    their even and odd halves against v's even and odd lanes: no interleave for a plain sum."""
     if not isinstance(w_ref, Fp4Weight):
+        w = _weight_tile(w_ref, e, rows, k0, bk, jnp.float32)
         ks = pl.ds(pl.multiple_of(k0, bk), bk)
-        return jnp.sum(w_ref[e, rows, ks].astype(jnp.float32) * v_ref[r, ks].astype(jnp.float32)[None, :],
-                       axis=1)
+        return jnp.sum(w * v_ref[r, ks].astype(jnp.float32)[None, :], axis=1)
     even, odd = _weight_halves(w_ref, e, rows, k0, bk)
     lanes = lambda first: v_ref[r, pl.ds(first, bk // 2, stride=2)].astype(jnp.float32)[None, :]
     return jnp.sum(even * lanes(k0) + odd * lanes(k0 + 1), axis=1)
 
 
 def _specs(w):
-    """Whole-array block specs for a weight: one for a held array, a pair for an `Fp4Weight`."""
+    """Whole-array block specs for a weight: one for a bf16 array, one per part of a held format."""
     return jax.tree.map(lambda a: _full(a.shape), w)
 
 
@@ -184,6 +197,7 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
 
         zero = jnp.zeros((bm, bn), jnp.float32)
         acc_g, acc_u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
+        acc_g, acc_u = _row_scale(w1_ref, e, wcols, acc_g), _row_scale(w3_ref, e, wcols, acc_u)
         wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
         a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
         store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
@@ -211,6 +225,7 @@ def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm
             return acc + _dot_t(at, _weight_tile(w2_ref, e, wcols, k0, bk, a_ref.dtype), a_ref.dtype)
 
         acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        acc = _row_scale(w2_ref, e, wcols, acc)
         spare = pair_ref.shape[0] + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
         dst = jnp.where(live, load(pair_ref.at[safe], mask=live, other=0), spare)
         store(y_ref.at[dst[:, None], cols[None, :]], numerics.act(acc).astype(y_ref.dtype),
@@ -281,6 +296,7 @@ def _gemv_gate_up_kernel(pe_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *, k, bn,
 
     zero = jnp.zeros((bn,), jnp.float32)
     g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
+    g, u = _row_scale(w1_ref, e, rows, g), _row_scale(w3_ref, e, rows, u)
     wt = jnp.full((1,), pw_ref[p], jnp.float32)
     a_ref[p, rows] = _swiglu_epilogue(g[None, :], u[None, :], wt, numerics, limit)[0].astype(a_ref.dtype)
 
@@ -293,7 +309,8 @@ def _gemv_down_kernel(pe_ref, a_ref, w2_ref, y_ref, *, bn, bk, numerics):
     def body(kb, acc):
         return acc + _gemv_block(w2_ref, e, rows, kb * bk, bk, a_ref, p)
 
-    acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bn,), jnp.float32))
+    acc = _row_scale(w2_ref, e, rows, jax.lax.fori_loop(0, a_ref.shape[1] // bk, body,
+                                                        jnp.zeros((bn,), jnp.float32)))
     y_ref[p, rows] = numerics.act(acc).astype(y_ref.dtype)
 
 

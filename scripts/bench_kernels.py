@@ -33,7 +33,7 @@ from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
-from v41_jax.quant import Fp4Weight  # noqa: E402
+from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
 
 REF = Numerics.reference()
 FAST = Numerics.fast()
@@ -341,7 +341,7 @@ def bench_indexer(b: Bench, cfg: dict):
 # ---- MoE ----------------------------------------------------------------------------------------
 
 def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False,
-              helds: tuple[str, ...] = ("bf16", "fp4")):
+              helds: tuple[str, ...] = ("bf16", "fp8", "fp4")):
     d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     limit = cfg["swiglu_limit"]
     if b.smoke:
@@ -356,9 +356,10 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         return Fp4Weight(jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint8),
                          jnp.full((*shape[:-1], shape[-1] // 32), 120, jnp.uint8))
 
-    weights = {"bf16": (w1, w3, w2),
-               "fp4": (fp4(kw1, (e, f, d)), fp4(kw3, (e, f, d)), fp4(kw2, (e, d, f)))}
-    bytes_per_weight = {"bf16": 2.0, "fp4": 0.5 + 1 / 32}
+    packed = (fp4(kw1, (e, f, d)), fp4(kw3, (e, f, d)), fp4(kw2, (e, d, f)))
+    weights = {"bf16": (w1, w3, w2), "fp4": packed,
+               "fp8": tuple(Fp8RowWeight.from_fp4(w) for w in packed)}
+    bytes_per_weight = {"bf16": 2.0, "fp4": 0.5 + 1 / 32, "fp8": 1.0}
 
     def inputs(key, t, layers=1):
         """`layers` independent (x, idx, wt) triples; one timed call runs them all."""
@@ -402,7 +403,7 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         td = case("dense", runner("pallas", "dense"), "dense all-experts") if t <= (64 if b.smoke else 2048) else None
         if t <= 8:
             case("xla-reference", runner("xla"), "xla reference loop")
-        ok = {k_: v for k_, v in times.items() if v and not k_.startswith("fp4")}   # vs bf16 XLA paths
+        ok = {k_: v for k_, v in times.items() if v and not k_.startswith("fp")}   # vs the bf16 XLA paths
         if ok:
             for other, name in ((tr, "ragged_dot"), (td, "dense")):
                 if other:
@@ -451,10 +452,11 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         got, want = runner("pallas", "gemv")(((x, idx, wt),))[0], runner("xla")(((x, idx, wt),))[0]
         b.results["moe_gemv_check"] = {"tokens": 1, "max_abs_diff_vs_reference": float(jnp.max(jnp.abs(got - want))),
                                        "max_abs_out": float(jnp.max(jnp.abs(want)))}
-        got = runner("pallas", "gemv", "fp4")(((x, idx, wt),))[0]
-        want = runner("xla", held="fp4")(((x, idx, wt),))[0]
-        b.results["moe_gemv_fp4_check"] = {"tokens": 1, "max_abs_diff_vs_reference": float(jnp.max(jnp.abs(got - want))),
-                                           "max_abs_out": float(jnp.max(jnp.abs(want)))}
+        for held in ("fp8", "fp4"):
+            got = runner("pallas", "gemv", held)(((x, idx, wt),))[0]
+            want = runner("xla", held=held)(((x, idx, wt),))[0]
+            b.results[f"moe_gemv_{held}_check"] = {"tokens": 1, "max_abs_diff_vs_reference": float(jnp.max(jnp.abs(got - want))),
+                                                   "max_abs_out": float(jnp.max(jnp.abs(want)))}
         b.save()
         if decode_only:
             return
@@ -469,10 +471,11 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
     want = runner("pallas", "ragged_dot")(ins)[0]
     b.results["moe_check"] = {"tokens": 64, "max_abs_diff_vs_ragged_dot": float(jnp.max(jnp.abs(got - want))),
                               "max_abs_out": float(jnp.max(jnp.abs(want)))}
-    got = runner("pallas", "pallas", "fp4")(ins)[0]
-    want = runner("pallas", "ragged_dot", "fp4")(ins)[0]
-    b.results["moe_fp4_check"] = {"tokens": 64, "max_abs_diff_vs_ragged_dot": float(jnp.max(jnp.abs(got - want))),
-                                  "max_abs_out": float(jnp.max(jnp.abs(want)))}
+    for held in ("fp8", "fp4"):
+        got = runner("pallas", "pallas", held)(ins)[0]
+        want = runner("pallas", "ragged_dot", held)(ins)[0]
+        b.results[f"moe_{held}_check"] = {"tokens": 64, "max_abs_diff_vs_ragged_dot": float(jnp.max(jnp.abs(got - want))),
+                                          "max_abs_out": float(jnp.max(jnp.abs(want)))}
     b.save()
 
 

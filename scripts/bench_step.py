@@ -81,7 +81,7 @@ from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format  # noqa: E402
 from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables, held_as,  # noqa: E402
                                      nest, param_units)
-from v41_jax.quant import Fp4Weight  # noqa: E402
+from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
@@ -100,14 +100,18 @@ GiB = float(1 << 30)
 class LeafSpec:
     path: str                  # dotted params path (`nest` turns it into the pytree)
     shape: tuple[int, ...]
-    held: str                  # "bf16" | "f32" | "fp4" (`load.held_as`)
+    held: str                  # "bf16" | "f32" | "fp4" | "fp8" (`load.held_as`)
     offset: float              # value = offset + scale * N(0, 1), as the writer draws it
     scale: float
 
     @property
     def nbytes(self) -> int:
         n = int(np.prod(self.shape))
-        return n // 2 + n // 32 if self.held == "fp4" else n * jnp.dtype(HELD_DTYPES[self.held]).itemsize
+        if self.held == "fp4":
+            return n // 2 + n // 32                                   # codes + E8M0 per 32
+        if self.held == "fp8":
+            return n + 4 * n // self.shape[-1]                        # codes + fp32 per row
+        return n * jnp.dtype(HELD_DTYPES[self.held]).itemsize
 
 
 def param_leaf_specs(cfg: ModelConfig, experts: str = "fp4") -> dict[str, LeafSpec]:
@@ -131,6 +135,11 @@ def _draw(key, shape, held, offset, scale):
         code = jnp.clip(jnp.round(127 + jnp.log2(scale / 2.93)), 1, 254).astype(jnp.uint8)
         codes = jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint8)
         return Fp4Weight(codes, jnp.full((*shape[:-1], shape[-1] // 32), code, jnp.uint8))
+    if held == "fp8":
+        # uniform E4M3 codes but the NaNs (|x| up to 240, rms ~60) under one power of two per row
+        codes = jax.random.bits(key, shape, jnp.uint8) & 0xF7
+        row = jnp.exp2(jnp.round(jnp.log2(scale / 60.0))).astype(jnp.float32)
+        return Fp8RowWeight(codes, jnp.full(shape[:-1], row, jnp.float32))
     dt = HELD_DTYPES[held]
     return (jax.random.normal(key, shape, dt) * scale.astype(dt) + offset.astype(dt)).astype(dt)
 

@@ -21,7 +21,7 @@ def _layout(tree):
     return jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
 
 
-@pytest.mark.parametrize("experts", ["fp4", "bf16"])
+@pytest.mark.parametrize("experts", ["fp4", "fp8", "bf16"])
 def test_random_params_have_the_loaders_layout(tmp_path, experts):
     make_checkpoint(TINY, str(tmp_path), seed=0)
     cfg, loaded = load_params(tmp_path, progress=False, experts=experts)
@@ -35,9 +35,10 @@ def test_random_params_have_the_loaders_layout(tmp_path, experts):
                           (made_tables.scale[layer], tables.scale[layer])):
             assert got.shape == want.shape and got.dtype == want.dtype
         assert np.isfinite(made_tables.weight[layer].astype(np.float32)).all()
-    leaves = [x for x in jax.tree_util.tree_leaves(made) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+    leaves = [x for path, x in jax.tree_util.tree_leaves_with_path(made)     # FP8 row scales: one value
+              if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and "row_scale" not in jax.tree_util.keystr(path)]
     assert all(np.isfinite(x).all() and x.std() > 0 for x in (np.asarray(v, np.float32) for v in leaves) if x.size > 1)
-    if experts == "fp4":   # the codes vary; the scale gives the writer's rms
+    if experts != "bf16":   # the codes vary; the scales give the writer's rms
         w2 = made["layers"][0]["ffn"]["experts"]["w2"]
         assert np.asarray(w2.codes).std() > 0
         assert np.std(np.asarray(w2.dequant(jax.numpy.float32))) == pytest.approx(cfg.moe_inter_dim ** -0.5, rel=0.5)
@@ -56,6 +57,7 @@ def test_specs_take_the_writers_scales():
     n = int(np.prod(experts.shape))
     assert experts.held == "fp4" and experts.nbytes == n // 2 + n // 32       # codes + E8M0 scales
     assert bs.param_leaf_specs(cfg, "bf16")["layers.0.ffn.experts.w2"].nbytes == 2 * n
+    assert bs.param_leaf_specs(cfg, "fp8")["layers.0.ffn.experts.w2"].nbytes == n + 4 * n // cfg.moe_inter_dim
     assert specs["head.weight"].held == "f32" and specs["embed.weight"].scale == 1
 
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from scripts.make_checkpoint import encode, engram_token_map, main, make_checkpoint
 from v41_jax import quant
-from v41_jax.quant import Fp4Weight
+from v41_jax.quant import Fp4Weight, Fp8RowWeight
 from v41_jax.checkpoint import converted
 from v41_jax.checkpoint.load import ENGRAM_KEY, EngramTables, load_params, param_units
 from v41_jax.checkpoint.safetensors_io import (INDEX_NAME, Checkpoint, CheckpointError, write_checkpoint,
@@ -98,6 +98,10 @@ def test_official_schema_and_load(name):
     _, as_bf16 = load_params(d, progress=False, experts="bf16")
     w2 = as_bf16["layers"][1]["ffn"]["experts"]["w2"]
     assert w2.dtype == jnp.bfloat16 and np.array_equal(f32(w2[e]), table[nib] * scale)
+    _, as_fp8 = load_params(d, progress=False, experts="fp8")
+    w2 = as_fp8["layers"][1]["ffn"]["experts"]["w2"]
+    assert isinstance(w2, Fp8RowWeight) and w2.codes.dtype == jnp.uint8 and w2.codes.shape == w2.shape
+    assert np.array_equal(f32(w2[e].dequant()), table[nib] * scale)
     with pytest.raises(ValueError, match="experts: 'fp8'"):
         load_params(d, progress=False, experts="fp8")
     # fp32-held tensors are the file's bf16 values, widened

@@ -21,7 +21,7 @@ from kernels_common import assert_close, fresh_rng, load_fixture
 from kernels_pallas import moe as kmoe
 from v41_jax.model import moe as ref
 from v41_jax.model.numerics import Numerics
-from v41_jax.quant import Fp4Weight, dequant_fp4_rows, quant_weight_fp4
+from v41_jax.quant import Fp4Weight, Fp8RowWeight, dequant_fp4_rows, quant_weight_fp4
 
 FAST = Numerics.fast()
 F32 = Numerics.fp32()
@@ -46,6 +46,8 @@ def _case(rng, t=17, d=64, f=128, e=6, k=2, skew=False, dtype=jnp.bfloat16, held
     shapes = ((e, f, d), (e, f, d), (e, d, f))
     if held == "fp4":
         ws = [_fp4_experts(rng, s) for s in shapes]
+    elif held == "fp8":
+        ws = [Fp8RowWeight.from_fp4(_fp4_experts(rng, s)) for s in shapes]
     else:
         ws = [jnp.asarray(rng.standard_normal(s) * 0.15, jnp.bfloat16) for s in shapes]
     return x, jnp.asarray(idx, jnp.int32), w, *ws
@@ -71,20 +73,22 @@ def test_matches_reference(impl, numerics):
     _check(got, ref.routed_experts(*case, numerics, 1.0), seed, numerics)
 
 
+@pytest.mark.parametrize("held", ["fp4", "fp8"])
 @pytest.mark.parametrize("impl", ["pallas", "gemv"])
-def test_fp4_held_experts_match_their_dequantized_bf16(impl):
-    """Experts held as published (FP4 codes + E8M0 scales) are decoded in the kernels' registers:
-    the result equals the same kernel on the loader's bf16 dequantization (the grouped GEMM feeds
-    the MMA the identical bf16 tile, so bit for bit; the GEMV sums even and odd inputs apart, an
-    fp32 order change), and the reference loop on the held weights."""
+def test_held_experts_match_their_bf16_decode(impl, held):
+    """Experts held as published (FP4 codes + E8M0 scales) or re-coded (E4M3 + a power of two per
+    row) are decoded in the kernels' registers: the result equals the same kernel on the bf16
+    decode, bit for bit (the MMA gets the identical bf16 tile; a row scale is applied exactly after
+    the sum), except the FP4 GEMV, which sums even and odd inputs apart (an fp32 order change);
+    and the reference loop on the held weights equals it on the bf16 decode."""
     rng, seed = fresh_rng()
-    x, idx, w, *ws = _case(rng, t=9, d=128, f=64, held="fp4")
+    x, idx, w, *ws = _case(rng, t=9, d=128, f=64, held=held)
     bf = [q.dequant() for q in ws]
     got = kmoe.routed_experts(x, idx, w, *ws, FAST, 1.0, backend="pallas", impl=impl, block_n=32,
                               block_k=64)
     on_bf16 = kmoe.routed_experts(x, idx, w, *bf, FAST, 1.0, backend="pallas", impl=impl, block_n=32,
                                   block_k=64)
-    if impl == "pallas":
+    if (impl, held) != ("gemv", "fp4"):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(on_bf16), err_msg=f"seed {seed}")
     else:
         _check(got, on_bf16, seed, FAST)
@@ -103,6 +107,16 @@ def test_fp4_tile_decode_is_exact_for_every_byte_and_scale():
     np.testing.assert_array_equal(np.asarray(even), want[:, 0::2])
     np.testing.assert_array_equal(np.asarray(odd), want[:, 1::2])
     assert np.signbit(np.asarray(even)[0, 8])                                  # code 8 is -0.0
+
+
+def test_fp8_rows_refuse_what_one_row_scale_cannot_hold():
+    """A row whose nonzero groups span 2^-20 .. 2^0 does not fit E4M3 under one scale: re-coding it
+    must fail loudly, not round."""
+    w = np.full((2, 64), 0.5, np.float32)
+    w[1, :32] = 2.0 ** -20
+    codes, scale = quant_weight_fp4(jnp.asarray(w))
+    with pytest.raises(ValueError, match="experts.w1: 1 rows"):
+        Fp8RowWeight.from_fp4(Fp4Weight(codes, scale), "experts.w1")
 
 
 def test_skewed_groups_span_tiles():

@@ -20,7 +20,7 @@ from kernels_pallas.indexer import _index_scores_pallas
 from kernels_pallas.moe import _routed_gemv, _routed_pallas
 from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config
 from v41_jax.model.numerics import Numerics
-from v41_jax.quant import Fp4Weight
+from v41_jax.quant import Fp4Weight, Fp8RowWeight
 
 S = jax.ShapeDtypeStruct
 BF16, I32, F32, U8 = jnp.bfloat16, jnp.int32, jnp.float32, jnp.uint8
@@ -58,15 +58,18 @@ def test_indexer_lowers_for_rocm(with_cand):
 
 
 def _experts(held: str, e_: int, d: int, f_: int):
-    """w1, w3, w2 shape structs: bf16 as dequantized, or FP4 as published (codes + E8M0 scales)."""
+    """w1, w3, w2 shape structs: bf16 as dequantized, FP4 as published (codes + E8M0 scales), or
+    FP8 rows (E4M3 codes + an fp32 scale per row)."""
     def one(n, k):
         if held == "bf16":
             return S((e_, n, k), BF16)
+        if held == "fp8":
+            return Fp8RowWeight(S((e_, n, k), U8), S((e_, n), F32))
         return Fp4Weight(S((e_, n, k // 2), U8), S((e_, n, k // 32), U8))
     return one(f_, d), one(f_, d), one(d, f_)
 
 
-@pytest.mark.parametrize("held", ["bf16", "fp4"])
+@pytest.mark.parametrize("held", ["bf16", "fp8", "fp4"])
 @pytest.mark.parametrize("bm", [16, 128])      # decode-sized and 2K-token tiles
 def test_moe_lowers_for_rocm(bm, held):
     t, d, f_, e_, k = 64, 5120, 2304, 64, 6
@@ -76,7 +79,7 @@ def test_moe_lowers_for_rocm(bm, held):
     assert _triton_calls(e) == 2          # gate/up and down
 
 
-@pytest.mark.parametrize("held", ["bf16", "fp4"])
+@pytest.mark.parametrize("held", ["bf16", "fp8", "fp4"])
 def test_moe_gemv_lowers_for_rocm(held):
     t, d, f_, e_, k = 1, 5120, 2304, 64, 6
     fn = functools.partial(_routed_gemv, numerics=Numerics.fast(), limit=10.0, bn=32, bk=256,

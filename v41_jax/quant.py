@@ -389,6 +389,55 @@ class Fp4Weight:
         return dequant_fp4_rows(self.codes, self.scale, dtype=dtype)
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["codes", "row_scale"], meta_fields=[])
+@dataclass(frozen=True)
+class Fp8RowWeight:
+    """The same values re-coded for the kernels: E4M3 codes uint8 [..., out, in] and one fp32 power
+    of two per output row [..., out]. Half the bf16 bytes; a kernel decodes a weight with one fp8
+    conversion and scales its GEMM output columns by the row's power of two, which is exact, so it
+    computes bit for bit what it computes on the bf16 decode. `from_fp4` re-codes a published FP4
+    weight exactly (a row's nonzero 32-groups must span at most ~15 binades; checked)."""
+    codes: jax.Array
+    row_scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def __getitem__(self, i) -> "Fp8RowWeight":
+        return Fp8RowWeight(self.codes[i], self.row_scale[i])
+
+    def dequant(self, dtype=jnp.bfloat16) -> jax.Array:
+        return (e4m3_to_f32(self.codes) * self.row_scale[..., None]).astype(dtype)
+
+    @classmethod
+    def from_fp4(cls, w: Fp4Weight, what: str = "weight") -> "Fp8RowWeight":
+        """Exact re-coding, one leading index at a time (a stack of experts never needs its fp32
+        copy whole); ValueError naming `what` if some row does not fit E4M3 under one scale."""
+        lead = w.codes.shape[:-2]
+        flat = Fp4Weight(w.codes.reshape(-1, *w.codes.shape[-2:]), w.scale.reshape(-1, *w.scale.shape[-2:]))
+        codes, row_scale, bad = jax.lax.map(lambda m: _fp4_to_fp8_rows(m.codes, m.scale), flat)
+        if int(bad.sum()):
+            raise ValueError(f"{what}: {int(bad.sum())} rows of FP4 values span too many binades for "
+                             "one E4M3 scale per row; hold these experts as 'fp4' or 'bf16'")
+        return cls(codes.reshape(*lead, *codes.shape[-2:]), row_scale.reshape(*lead, -1))
+
+
+@jax.jit
+def _fp4_to_fp8_rows(codes, scale):
+    """One [out, in/2] FP4 matrix -> (E4M3 codes [out, in], row scales [out], rows not exact [])."""
+    v = dequant_fp4_rows(codes, scale, dtype=jnp.float32)                      # exact
+    live = ((unpack_fp4(codes) & 7) != 0).reshape(*scale.shape, -1).any(-1)     # groups with a nonzero
+    top = jnp.max(jnp.where(live, as_u8(scale).astype(jnp.int32), 0), axis=-1)
+    # the largest value, 6 * 2^(top-127), becomes 384 * 2^r <= 448: r = top - 133
+    r = jnp.clip(top - 133, -126, 126)
+    q = v * _pow2(-r)[:, None]
+    q8 = q.astype(jnp.float8_e4m3fn)
+    bad = jnp.sum(jnp.any(q8.astype(jnp.float32) != q, axis=-1))
+    return jax.lax.bitcast_convert_type(q8, jnp.uint8), _pow2(r), bad
+
+
 def held(w) -> jax.Array:
-    """A params weight as the GEMM takes it: an `Fp4Weight` dequantized to bf16 (exact), else as is."""
-    return w.dequant() if isinstance(w, Fp4Weight) else w
+    """A params weight as the GEMM takes it: an `Fp4Weight` / `Fp8RowWeight` decoded to bf16
+    (exact), anything else as is."""
+    return w.dequant() if isinstance(w, (Fp4Weight, Fp8RowWeight)) else w

@@ -19,7 +19,7 @@ import shutil
 import orbax.checkpoint as ocp
 
 from ..config import ModelConfig
-from ..quant import Fp4Weight
+from ..quant import Fp4Weight, Fp8RowWeight
 from .load import ENGRAM_KEY, EngramTables, load_params
 from .safetensors_io import INDEX_NAME, Checkpoint
 
@@ -66,10 +66,11 @@ def restore_converted(cache_dir: str | os.PathLike) -> dict:
 
 
 def _rewrap(node):
-    """Orbax restores a pytree dataclass as the dict of its fields: give FP4 experts their type back."""
+    """Orbax restores a pytree dataclass as the dict of its fields: give held experts their type back."""
     if isinstance(node, dict):
-        if set(node) == {"codes", "scale"}:
-            return Fp4Weight(node["codes"], node["scale"])
+        for cls in (Fp4Weight, Fp8RowWeight):
+            if set(node) == set(cls.__dataclass_fields__):
+                return cls(**node)
         return {k: _rewrap(v) for k, v in node.items()}
     if isinstance(node, list):
         return [_rewrap(v) for v in node]

@@ -15,10 +15,14 @@
       params["mtp"][m]["markov_head"]["head"]["weight"]  f32  [V, R]
     A quantized weight's `.scale` is consumed by its dequantization and has no leaf. Routed experts
     are stacked along a new leading axis (`.weight` dropped), as DESIGN.md specifies.
-  * routed experts, experts="fp4" (default): held as published, E2M1 codes + E8M0 scales stacked
-    in an `Fp4Weight` (0.53 bytes a weight; the released model's experts do not fit one 8-GPU
-    node in bf16). The MoE kernels decode them in registers, the reference loop per pick: both
-    see the exact bf16 values experts="bf16" holds, so the two give identical outputs.
+  * routed experts (`experts=`), each format holding the same exact values, so all give identical
+    outputs (the MoE kernels decode in registers, the reference loop per pick):
+      "fp4"   as published, E2M1 codes + E8M0 scales stacked in an `Fp4Weight` (0.53 bytes a
+              weight: the released model's experts do not fit one 8-GPU node in bf16);
+      "fp8"   re-coded exactly to E4M3 + one power of two per row, an `Fp8RowWeight` (1 byte a
+              weight, one fp8 conversion to decode; refused, naming the tensor, if a row's
+              values span too many binades);
+      "bf16"  dequantized (2 bytes a weight).
   * dtypes: every dequantized weight and every BF16 tensor is bf16 (exact: e4m3 / e2m1 times a
     power of two fits in bf16), except the tensors the reference holds in fp32 (`head`,
     `markov_head.head`, ratio > 1 `compressor.wkv/wgate`, `confidence_head.proj`), which are fp32;
@@ -50,7 +54,7 @@ from .schema import TensorSpec, validate_checkpoint
 
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
 HELD_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # a params leaf's dtype by TensorSpec.held
-EXPERT_HOLDS = ("fp4", "bf16")
+EXPERT_HOLDS = ("fp4", "fp8", "bf16")
 ENGRAM_KEY = "engram_tables"
 
 
@@ -109,11 +113,11 @@ def param_units(schema: Mapping[str, TensorSpec]) -> dict[str, Unit]:
 
 
 def held_as(spec: TensorSpec, unit: Unit, experts: str) -> str:
-    """A leaf's held format: "fp4" for the FP4 routed experts when they are kept as published,
-    else the schema's `spec.held` ("bf16" | "f32")."""
+    """A leaf's held format: `experts` ("fp4" | "fp8" | "bf16") for the FP4 routed experts, else
+    the schema's `spec.held` ("bf16" | "f32")."""
     if experts not in EXPERT_HOLDS:
         raise ValueError(f"experts: {experts!r} is not one of {EXPERT_HOLDS}")
-    return "fp4" if experts == "fp4" and unit.stacked and spec.dtype == "I8" else spec.held
+    return experts if unit.stacked and spec.dtype == "I8" else spec.held
 
 
 def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
@@ -124,15 +128,18 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
 
     w = read(unit.names)
     scales = [n.removesuffix(".weight") + ".scale" for n in unit.names]
-    if held_as(spec, unit, experts) == "fp4":
-        return quant.Fp4Weight(quant.as_u8(w), quant.as_u8(read(scales)))
+    held = held_as(spec, unit, experts)
+    if held in ("fp4", "fp8"):
+        fp4 = quant.Fp4Weight(quant.as_u8(w), quant.as_u8(read(scales)))
+        what = _EXPERT.sub(r"\1.*.\3", unit.names[0])                      # the whole stack
+        return fp4 if held == "fp4" else quant.Fp8RowWeight.from_fp4(fp4, what)
     if spec.dtype == "F8_E4M3":
         out = quant.dequant_fp8_blocks(w, read(scales))
     elif spec.dtype == "I8":
         out = quant.dequant_fp4_rows(w, read(scales))
     else:
         out = jnp.asarray(w)
-    return out.astype(HELD_DTYPES[spec.held])
+    return out.astype(HELD_DTYPES[held])
 
 
 def nest(flat: Mapping[str, Any]) -> dict:
