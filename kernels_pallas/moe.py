@@ -174,19 +174,8 @@ def _dot_t(a, b, dt):
                                preferred_element_type=jnp.float32)
 
 
-def _tile_dot(xt, wt, swap: bool):
-    """x rows [BM, BK] against weight rows [BN, BK] -> fp32; [BN, BM] with `swap` (the weight tile
-    is then the MMA's A operand, which may come from registers: a decoded tile needs no trip
-    through shared memory, and a short row tile fills the MMA's N instead of wasting its M)."""
-    return _dot_t(wt, xt, xt.dtype) if swap else _dot_t(xt, wt, xt.dtype)
-
-
-def _tile_out(acc, swap: bool):
-    return acc.T if swap else acc
-
-
 def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
-                    bm, bn, bk, limit, numerics, swap):
+                    bm, bn, bk, limit, numerics):
     j, i = pl.program_id(0), pl.program_id(1)                         # column block, tile
     e, first, end = te_ref[i], tf_ref[i], tend_ref[i]
     cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
@@ -203,19 +192,18 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
             acc_g, acc_u = acc
             k0 = kb * bk
             xt = load(x_ref.at[tok[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
-            return (acc_g + _tile_dot(xt, _weight_tile(w1_ref, e, wcols, k0, bk, x_ref.dtype), swap),
-                    acc_u + _tile_dot(xt, _weight_tile(w3_ref, e, wcols, k0, bk, x_ref.dtype), swap))
+            return (acc_g + _dot_t(xt, _weight_tile(w1_ref, e, wcols, k0, bk, x_ref.dtype), x_ref.dtype),
+                    acc_u + _dot_t(xt, _weight_tile(w3_ref, e, wcols, k0, bk, x_ref.dtype), x_ref.dtype))
 
-        zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
+        zero = jnp.zeros((bm, bn), jnp.float32)
         acc_g, acc_u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
-        acc_g = _row_scale(w1_ref, e, wcols, _tile_out(acc_g, swap))
-        acc_u = _row_scale(w3_ref, e, wcols, _tile_out(acc_u, swap))
+        acc_g, acc_u = _row_scale(w1_ref, e, wcols, acc_g), _row_scale(w3_ref, e, wcols, acc_u)
         wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
         a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
         store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
 
 
-def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics, swap):
+def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics):
     """y rows are stored at their pair's place (token * k + slot), so the combine reads them in
     place instead of gathering the sorted rows back. A tile's rows past its group go to BM spare
     rows after the pairs: each lane keeps a row of its own, also under a masked store."""
@@ -234,11 +222,10 @@ def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm
         def body(kb, acc):
             k0 = kb * bk
             at = load(a_ref.at[safe[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
-            return acc + _tile_dot(at, _weight_tile(w2_ref, e, wcols, k0, bk, a_ref.dtype), swap)
+            return acc + _dot_t(at, _weight_tile(w2_ref, e, wcols, k0, bk, a_ref.dtype), a_ref.dtype)
 
-        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body,
-                                jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
-        acc = _row_scale(w2_ref, e, wcols, _tile_out(acc, swap))
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        acc = _row_scale(w2_ref, e, wcols, acc)
         spare = pair_ref.shape[0] + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
         dst = jnp.where(live, load(pair_ref.at[safe], mask=live, other=0), spare)
         store(y_ref.at[dst[:, None], cols[None, :]], numerics.act(acc).astype(y_ref.dtype),
@@ -257,9 +244,9 @@ def default_block_m(n_pairs: int, n_experts: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn", "bk", "num_warps",
-                                             "num_stages", "swap", "interpret"))
+                                             "num_stages", "interpret"))
 def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
-                   swap=False, interpret):
+                   interpret):
     t, d = x.shape
     k = idx.shape[1]
     n_exp, f, _ = w1.shape
@@ -274,7 +261,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     # from L2 after the first (tiles fastest re-read them from HBM per column block: 1.14-1.24x
     # slower at 512-8192 tokens on the H200)
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics, swap=swap),
+        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
         grid=(f // bn, te.shape[0]),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _specs(w1), _specs(w3)],
         out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
@@ -282,7 +269,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
     )(te, tf, tend, tok, pw, xq, w1, w3)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics, swap=swap),
+        functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
         grid=(d // bn, te.shape[0]),
         in_specs=tables + [_full(order.shape), _full(a.shape), _specs(w2)],
         out_specs=_full((t * k + bm, d)), out_shape=jax.ShapeDtypeStruct((t * k + bm, d), numerics.act_dtype),
@@ -429,17 +416,17 @@ def launch_config(block_m: int) -> dict:
     [128, 128] accumulators (2.2x over 4 warps at 2048 tokens); short decode tiles are weight
     streams that like a deeper K step."""
     if block_m >= 128:
-        return dict(block_k=64, num_warps=8, num_stages=3, swap=False)
+        return dict(block_k=64, num_warps=8, num_stages=3)
     if block_m <= 32:
-        return dict(block_k=128, num_warps=4, num_stages=4, swap=False)
-    return dict(block_k=64, num_warps=4, num_stages=3, swap=False)
+        return dict(block_k=128, num_warps=4, num_stages=4)
+    return dict(block_k=64, num_warps=4, num_stages=3)
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
                    w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
                    backend: str | None = None, impl: str | None = None, block_m: int | None = None,
                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, swap_ab: bool | None = None) -> jax.Array:
+                   num_stages: int | None = None) -> jax.Array:
     """x [T, D], idx [T, k] int32, w [T, k] fp32 routing weights, w1/w3 [E, F, D], w2 [E, D, F]
     -> fp32 [T, D]: Σ over each token's experts (ascending id) of the SwiGLU expert output.
 
@@ -476,5 +463,4 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
                           **tiles(min(block_n or 128, d, f), block_k or min(cfg["block_k"], d, f)),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],
-                          swap=cfg["swap"] if swap_ab is None else swap_ab,
                           interpret=_backend.interpret(), **kw)

@@ -465,10 +465,7 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
                 break
             # where `choose_impl` does not take the grouped GEMM, time it too
             grouped = [] if kmoe.choose_impl(t) == "pallas" else [("grouped", dict(impl="pallas"))]
-            # the grouped GEMM with the weight tile as the MMA's A operand, against the default
-            swap = [("swap", dict(impl="pallas", swap_ab=not kmoe.launch_config(
-                kmoe.default_block_m(t * k, e))["swap"]))]
-            shape_case(t, [("auto", {})] + grouped + swap)
+            shape_case(t, [("auto", {})] + grouped)
     ins = inputs(jax.random.key(1234), 64)
     got = runner("pallas", "pallas")(ins)[0]
     want = runner("pallas", "ragged_dot")(ins)[0]
