@@ -90,18 +90,18 @@ def test_official_schema_and_load(name):
     nib = np.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
     table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     scale = ckpt.get(f"layers.1.ffn.experts.{e}.w2.scale").astype(np.float32).repeat(32, 1)
-    w2 = params["layers"][1]["ffn"]["experts"]["w2"]            # held as published (default)
-    assert isinstance(w2, Fp4Weight) and w2.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
-    assert np.array_equal(np.asarray(w2.codes[e]), packed)
+    w2 = params["layers"][1]["ffn"]["experts"]["w2"]            # re-coded to FP8 rows (default)
+    assert isinstance(w2, Fp8RowWeight) and w2.codes.dtype == jnp.uint8
+    assert w2.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
+    assert np.array_equal(f32(w2[e].dequant()), table[nib] * scale)
+    _, as_fp4 = load_params(d, progress=False, experts="fp4")             # as published
+    w2 = as_fp4["layers"][1]["ffn"]["experts"]["w2"]
+    assert isinstance(w2, Fp4Weight) and np.array_equal(np.asarray(w2.codes[e]), packed)
     assert np.array_equal(np.asarray(w2.scale[e]), u8(ckpt.get(f"layers.1.ffn.experts.{e}.w2.scale")).reshape(w2.scale.shape[1:]))
     assert np.array_equal(f32(w2[e].dequant()), table[nib] * scale)
     _, as_bf16 = load_params(d, progress=False, experts="bf16")
     w2 = as_bf16["layers"][1]["ffn"]["experts"]["w2"]
     assert w2.dtype == jnp.bfloat16 and np.array_equal(f32(w2[e]), table[nib] * scale)
-    _, as_fp8 = load_params(d, progress=False, experts="fp8")
-    w2 = as_fp8["layers"][1]["ffn"]["experts"]["w2"]
-    assert isinstance(w2, Fp8RowWeight) and w2.codes.dtype == jnp.uint8 and w2.codes.shape == w2.shape
-    assert np.array_equal(f32(w2[e].dequant()), table[nib] * scale)
     with pytest.raises(ValueError, match="experts: 'fp8'"):
         load_params(d, progress=False, experts="fp8")
     # fp32-held tensors are the file's bf16 values, widened
@@ -280,7 +280,7 @@ def test_orbax_cache_roundtrip_bit_exact(tiny, tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="must not convert"):
         converted.load_params_cached(out, cache, cfg.replace(max_seq_len=cfg.max_seq_len * 2), progress=False)
     with pytest.raises(AssertionError, match="must not convert"):                 # nor another expert format
-        converted.load_params_cached(out, cache, progress=False, experts="bf16")
+        converted.load_params_cached(out, cache, progress=False, experts="fp4")
 
 
 # ---- malformed checkpoints ---------------------------------------------------------------------

@@ -119,6 +119,18 @@ def test_fp8_rows_refuse_what_one_row_scale_cannot_hold():
         Fp8RowWeight.from_fp4(Fp4Weight(codes, scale), "experts.w1")
 
 
+def test_the_loader_keeps_fp4_where_fp8_rows_cannot_hold_it():
+    from v41_jax.checkpoint.load import recode_fp8
+    w = np.full((2, 3, 64), 0.5, np.float32)
+    fine = recode_fp8(Fp4Weight(*jax.vmap(quant_weight_fp4)(jnp.asarray(w))), "layers.1.ffn.experts.*.w1")
+    assert isinstance(fine, Fp8RowWeight)
+    w[1, 2, :32] = 2.0 ** -20
+    packed = Fp4Weight(*jax.vmap(quant_weight_fp4)(jnp.asarray(w)))
+    with pytest.warns(UserWarning, match=r"layers.1.ffn.experts.\*.w1: 1 rows .* kept as fp4"):
+        kept = recode_fp8(packed, "layers.1.ffn.experts.*.w1")
+    assert kept is packed
+
+
 def test_skewed_groups_span_tiles():
     """One expert takes every token (several 16-row tiles, the last partial), most are empty."""
     rng, seed = fresh_rng()
