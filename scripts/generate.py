@@ -24,7 +24,7 @@ import jax
 from tqdm.auto import tqdm
 
 from v41_jax.cache.geometry import EngineSettings, typed_format
-from v41_jax.checkpoint.load import load_params
+from v41_jax.checkpoint.load import EXPERT_HOLDS, load_params
 from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.engine import (CompileMeter, Engine, Request, Stats, default_buckets,
@@ -55,7 +55,7 @@ def read_requests(path: str, args, tokenizer) -> list[Request]:
 
 
 def build_engine(args, tokenizer) -> Engine:
-    cfg, params = load_params(args.checkpoint, progress=not args.quiet)
+    cfg, params = load_params(args.checkpoint, progress=not args.quiet, experts=args.experts)
     ckpt = Path(args.checkpoint)
     if (ckpt / "engram_token_map.json").exists():
         token_map = load_token_map(ckpt / "engram_token_map.json")
@@ -104,6 +104,8 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=0, help="STATE slots (default: max-batch)")
     ap.add_argument("--max-context", type=int, default=0, help="tokens per request (default: config)")
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
+    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="fp8",
+                    help="how the routed experts are held (fp8: fastest decode; bf16: fastest prefill)")
     ap.add_argument("--xla-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "v41-jax", "xla"),
                     help="persistent compilation cache directory ('' disables): a re-run skips compiling")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
+from v41_jax.checkpoint.load import ENGRAM_KEY, EXPERT_HOLDS, load_params
 from v41_jax.engram_hash import EngramHasher, load_token_map
 from v41_jax.model import dspark
 from v41_jax.model.engram import sequence_rows
@@ -274,9 +274,10 @@ class Fixture(NamedTuple):
     hasher: EngramHasher | None
 
 
-def load_fixture(folder: str) -> Fixture:
-    """The folder's checkpoint through the project's own reader, its reference outputs, its hasher."""
-    cfg, params = load_params(os.path.join(folder, "checkpoint"), progress=False)
+def load_fixture(folder: str, experts: str = "fp8") -> Fixture:
+    """The folder's checkpoint through the project's own reader (routed experts held as `experts`,
+    `load_params`' choices: all hold the same values), its reference outputs, its hasher."""
+    cfg, params = load_params(os.path.join(folder, "checkpoint"), progress=False, experts=experts)
     hasher = EngramHasher(cfg, load_token_map(os.path.join(folder, "checkpoint", "engram_token_map.json"))) \
         if cfg.engram_layer_ids else None
     return Fixture(cfg, params, np.load(os.path.join(folder, OUTPUTS)), hasher)
@@ -472,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run prefill + decode through the cache and the jitted step (no DSpark checks)")
     ap.add_argument("--tolerance", choices=("auto", "cpu", "gpu"), default="auto",
                     help="tolerance profile; auto = by the default JAX backend")
+    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="fp8", help="how the routed experts are held")
     ap.add_argument("--conditioning", type=int, default=0, metavar="N",
                     help="also report how far N one-ulp nudges of the model move its own selections")
     args = ap.parse_args(argv)
@@ -480,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         from v41_jax.tools.engine_replay import run_engine  # imports this module: bind late
         runner = run_engine
     tol = {"auto": None, "cpu": CPU, "gpu": GPU}[args.tolerance]
-    fx, numerics = load_fixture(args.folder), getattr(Numerics, args.numerics)()
+    fx, numerics = load_fixture(args.folder, args.experts), getattr(Numerics, args.numerics)()
     checks = check_folder(fx, numerics, tol, runner)
     ok = all(c.passed for c in checks)
     cond = selection_conditioning(fx, numerics, args.conditioning) if args.conditioning else None
