@@ -16,6 +16,13 @@ Steps (one call):
      pair's own row (token * k + slot), so no gather puts the rows back in token order.
   5. XLA: [T, k, D] summed in fp32 in ascending expert order.
 Column blocks run fastest in both grids, so a tile's gathered rows come from L2 after the first.
+
+Held expert formats (`load_params(experts=)`, the same values in each): a bf16 [E, N, K] array;
+`Fp8RowWeight` (E4M3 codes, one fp8 conversion per weight in registers, the row's power-of-two
+scale on the GEMM's output columns after the K loop: exact); `Fp4Weight` (the published E2M1 +
+E8M0 per 32, decoded in registers). Every kernel takes each of w1, w3, w2 in any of them. H200:
+FP8 rows 1.3-1.8x faster than bf16 at 1-128 tokens (half the bytes), 0.66x at >= 2K (the decode
+in the MMA path); FP4 slower than bf16 everywhere (BENCHMARKS.md).
 Tiles never straddle two experts; the last tile of a group stores only its group's rows; tiles
 past the live count (the table has a static length) and empty experts read no weights.
 
@@ -428,7 +435,8 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None) -> jax.Array:
     """x [T, D], idx [T, k] int32, w [T, k] fp32 routing weights, w1/w3 [E, F, D], w2 [E, D, F]
-    -> fp32 [T, D]: Σ over each token's experts (ascending id) of the SwiGLU expert output.
+    (each bf16 / fp32, `Fp8RowWeight` or `Fp4Weight`) -> fp32 [T, D]: Σ over each token's experts
+    (ascending id) of the SwiGLU expert output.
 
     backend "xla" (or numerics.block_gemm) -> the model's reference loop; "pallas" -> `impl`
     ("pallas" | "gemv" | "ragged_dot" | "dense"; None = `choose_impl`, the fastest exact

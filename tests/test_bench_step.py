@@ -55,9 +55,10 @@ def test_specs_take_the_writers_scales():
     assert experts.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
     assert experts.scale == pytest.approx(cfg.moe_inter_dim ** -0.5)
     n = int(np.prod(experts.shape))
-    assert experts.held == "fp4" and experts.nbytes == n // 2 + n // 32       # codes + E8M0 scales
-    assert bs.param_leaf_specs(cfg, "bf16")["layers.0.ffn.experts.w2"].nbytes == 2 * n
-    assert bs.param_leaf_specs(cfg, "fp8")["layers.0.ffn.experts.w2"].nbytes == n + 4 * n // cfg.moe_inter_dim
+    assert experts.held == "fp8" and experts.nbytes == n + 4 * n // cfg.moe_inter_dim   # + fp32 per row
+    held = lambda h: bs.param_leaf_specs(cfg, h)["layers.0.ffn.experts.w2"]
+    assert held("fp4").held == "fp4" and held("fp4").nbytes == n // 2 + n // 32      # + E8M0 per 32
+    assert held("bf16").held == "bf16" and held("bf16").nbytes == 2 * n
     assert specs["head.weight"].held == "f32" and specs["embed.weight"].scale == 1
 
 

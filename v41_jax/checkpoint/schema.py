@@ -18,7 +18,8 @@ modules, and the official fixture checkpoints (tests/fixtures/dsv41_official) ar
 `TensorSpec.held` is the dtype a tensor has in the params pytree after load (DESIGN.md,
 "Checkpoint -> params"): "bf16" (also every dequantized weight), "f32" (fp32 in the file, or
 bf16 in the file but held in fp32 by the reference), "scale" (consumed by dequantization) or
-"host" (Engram tables, kept as FP8 + E8M0 on the host).
+"host" (Engram tables, kept as FP8 + E8M0 on the host). The routed experts' "bf16" is the
+dequantized choice; `load.held_as` swaps in the format the loader was asked for.
 
 Vision tensors (`vision.*`, `aligner.*`, `image_*`) are outside this text engine; the validator
 skips them and refuses every other unknown name.

@@ -51,7 +51,7 @@ def lin8(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
     return numerics.act(y)
 
 
-lin4 = lin8  # FP4 expert weights are dequantized to bf16 at load: the GEMM is the FP8 one
+lin4 = lin8  # FP4 expert weights arrive decoded to bf16 (at load or by `quant.held`): the FP8 GEMM
 
 
 def lin_bf(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
