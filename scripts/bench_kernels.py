@@ -440,10 +440,12 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         if b.smoke:
             return
         grouped = lambda **kw: dict(impl="pallas", **kw)
-        shape_case(2048, [("auto", {}), ("bn64w4", grouped(block_n=64, num_warps=4)),
-                          ("bn64w8", grouped(block_n=64, num_warps=8)),
-                          ("bk128s2", grouped(block_k=128, num_stages=2)),
-                          ("bk32s4", grouped(block_k=32, num_stages=4))], others=False)
+        # one 256-row tile per expert (192 rows at 2K tokens): each weight tile is read by one
+        # program instead of two, at the same MMA padding as two 128-row tiles
+        for t in (2048, 8192):
+            shape_case(t, [("auto", {}), ("bm256bn64", grouped(block_m=256, block_n=64)),
+                           ("bm256bn64s2", grouped(block_m=256, block_n=64, num_stages=2)),
+                           ("bm256bn128", grouped(block_m=256, block_n=128))], others=False)
         return
     else:
         for t in (1, 8):                                       # decode: weight streams
