@@ -102,8 +102,8 @@ def test_official_schema_and_load(name):
     _, as_bf16 = load_params(d, progress=False, experts="bf16")
     w2 = as_bf16["layers"][1]["ffn"]["experts"]["w2"]
     assert w2.dtype == jnp.bfloat16 and np.array_equal(f32(w2[e]), table[nib] * scale)
-    with pytest.raises(ValueError, match="experts: 'fp8'"):
-        load_params(d, progress=False, experts="fp8")
+    with pytest.raises(ValueError, match="experts: 'int4'"):
+        load_params(d, progress=False, experts="int4")
     # fp32-held tensors are the file's bf16 values, widened
     assert params["head"]["weight"].dtype == jnp.float32
     assert np.array_equal(f32(params["head"]["weight"]), ckpt.get("head.weight").astype(np.float32))
