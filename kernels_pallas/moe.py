@@ -16,6 +16,8 @@ Steps (one call):
      pair's own row (token * k + slot), so no gather puts the rows back in token order.
   5. XLA: [T, k, D] summed in fp32 in ascending expert order.
 Column blocks run fastest in both grids, so a tile's gathered rows come from L2 after the first.
+Tiles never straddle two experts; the last tile of a group stores only its group's rows; tiles
+past the live count (the table has a static length) and empty experts read no weights.
 
 Held expert formats (`load_params(experts=)`, the same values in each): a bf16 [E, N, K] array;
 `Fp8RowWeight` (E4M3 codes, one fp8 conversion per weight in registers, the row's power-of-two
@@ -23,8 +25,6 @@ scale on the GEMM's output columns after the K loop: exact); `Fp4Weight` (the pu
 E8M0 per 32, decoded in registers). Every kernel takes each of w1, w3, w2 in any of them. H200:
 FP8 rows 1.3-1.8x faster than bf16 at 1-128 tokens (half the bytes), 0.66x at >= 2K (the decode
 in the MMA path); FP4 slower than bf16 everywhere (BENCHMARKS.md).
-Tiles never straddle two experts; the last tile of a group stores only its group's rows; tiles
-past the live count (the table has a static length) and empty experts read no weights.
 
 Accumulation: one fp32 dot per GEMM (the `fast` policy; only fp32 summation order differs from the
 XLA path). Under `numerics.block_gemm` (the reference's K-block order) the dispatcher takes the
@@ -454,7 +454,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     def tiles(bn: int, bk: int) -> dict:
         if d % bn or f % bn or d % bk or f % bk:
             raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
-        if isinstance(w1, Fp4Weight) and bk % 32:
+        if any(isinstance(w_, Fp4Weight) for w_ in (w1, w3, w2)) and bk % 32:
             raise ValueError(f"FP4 experts: block_k={bk} must cover whole 32-input scale groups")
         return dict(bn=bn, bk=bk)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+import tempfile
 import time
 
 import jax
@@ -26,3 +30,69 @@ def copy_bandwidth(mib: int, reps: int = 10) -> dict:
     t = float(np.median(ts))
     return {"copy_gbs_read_plus_write": round(2 * n * 4 / t / 1e9, 1), "copy_bytes": 2 * n * 4,
             "copy_ms": round(t * 1e3, 4)}
+
+
+# ---- where a step's device time goes ---------------------------------------------------------------
+
+# the `name=` of every pallas_call in kernels_pallas: their launches are reported under these names
+PALLAS_KERNELS = ("sparse_latent_attn", "index_scores", "moe_gemv_gate_up", "moe_gemv_down",
+                  "moe_gate_up", "moe_down")
+
+
+def kernel_group(name: str) -> str:
+    """A kernel's report name: the Pallas kernel it launches, else its name without the numeric
+    suffix XLA gives each fusion (`loop_fusion_12` -> `loop_fusion`)."""
+    for k in PALLAS_KERNELS:
+        if k in name:
+            return k
+    return re.sub(r"([._-]?\d+)+$", "", name) or name
+
+
+def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str]]:
+    """(report name -> [total ns, launches], the lines read). GPU: the stream lines of the device
+    planes (one event per kernel launch); without a device plane (CPU), the XLA CPU client's op
+    events on the host plane."""
+    totals: dict[str, list[float]] = {}
+    used = []
+
+    def add(line, keep):
+        used.append(line.name)
+        for ev in line.events:
+            if keep(ev):
+                slot = totals.setdefault(kernel_group(ev.name), [0.0, 0])
+                slot[0] += ev.duration_ns
+                slot[1] += 1
+
+    planes = list(profile.planes)
+    for plane in planes:
+        if plane.name.startswith("/device:"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    add(line, lambda ev: ev.duration_ns > 0)
+    if not used:
+        for plane in planes:
+            for line in plane.lines:
+                if line.name.startswith("tf_XLA") and "Eigen" not in line.name:
+                    add(line, lambda ev: ev.duration_ns > 0 and not ev.name.startswith(("Threadpool", "ThunkExecutor", "end:")))
+    return totals, used
+
+
+def kernel_profile(run, calls: int, top: int = 12) -> dict:
+    """Device time by kernel over `calls` calls of `run()` (launch and wait), from a jax.profiler
+    trace: the total per call, the `top` kernels by time (per call: ms, launches, share) and every
+    Pallas kernel's time per call. Kernel time, not wall time: gaps between launches are left out."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                run()
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return {"error": "the profiler wrote no trace"}
+        totals, lines = _kernel_events(jax.profiler.ProfileData.from_file(paths[0]))
+    total_ns = sum(t for t, _ in totals.values())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    per_call = lambda ns: round(ns / calls / 1e6, 4)
+    return {"calls": calls, "lines": sorted(set(lines)), "device_ms_per_call": per_call(total_ns),
+            "kernels": [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
+                         "share": round(t / total_ns, 4) if total_ns else 0.0} for n, (t, c) in ranked[:top]],
+            "pallas_ms_per_call": {k: per_call(totals[k][0]) for k in PALLAS_KERNELS if k in totals}}

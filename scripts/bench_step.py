@@ -3,7 +3,8 @@ and an HBM roofline ratio, on random weights generated on the device.
 
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
-        [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto]
+        [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
+        [--profile N]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -44,6 +45,10 @@ copy bandwidth measured in the same run (fp32 `a * 2` over `--copy-mib`, bytes r
 scripts/bench_kernels.py) -> ideal ms; reported measured / ideal. The draft stages (`mtp`) are
 generated (the layout is the loader's) but the step does not touch them.
 
+Profile (`--profile N`, after all timing): N more steps per case under `jax.profiler.trace`; the
+kernel time per step by kernel (Pallas kernels by their names, XLA fusions without their numeric
+suffix), from the trace's device stream lines (`bench_common.kernel_profile`).
+
 Time limits (the GPU run has one shot): a case whose compile exceeds `--budget-s` is skipped; a
 watchdog ends the process at `--total-s` (the JSON is rewritten after every case, so what was
 measured survives); each case's timed loop stops after `--case-s`; a case whose executable would
@@ -74,7 +79,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import backend as kernel_backend  # noqa: E402
-from scripts.bench_common import copy_bandwidth  # noqa: E402
+from scripts.bench_common import copy_bandwidth, kernel_profile  # noqa: E402
 from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
@@ -354,6 +359,8 @@ def parse_args(argv=None):
                     help="how the routed experts are held (load_params' experts=)")
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (0: 4096 on GPU, 64 elsewhere)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also trace N steps per case and record the device time by kernel")
     ap.add_argument("--dry-run", action="store_true", help="print the estimates and stop")
     return ap.parse_args(argv)
 
@@ -630,6 +637,25 @@ def main(argv=None) -> int:
         res.save()
         clock.log(f"re-timed {name}: {row['step_ms_median']:.3f} ms (was {row['during_compiles']['step_ms_median']:.3f} "
                   f"with {row['during_compiles']['compiles_running']} compiles running)")
+
+    # ---- where the device time goes (after every compile: autotuning would show up) ----
+    for name, (row, fn) in rows.items() if args.profile else ():
+        if args.total_s - clock() < args.case_s + 10:
+            break
+
+        def run(fn=fn):
+            state["logits"], state["cache"] = fn(state["cache"])
+            jax.block_until_ready((state["logits"], state["cache"]))
+
+        try:
+            row["profile"] = prof = kernel_profile(run, args.profile)
+        except Exception as err:  # noqa: BLE001
+            row["profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            refill()
+            continue
+        res.save()
+        clock.log(f"profile {name}: {prof.get('device_ms_per_call')} ms of kernels per step; "
+                  + ", ".join(f"{k['name']} {k['ms_per_call']:.3f}" for k in prof.get("kernels", [])[:8]))
 
     res.data["wall_s"] = round(clock(), 1)
     res.data["table_md"] = markdown_table(res.data)

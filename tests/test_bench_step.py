@@ -72,3 +72,20 @@ def test_expected_experts_and_decode_bytes():
     one, two = (bs.decode_bytes(cfg, geom, bs.param_leaf_specs(cfg), b, 64) for b in (1, 2))
     assert two["kv_total"] == 2 * one["kv_total"] and one["experts_expected"] < two["experts_expected"]
     assert one["total"] == one["dense_weights"] + one["experts_expected"] + one["kv_total"]
+
+
+def test_kernel_profile_attributes_device_time_to_kernels():
+    """`--profile`'s breakdown: a traced matmul + tanh + sum shows up as kernels with time, per call;
+    Pallas kernels are reported by their pallas_call names, XLA fusions without numeric suffixes."""
+    from scripts.bench_common import PALLAS_KERNELS, kernel_group, kernel_profile
+    f = jax.jit(lambda a, b: jax.numpy.tanh(a @ b).sum())
+    a = jax.numpy.ones((256, 256))
+    f(a, a).block_until_ready()
+    prof = kernel_profile(lambda: f(a, a).block_until_ready(), 3)
+    assert prof["calls"] == 3 and prof["device_ms_per_call"] > 0 and prof["kernels"]
+    assert sum(k["share"] for k in prof["kernels"]) == pytest.approx(1.0, abs=1e-3)
+    assert all(k["ms_per_call"] >= 0 and k["launches_per_call"] > 0 for k in prof["kernels"])
+    assert kernel_group("loop_fusion_12") == "loop_fusion"
+    assert kernel_group("gemm_fusion_dot.3") == "gemm_fusion_dot"
+    assert all(kernel_group(f"{k}_kernel_0") == k for k in PALLAS_KERNELS)
+    assert kernel_group("moe_gemv_down") == "moe_gemv_down" and kernel_group("moe_down") == "moe_down"

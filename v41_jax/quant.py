@@ -366,15 +366,15 @@ def quant_weight_fp4(w, group: int = 32) -> tuple[jax.Array, jax.Array]:
     return quant_fp4_ue8m0(jnp.asarray(w, jnp.float32), group)
 
 
-# ---- held FP4 weights ----------------------------------------------------------------------------
+# ---- held expert weights -------------------------------------------------------------------------
 
 @partial(jax.tree_util.register_dataclass, data_fields=["codes", "scale"], meta_fields=[])
 @dataclass(frozen=True)
 class Fp4Weight:
     """A weight held on the device as published: packed E2M1 codes uint8 [..., out, in/2] (even
-    input in the low nibble) and E8M0 codes uint8 [..., out, in/32]. A quarter of the bf16 bytes
-    (plus 1/64 for the scales): the released routed experts only fit one node's HBM this way.
-    Routed experts stack on a leading axis; `w[e]` is expert e (e may be traced)."""
+    input in the low nibble) and E8M0 codes uint8 [..., out, in/32]: a quarter of the bf16 bytes
+    (plus 1/64 for the scales), the smallest form. Routed experts stack on a leading axis; `w[e]`
+    is expert e (e may be traced)."""
     codes: jax.Array
     scale: jax.Array
 

@@ -117,9 +117,13 @@ def param_units(schema: Mapping[str, TensorSpec]) -> dict[str, Unit]:
 def held_as(spec: TensorSpec, unit: Unit, experts: str) -> str:
     """A leaf's held format: `experts` ("fp4" | "fp8" | "bf16") for the FP4 routed experts, else
     the schema's `spec.held` ("bf16" | "f32")."""
+    return check_experts(experts) if unit.stacked and spec.dtype == "I8" else spec.held
+
+
+def check_experts(experts: str) -> str:
     if experts not in EXPERT_HOLDS:
         raise ValueError(f"experts: {experts!r} is not one of {EXPERT_HOLDS}")
-    return experts if unit.stacked and spec.dtype == "I8" else spec.held
+    return experts
 
 
 def recode_fp8(fp4: quant.Fp4Weight, what: str):
@@ -177,8 +181,7 @@ def nest(flat: Mapping[str, Any]) -> dict:
 def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
                 progress: bool = True, experts: str = "fp8") -> tuple[ModelConfig, dict]:
     """Read, check and convert a published checkpoint; see the module docstring for the layout."""
-    if experts not in EXPERT_HOLDS:
-        raise ValueError(f"experts: {experts!r} is not one of {EXPERT_HOLDS}")
+    check_experts(experts)
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
         cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))
