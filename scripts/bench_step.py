@@ -119,7 +119,7 @@ class LeafSpec:
         return n * jnp.dtype(HELD_DTYPES[self.held]).itemsize
 
 
-def param_leaf_specs(cfg: ModelConfig, experts: str = "fp8") -> dict[str, LeafSpec]:
+def param_leaf_specs(cfg: ModelConfig, experts: str = "auto") -> dict[str, LeafSpec]:
     """Every params leaf `load_params(..., experts=experts)` would produce for `cfg`: path -> LeafSpec."""
     schema = checkpoint_schema(cfg)
     out = {}
@@ -355,7 +355,7 @@ def parse_args(argv=None):
     ap.add_argument("--page-tokens", type=int, default=256)
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
     ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
-    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="fp8",
+    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto",
                     help="how the routed experts are held (load_params' experts=)")
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (0: 4096 on GPU, 64 elsewhere)")
     ap.add_argument("--seed", type=int, default=0)

@@ -104,8 +104,9 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=0, help="STATE slots (default: max-batch)")
     ap.add_argument("--max-context", type=int, default=0, help="tokens per request (default: config)")
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
-    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="fp8",
-                    help="how the routed experts are held (fp8: fastest decode; bf16: fastest prefill)")
+    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto",
+                    help="how the routed experts are held (auto: fp8 on a GPU, bf16 on CPU; fp8: "
+                         "fastest decode kernels; bf16: fastest prefill)")
     ap.add_argument("--xla-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "v41-jax", "xla"),
                     help="persistent compilation cache directory ('' disables): a re-run skips compiling")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -46,7 +46,7 @@ def test_random_params_have_the_loaders_layout(tmp_path, experts):
 
 def test_specs_take_the_writers_scales():
     cfg = ModelConfig.from_file(TINY)
-    specs = bs.param_leaf_specs(cfg)
+    specs = bs.param_leaf_specs(cfg, "fp8")
     norm = specs["layers.0.attn_norm.weight"]
     assert (norm.offset, norm.held) == (1.0, "bf16") and norm.scale == pytest.approx(0.1)
     wq = specs["layers.0.attn.wq_a.weight"]
@@ -57,6 +57,7 @@ def test_specs_take_the_writers_scales():
     n = int(np.prod(experts.shape))
     assert experts.held == "fp8" and experts.nbytes == n + 4 * n // cfg.moe_inter_dim   # + fp32 per row
     held = lambda h: bs.param_leaf_specs(cfg, h)["layers.0.ffn.experts.w2"]
+    assert held("auto").held == "bf16"                                               # on CPU
     assert held("fp4").held == "fp4" and held("fp4").nbytes == n // 2 + n // 32      # + E8M0 per 32
     assert held("bf16").held == "bf16" and held("bf16").nbytes == 2 * n
     assert specs["head.weight"].held == "f32" and specs["embed.weight"].scale == 1

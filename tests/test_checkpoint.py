@@ -18,6 +18,8 @@ from safetensors import safe_open
 
 from scripts.make_checkpoint import encode, engram_token_map, main, make_checkpoint
 from v41_jax import quant
+from v41_jax.model import moe
+from v41_jax.model.numerics import Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight
 from v41_jax.checkpoint import converted
 from v41_jax.checkpoint.load import ENGRAM_KEY, EngramTables, load_params, param_units
@@ -90,18 +92,29 @@ def test_official_schema_and_load(name):
     nib = np.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1)
     table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     scale = ckpt.get(f"layers.1.ffn.experts.{e}.w2.scale").astype(np.float32).repeat(32, 1)
-    w2 = params["layers"][1]["ffn"]["experts"]["w2"]            # re-coded to FP8 rows (default)
-    assert isinstance(w2, Fp8RowWeight) and w2.codes.dtype == jnp.uint8
-    assert w2.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
+    w2 = params["layers"][1]["ffn"]["experts"]["w2"]            # "auto" on CPU: bf16
+    assert w2.dtype == jnp.bfloat16 and w2.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
+    assert np.array_equal(f32(w2[e]), table[nib] * scale)
+    _, as_fp8 = load_params(d, progress=False, experts="fp8")             # re-coded rows
+    w2 = as_fp8["layers"][1]["ffn"]["experts"]["w2"]
+    assert isinstance(w2, Fp8RowWeight) and w2.codes.dtype == jnp.uint8 and w2.shape == w2.codes.shape
     assert np.array_equal(f32(w2[e].dequant()), table[nib] * scale)
     _, as_fp4 = load_params(d, progress=False, experts="fp4")             # as published
     w2 = as_fp4["layers"][1]["ffn"]["experts"]["w2"]
     assert isinstance(w2, Fp4Weight) and np.array_equal(np.asarray(w2.codes[e]), packed)
     assert np.array_equal(np.asarray(w2.scale[e]), u8(ckpt.get(f"layers.1.ffn.experts.{e}.w2.scale")).reshape(w2.scale.shape[1:]))
     assert np.array_equal(f32(w2[e].dequant()), table[nib] * scale)
-    _, as_bf16 = load_params(d, progress=False, experts="bf16")
-    w2 = as_bf16["layers"][1]["ffn"]["experts"]["w2"]
-    assert w2.dtype == jnp.bfloat16 and np.array_equal(f32(w2[e]), table[nib] * scale)
+    # the MoE sublayer's routed experts give the same output bit for bit in every format
+    k = cfg.n_activated_experts
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, cfg.dim)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(cfg.n_routed_experts, k, replace=False) for _ in range(5)]), jnp.int32)
+    wts = jnp.asarray(rng.random((5, k)), jnp.float32)
+    outs = [np.asarray(moe.routed_experts(x, idx, wts, *(p["layers"][1]["ffn"]["experts"][n] for n in ("w1", "w3", "w2")),
+                                          Numerics.reference(), cfg.swiglu_limit))
+            for p in (params, as_fp8, as_fp4)]
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
     with pytest.raises(ValueError, match="experts: 'int4'"):
         load_params(d, progress=False, experts="int4")
     # fp32-held tensors are the file's bf16 values, widened
@@ -264,21 +277,24 @@ def test_cli_main_writes_a_loadable_checkpoint(tmp_path):
 def test_orbax_cache_roundtrip_bit_exact(tiny, tmp_path, monkeypatch):
     out, cfg, _, params = tiny
     cache = tmp_path / "cache"
-    _, first = converted.load_params_cached(out, cache, progress=False)
+    _, first = converted.load_params_cached(out, cache, progress=False, experts="fp8")
     assert (cache / "source.json").exists()
 
     def no_conversion(*a, **k):
         raise AssertionError("second start must not convert")
     monkeypatch.setattr(converted, "load_params", no_conversion)
-    cfg2, again = converted.load_params_cached(out, cache, progress=False)
+    cfg2, again = converted.load_params_cached(out, cache, progress=False, experts="fp8")
     assert cfg2 == cfg
-    assert jax.tree.structure(again) == jax.tree.structure(params)
-    for (path, a), b in zip(jax.tree.leaves_with_path(again), jax.tree.leaves(params)):
+    w1 = again["layers"][0]["ffn"]["experts"]["w1"]
+    assert isinstance(w1, Fp8RowWeight)                              # the held type comes back
+    assert jax.tree.structure(again) == jax.tree.structure(first)
+    for (path, a), b in zip(jax.tree.leaves_with_path(again), jax.tree.leaves(first)):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(u8(np.asarray(a)), u8(np.asarray(b))), path
     assert again[ENGRAM_KEY] == params[ENGRAM_KEY]
     # another config (same files) does not hit the cache
     with pytest.raises(AssertionError, match="must not convert"):
-        converted.load_params_cached(out, cache, cfg.replace(max_seq_len=cfg.max_seq_len * 2), progress=False)
+        converted.load_params_cached(out, cache, cfg.replace(max_seq_len=cfg.max_seq_len * 2), progress=False,
+                                     experts="fp8")
     with pytest.raises(AssertionError, match="must not convert"):                 # nor another expert format
         converted.load_params_cached(out, cache, progress=False, experts="fp4")
 
@@ -440,3 +456,14 @@ def test_refused_total_size(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="total_size") as e:
         Checkpoint(d)
     assert str(d / INDEX_NAME) in str(e.value)
+
+
+def test_auto_holds_experts_by_backend(monkeypatch):
+    """"auto": FP8 rows where the MoE kernels run (a GPU), bf16 on CPU (the XLA loop would decode
+    every pick); an unknown name is refused."""
+    from v41_jax.checkpoint.load import resolve_experts
+    assert resolve_experts("auto") == "bf16" and resolve_experts("fp4") == "fp4"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_experts("auto") == "fp8"
+    with pytest.raises(ValueError, match="experts: 'int4'"):
+        resolve_experts("int4")

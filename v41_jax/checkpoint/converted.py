@@ -1,6 +1,6 @@
 """Orbax cache of converted params, so a second start skips reading and dequantizing the shards.
 
-    cfg, params = load_params_cached(ckpt_dir, cache_dir, experts="fp8")
+    cfg, params = load_params_cached(ckpt_dir, cache_dir, experts="auto")
 
 The first call runs `load_params` and saves the device params (everything but the host Engram
 tables) with orbax into `cache_dir/params`, next to `cache_dir/source.json`, which records a
@@ -20,14 +20,14 @@ import orbax.checkpoint as ocp
 
 from ..config import ModelConfig
 from ..quant import Fp4Weight, Fp8RowWeight
-from .load import ENGRAM_KEY, EngramTables, load_params
+from .load import ENGRAM_KEY, EngramTables, load_params, resolve_experts
 from .safetensors_io import INDEX_NAME, Checkpoint
 
 _SOURCE = "source.json"
 _PARAMS = "params"
 
 
-def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str = "fp8") -> str:
+def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> str:
     """sha256 over the config and expert format used, config.json, the index and each shard's name, size and header
     bytes: it changes whenever a tensor's name, dtype, shape or placement does, or the config does.
     Tensor bytes are not read (a shard rewritten in place with equal headers is not detected)."""
@@ -87,11 +87,12 @@ def cached_fingerprint(cache_dir: str | os.PathLike) -> str | None:
 
 def load_params_cached(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike,
                        cfg: ModelConfig | None = None, *, progress: bool = True,
-                       experts: str = "fp8") -> tuple[ModelConfig, dict]:
+                       experts: str = "auto") -> tuple[ModelConfig, dict]:
     """`load_params`, served from the orbax cache when it was made from this same checkpoint."""
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
         cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))
+    experts = resolve_experts(experts)
     source = fingerprint(ckpt_dir, cfg, experts)
     if cached_fingerprint(cache_dir) != source:
         cfg, params = load_params(ckpt_dir, cfg, progress=progress, experts=experts)

@@ -1,6 +1,6 @@
 """Published checkpoint -> params pytree (DESIGN.md, "Checkpoint -> params").
 
-`load_params(ckpt_dir, cfg=None, experts="fp8") -> (cfg, params)`:
+`load_params(ckpt_dir, cfg=None, experts="auto") -> (cfg, params)`:
 
   * config from `ckpt_dir/config.json` (ModelConfig.from_file) unless given, then `validate(cfg)`;
   * every tensor checked against `checkpoint_schema(cfg)` before any data is read;
@@ -11,13 +11,15 @@
       params["layers"][i]["hc_attn_fn"]                  f32  [24, 4D]
       params["layers"][i]["ffn"]["gate"]["bias"]         f32  [E]
       params["layers"][i]["ffn"]["experts"]              {"w1": [E, F, D], "w3": [E, F, D], "w2": [E, D, F]}
-                                                         as `quant.Fp8RowWeight`s (default), `Fp4Weight`s or bf16
+                                                         as `quant.Fp8RowWeight`s, `Fp4Weight`s or bf16
       params["mtp"][m]["markov_head"]["head"]["weight"]  f32  [V, R]
     A quantized weight's `.scale` is consumed by its dequantization and has no leaf. Routed experts
     are stacked along a new leading axis (`.weight` dropped), as DESIGN.md specifies.
   * routed experts (`experts=`), each format holding the same exact values, so all give identical
     outputs (the MoE kernels decode in registers, the reference loop per pick):
-      "fp8"   (default) re-coded exactly to E4M3 + one power of two per row, an `Fp8RowWeight`
+      "auto"  (default) "fp8" on a GPU, where the MoE kernels decode it; "bf16" on CPU, where
+              the XLA loop would decode every pick again (22% slower tests, no memory to save);
+      "fp8"   re-coded exactly to E4M3 + one power of two per row, an `Fp8RowWeight`
               (1 byte a weight, one fp8 conversion to decode: the fastest decode measured); a
               tensor with a row whose values span too many binades stays "fp4", with a warning;
       "fp4"   as published, E2M1 codes + E8M0 scales stacked in an `Fp4Weight` (0.53 bytes a
@@ -56,7 +58,7 @@ from .schema import TensorSpec, validate_checkpoint
 
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
 HELD_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # a params leaf's dtype by TensorSpec.held
-EXPERT_HOLDS = ("fp8", "fp4", "bf16")
+EXPERT_HOLDS = ("auto", "fp8", "fp4", "bf16")
 ENGRAM_KEY = "engram_tables"
 
 
@@ -115,14 +117,18 @@ def param_units(schema: Mapping[str, TensorSpec]) -> dict[str, Unit]:
 
 
 def held_as(spec: TensorSpec, unit: Unit, experts: str) -> str:
-    """A leaf's held format: `experts` ("fp4" | "fp8" | "bf16") for the FP4 routed experts, else
-    the schema's `spec.held` ("bf16" | "f32")."""
-    return check_experts(experts) if unit.stacked and spec.dtype == "I8" else spec.held
+    """A leaf's held format: `resolve_experts(experts)` ("fp8" | "fp4" | "bf16") for the FP4 routed
+    experts, else the schema's `spec.held` ("bf16" | "f32")."""
+    held = resolve_experts(experts)
+    return held if unit.stacked and spec.dtype == "I8" else spec.held
 
 
-def check_experts(experts: str) -> str:
+def resolve_experts(experts: str = "auto") -> str:
+    """One of EXPERT_HOLDS -> the format the experts are held in ("auto": by the default backend)."""
     if experts not in EXPERT_HOLDS:
         raise ValueError(f"experts: {experts!r} is not one of {EXPERT_HOLDS}")
+    if experts == "auto":
+        return "bf16" if jax.default_backend() == "cpu" else "fp8"
     return experts
 
 
@@ -179,9 +185,9 @@ def nest(flat: Mapping[str, Any]) -> dict:
 
 
 def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
-                progress: bool = True, experts: str = "fp8") -> tuple[ModelConfig, dict]:
+                progress: bool = True, experts: str = "auto") -> tuple[ModelConfig, dict]:
     """Read, check and convert a published checkpoint; see the module docstring for the layout."""
-    check_experts(experts)
+    experts = resolve_experts(experts)
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
         cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))

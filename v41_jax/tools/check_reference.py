@@ -274,7 +274,7 @@ class Fixture(NamedTuple):
     hasher: EngramHasher | None
 
 
-def load_fixture(folder: str, experts: str = "fp8") -> Fixture:
+def load_fixture(folder: str, experts: str = "auto") -> Fixture:
     """The folder's checkpoint through the project's own reader (routed experts held as `experts`,
     `load_params`' choices: all hold the same values), its reference outputs, its hasher."""
     cfg, params = load_params(os.path.join(folder, "checkpoint"), progress=False, experts=experts)
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run prefill + decode through the cache and the jitted step (no DSpark checks)")
     ap.add_argument("--tolerance", choices=("auto", "cpu", "gpu"), default="auto",
                     help="tolerance profile; auto = by the default JAX backend")
-    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="fp8", help="how the routed experts are held")
+    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto", help="how the routed experts are held")
     ap.add_argument("--conditioning", type=int, default=0, metavar="N",
                     help="also report how far N one-ulp nudges of the model move its own selections")
     args = ap.parse_args(argv)
