@@ -119,6 +119,22 @@ def test_fp8_rows_refuse_what_one_row_scale_cannot_hold():
         Fp8RowWeight.from_fp4(Fp4Weight(codes, scale), "experts.w1")
 
 
+@pytest.mark.parametrize("gap,exact", [(14, True), (15, False)])
+def test_fp8_rows_hold_scales_within_14(gap, exact):
+    """The boundary: a group at scale 2^0 and one at 2^-gap holding E2M1 0.5 (the smallest
+    nonzero) re-code exactly at gap 14 (0.5 lands on E4M3's 2^-9 step) and not at 15."""
+    w = np.zeros((1, 64), np.float32)
+    w[0, :32] = 6.0
+    w[0, 32], w[0, 33] = 6.0 * 2.0 ** -gap, 0.5 * 2.0 ** -gap
+    packed = Fp4Weight(*quant_weight_fp4(jnp.asarray(w)))
+    assert np.asarray(packed.scale).tolist() == [[127, 127 - gap]]
+    if exact:
+        np.testing.assert_array_equal(np.asarray(Fp8RowWeight.from_fp4(packed).dequant(jnp.float32)), w)
+    else:
+        with pytest.raises(ValueError, match="1 rows"):
+            Fp8RowWeight.from_fp4(packed)
+
+
 def test_the_loader_keeps_fp4_where_fp8_rows_cannot_hold_it():
     from v41_jax.checkpoint.load import recode_fp8
     w = np.full((2, 3, 64), 0.5, np.float32)
