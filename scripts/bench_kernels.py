@@ -33,6 +33,7 @@ from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
+from v41_jax.checkpoint.load import held_bytes  # noqa: E402
 from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
 
 REF = Numerics.reference()
@@ -356,10 +357,14 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         return Fp4Weight(jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint8),
                          jnp.full((*shape[:-1], shape[-1] // 32), 120, jnp.uint8))
 
-    packed = (fp4(kw1, (e, f, d)), fp4(kw3, (e, f, d)), fp4(kw2, (e, d, f)))
-    weights = {"bf16": (w1, w3, w2), "fp4": packed,
-               "fp8": tuple(Fp8RowWeight.from_fp4(w) for w in packed)}
-    bytes_per_weight = {"bf16": 2.0, "fp4": 0.5 + 1 / 32, "fp8": 1.0}
+    @functools.cache
+    def weights(held):
+        """(w1, w3, w2) as held, built on first use (a run filtered to bf16 builds no other)."""
+        if held == "bf16":
+            return w1, w3, w2
+        if held == "fp4":
+            return fp4(kw1, (e, f, d)), fp4(kw3, (e, f, d)), fp4(kw2, (e, d, f))
+        return tuple(Fp8RowWeight.from_fp4(w) for w in weights("fp4"))
 
     def inputs(key, t, layers=1):
         """`layers` independent (x, idx, wt) triples; one timed call runs them all."""
@@ -374,7 +379,7 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
     def runner(backend, impl=None, held="bf16", **kw):
         jitted = jax.jit(lambda ins, w1_, w3_, w2_: tuple(kmoe.routed_experts(
             x, idx, wt, w1_, w3_, w2_, FAST, limit, backend=backend, impl=impl, **kw) for x, idx, wt in ins))
-        return lambda ins: jitted(ins, *weights[held])
+        return lambda ins: jitted(ins, *weights(held))
 
     def shape_case(t, sweep=None, others=True):
         # one layer per call: the layers would share the weights here, and XLA merges dots with a
@@ -383,7 +388,7 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         ins = inputs(jax.random.key(t), t)
         active = int(jnp.sum(jnp.bincount(ins[0][1].reshape(-1), length=e) > 0))
         flops = 6.0 * t * k * d * f
-        wbytes = {h: active * 3 * d * f * n for h, n in bytes_per_weight.items()}
+        wbytes = {h: active * (2 * held_bytes(h, (f, d)) + held_bytes(h, (d, f))) for h in ("bf16", "fp8", "fp4")}
 
         def case(name, fn, variant, held="bf16"):
             return b.case(f"moe/T{t}/{name}", fn, (ins,), layers=1, flops=flops, bytes_=wbytes[held],

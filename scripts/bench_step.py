@@ -85,7 +85,7 @@ from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E40
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format  # noqa: E402
 from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables, held_as,  # noqa: E402
-                                     nest, param_units)
+                                     held_bytes, nest, param_units)
 from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
@@ -111,12 +111,7 @@ class LeafSpec:
 
     @property
     def nbytes(self) -> int:
-        n = int(np.prod(self.shape))
-        if self.held == "fp4":
-            return n // 2 + n // 32                                   # codes + E8M0 per 32
-        if self.held == "fp8":
-            return n + 4 * n // self.shape[-1]                        # codes + fp32 per row
-        return n * jnp.dtype(HELD_DTYPES[self.held]).itemsize
+        return held_bytes(self.held, self.shape)
 
 
 def param_leaf_specs(cfg: ModelConfig, experts: str = "auto") -> dict[str, LeafSpec]:

@@ -368,9 +368,17 @@ def quant_weight_fp4(w, group: int = 32) -> tuple[jax.Array, jax.Array]:
 
 # ---- held expert weights -------------------------------------------------------------------------
 
+class HeldWeight:
+    """What the held formats share: each is a pytree of its parts, and `w[e]` indexes every part
+    (expert e of a stack; e may be traced)."""
+
+    def __getitem__(self, i):
+        return jax.tree.map(lambda part: part[i], self)
+
+
 @partial(jax.tree_util.register_dataclass, data_fields=["codes", "scale"], meta_fields=[])
 @dataclass(frozen=True)
-class Fp4Weight:
+class Fp4Weight(HeldWeight):
     """A weight held on the device as published: packed E2M1 codes uint8 [..., out, in/2] (even
     input in the low nibble) and E8M0 codes uint8 [..., out, in/32]: a quarter of the bf16 bytes
     (plus 1/64 for the scales), the smallest form. Routed experts stack on a leading axis; `w[e]`
@@ -382,16 +390,13 @@ class Fp4Weight:
     def shape(self) -> tuple[int, ...]:
         return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
 
-    def __getitem__(self, i) -> "Fp4Weight":
-        return Fp4Weight(self.codes[i], self.scale[i])
-
     def dequant(self, dtype=jnp.bfloat16) -> jax.Array:
         return dequant_fp4_rows(self.codes, self.scale, dtype=dtype)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["codes", "row_scale"], meta_fields=[])
 @dataclass(frozen=True)
-class Fp8RowWeight:
+class Fp8RowWeight(HeldWeight):
     """The same values re-coded for the kernels: E4M3 codes uint8 [..., out, in] and one fp32 power
     of two per output row [..., out]. Half the bf16 bytes; a kernel decodes a weight with one fp8
     conversion and scales its GEMM output columns by the row's power of two, which is exact, so it
@@ -404,9 +409,6 @@ class Fp8RowWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.codes.shape)
-
-    def __getitem__(self, i) -> "Fp8RowWeight":
-        return Fp8RowWeight(self.codes[i], self.row_scale[i])
 
     def dequant(self, dtype=jnp.bfloat16) -> jax.Array:
         return (e4m3_to_f32(self.codes) * self.row_scale[..., None]).astype(dtype)
@@ -441,4 +443,4 @@ def _fp4_to_fp8_rows(codes, scale):
 def held(w) -> jax.Array:
     """A params weight as the GEMM takes it: an `Fp4Weight` / `Fp8RowWeight` decoded to bf16
     (exact), anything else as is."""
-    return w.dequant() if isinstance(w, (Fp4Weight, Fp8RowWeight)) else w
+    return w.dequant() if isinstance(w, HeldWeight) else w

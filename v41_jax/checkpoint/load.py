@@ -59,6 +59,16 @@ from .schema import TensorSpec, validate_checkpoint
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
 HELD_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # a params leaf's dtype by TensorSpec.held
 EXPERT_HOLDS = ("auto", "fp8", "fp4", "bf16")
+
+
+def held_bytes(held: str, shape) -> int:
+    """Device bytes of a leaf of logical shape [..., out, in] held as `held` (`held_as`)."""
+    n = int(np.prod(shape))
+    if held == "fp4":
+        return n // 2 + n // 32                                       # codes + E8M0 per 32
+    if held == "fp8":
+        return n + 4 * (n // shape[-1])                               # codes + fp32 per row
+    return n * jnp.dtype(HELD_DTYPES[held]).itemsize
 ENGRAM_KEY = "engram_tables"
 
 
