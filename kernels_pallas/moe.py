@@ -54,7 +54,7 @@ from v41_jax.model import moe as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp8_act_qdq, held
 
-IMPLS = ("pallas", "gemv", "ragged_dot", "dense")
+IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "capacity")
 _K_BLOCK = 32  # A8 fake-quant group
 
 
@@ -408,6 +408,49 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     return ref.add_slots(jnp.take_along_axis(y, idx_t[..., None], axis=1))  # [T, k, D]
 
 
+def capacity_rows(n_pairs: int, n_experts: int) -> int:
+    """Static rows per expert of the capacity path: the mean group plus 4 standard deviations of
+    uniform routing (and at least 1.25x the mean), rounded up to 64 (the MMA tile height). A group
+    past it takes another round, so the size only sets the speed."""
+    mean = n_pairs / n_experts
+    return int(-(-max(1.25 * mean, mean + 4 * mean ** 0.5) // 64) * 64)
+
+
+@functools.partial(jax.jit, static_argnames=("numerics", "limit", "capacity"))
+def _routed_capacity(x, idx, w, w1, w3, w2, *, numerics, limit, capacity):
+    """Each expert's pairs dispatched into C = `capacity` rows of an [E, C, D] block, then three
+    batched dense GEMMs (the vendor GEMM library through XLA). Slot c of round r holds the pair at
+    position r * C + c of the expert's group; a group longer than C takes more rounds (a while
+    loop, one round when routing fits). An empty slot reads a zero row with weight 0, so its a
+    and y are exactly 0, and its store is dropped."""
+    t, k = idx.shape
+    n_exp = w1.shape[0]
+    w1, w3, w2 = held(w1), held(w3), held(w2)
+    _, w_t, order, sizes = sort_pairs(idx, w, n_exp)
+    starts = jnp.cumsum(sizes) - sizes
+    n_pairs = t * k
+    xq = jnp.concatenate([_act_in(x, numerics), jnp.zeros((1, x.shape[1]), numerics.act_dtype)])
+    pw = jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    mm = lambda a, b, spec: jnp.einsum(spec, a, b.astype(a.dtype), precision=HIGHEST,
+                                       preferred_element_type=jnp.float32)
+
+    def one_round(r, y):                                              # y [T*k, D] pair outputs
+        pos = r * capacity + jnp.arange(capacity, dtype=jnp.int32)
+        live = pos[None, :] < sizes[:, None]                          # [E, C]
+        pair = jnp.where(live, order[jnp.minimum(starts[:, None] + pos[None, :], n_pairs - 1)], n_pairs)
+        tok = jnp.where(live, pair // k, t)                           # row t of xq is zero
+        xs = xq[tok]                                                  # [E, C, D]
+        g, u = mm(xs, w1, "ecd,efd->ecf"), mm(xs, w3, "ecd,efd->ecf")
+        a = _swiglu_epilogue(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), pw[pair].reshape(-1),
+                             numerics, limit).reshape(g.shape)
+        ys = numerics.act(mm(_act_in(a, numerics), w2, "ecf,edf->ecd"))
+        return y.at[pair.reshape(-1)].set(ys.reshape(-1, ys.shape[-1]).astype(y.dtype), mode="drop")
+
+    rounds = (jnp.max(sizes) + capacity - 1) // capacity
+    y = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((n_pairs, x.shape[1]), numerics.act_dtype))
+    return ref.add_slots(y.reshape(t, k, -1))
+
+
 def choose_impl(tokens: int) -> str:
     """The fastest exact implementation for a step, from the H200 measurements (BENCHMARKS.md,
     5120 / 2304, top-6, 64 and 384 experts): up to 8 tokens -> "gemv" (one weight stream per
@@ -439,8 +482,9 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     (ascending id) of the SwiGLU expert output.
 
     backend "xla" (or numerics.block_gemm) -> the model's reference loop; "pallas" -> `impl`
-    ("pallas" | "gemv" | "ragged_dot" | "dense"; None = `choose_impl`, the fastest exact
-    one measured on the H200). Launch parameters default to `launch_config(block_m)`."""
+    ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity"; None = `choose_impl`, the fastest exact
+    one measured on the H200). Launch parameters default to `launch_config(block_m)`; for
+    "capacity", block_m is the rows per expert and round (default `capacity_rows`)."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
         return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
     impl = impl or choose_impl(x.shape[0])
@@ -449,6 +493,9 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)
     if impl == "dense":
         return _routed_dense(x, idx, w, w1, w3, w2, **kw)
+    if impl == "capacity":
+        return _routed_capacity(x, idx, w, w1, w3, w2, **kw,
+                                capacity=block_m or capacity_rows(idx.size, w1.shape[0]))
     d, f = x.shape[1], w1.shape[1]
 
     def tiles(bn: int, bk: int) -> dict:

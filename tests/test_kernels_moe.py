@@ -1,4 +1,4 @@
-"""Routed-expert grouped GEMM (Pallas, and the ragged_dot / dense XLA alternatives) vs the model's
+"""Routed-expert grouped GEMM (Pallas, and the ragged_dot / dense / capacity XLA alternatives) vs the model's
 `routed_experts` and the moe_exec.json fixture.
 
 On CPU the kernels run in Pallas interpret mode (outputs start as NaN there; each sorted pair row
@@ -154,6 +154,21 @@ def test_skewed_groups_span_tiles():
     got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="pallas", block_m=16,
                               block_n=64)
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
+
+
+def test_capacity_rounds_take_the_overflow():
+    """Expert 0 holds all 17 pairs: with 8 rows per expert it takes three rounds (8 + 8 + 1), the
+    other experts one or none; every pair must come back once."""
+    rng, seed = fresh_rng()
+    case = _case(rng, skew=True)
+    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="capacity", block_m=8)
+    _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
+
+
+def test_capacity_rows_cover_uniform_routing():
+    assert kmoe.capacity_rows(2048 * 6, 64) == 256      # mean 192 + 4 sd = 247
+    assert kmoe.capacity_rows(8192 * 6, 64) == 960      # 1.25 x 768
+    assert kmoe.capacity_rows(12, 64) == 64
 
 
 @pytest.mark.parametrize("impl", ["pallas", "gemv"])
