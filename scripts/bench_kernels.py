@@ -406,11 +406,17 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
             return times
         tr = case("ragged_dot", runner("pallas", "ragged_dot"), "ragged_dot")
         td = case("dense", runner("pallas", "dense"), "dense all-experts") if t <= (64 if b.smoke else 2048) else None
+        tc = None
+        if t >= 16:   # fixed-capacity dispatch + batched vendor GEMMs; C = kmoe.capacity_rows
+            tc = case("capacity", runner("pallas", "capacity"), "capacity dispatch")
+            for held in helds:
+                if held != "bf16" and t >= (16 if b.smoke else 512):
+                    case(f"capacity[{held}]", runner("pallas", "capacity", held), f"capacity {held}", held)
         if t <= 8:
             case("xla-reference", runner("xla"), "xla reference loop")
         ok = {k_: v for k_, v in times.items() if v and not k_.startswith("fp")}   # vs the bf16 XLA paths
         if ok:
-            for other, name in ((tr, "ragged_dot"), (td, "dense")):
+            for other, name in ((tr, "ragged_dot"), (td, "dense"), (tc, "capacity")):
                 if other:
                     b.results.setdefault("moe_speedups", {})[f"T{t}/pallas_vs_{name}"] = round(other / min(ok.values()), 2)
             b.save()
