@@ -49,12 +49,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
+from kernels_pallas import moe_mgpu
 from kernels_pallas._compat import compiler_params, load, store
 from v41_jax.model import moe as ref
 from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp8_act_qdq, held
 
-IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "capacity")
+IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "capacity", "mgpu")
 _K_BLOCK = 32  # A8 fake-quant group
 
 
@@ -408,6 +409,30 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     return ref.add_slots(jnp.take_along_axis(y, idx_t[..., None], axis=1))  # [T, k, D]
 
 
+@functools.partial(jax.jit, static_argnames=("numerics", "limit", "tile_m", "tile_n", "steps", "reference"))
+def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, tile_n, steps, reference):
+    """The Mosaic GPU path (`moe_mgpu`): pairs dispatched into tile-aligned rows [M_pad, D] (the
+    tile table's tiles, each one expert), three warp-specialised grouped GEMMs, the SwiGLU
+    epilogue and fp8 fake-quant in XLA between them, rows scattered back to their pairs (pad
+    rows and skipped tiles are dropped). `reference` runs the GEMMs' jnp reference instead (CPU
+    tests of the dispatch)."""
+    t, k = idx.shape
+    n_pairs = t * k
+    _, w_t, order, sizes = sort_pairs(idx, w, w1.shape[0])
+    te, tf, tend = tile_table(sizes, tile_m, n_pairs)
+    rows = tf[:, None] + jnp.arange(tile_m, dtype=jnp.int32)[None, :]  # [tiles, tile_m] sorted rows
+    pair = jnp.where(rows < tend[:, None], order[jnp.minimum(rows, n_pairs - 1)], n_pairs).reshape(-1)
+    xq = jnp.concatenate([_act_in(x, numerics), jnp.zeros((1, x.shape[1]), numerics.act_dtype)])
+    pw = jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    gemm = functools.partial(moe_mgpu.grouped_matmul_ref if reference else moe_mgpu.grouped_matmul,
+                             tile_expert=te, tile_m=tile_m, tile_n=tile_n, steps=steps)
+    xs = xq[jnp.where(pair < n_pairs, pair // k, t)]                  # [M_pad, D], pad rows zero
+    a = _swiglu_epilogue(gemm(xs, w1), gemm(xs, w3), pw[pair], numerics, limit)
+    a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
+    y = jnp.zeros((n_pairs, x.shape[1]), numerics.act_dtype).at[pair].set(gemm(a, w2), mode="drop")
+    return ref.add_slots(y.reshape(t, k, -1))
+
+
 def capacity_rows(n_pairs: int, n_experts: int) -> int:
     """Static rows per expert of the capacity path: the mean group plus 4 standard deviations of
     uniform routing (and at least 1.25x the mean), rounded up to 64 (the MMA tile height). A group
@@ -482,7 +507,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     (ascending id) of the SwiGLU expert output.
 
     backend "xla" (or numerics.block_gemm) -> the model's reference loop; "pallas" -> `impl`
-    ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity"; None = `choose_impl`, the fastest exact
+    ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity" | "mgpu"; None = `choose_impl`, the fastest exact
     one measured on the H200). Launch parameters default to `launch_config(block_m)`; for
     "capacity", block_m is the rows per expert and round (default `capacity_rows`)."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
@@ -493,6 +518,14 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)
     if impl == "dense":
         return _routed_dense(x, idx, w, w1, w3, w2, **kw)
+    if impl == "mgpu":
+        if not all(isinstance(w_, jax.Array) and w_.dtype == jnp.bfloat16 for w_ in (w1, w3, w2)) \
+                or numerics.act_dtype != jnp.bfloat16:
+            raise ValueError("impl='mgpu' takes bf16 experts and bf16 activations; held FP8 / FP4 "
+                             "experts and fp32 numerics take impl='pallas'")
+        # off an NVIDIA Hopper GPU (CPU tests) the GEMMs run as their jnp reference
+        return _routed_mgpu(x, idx, w, w1, w3, w2, **kw, tile_m=block_m or 128, tile_n=block_n or 128,
+                            steps=num_stages or 3, reference=not moe_mgpu.available())
     if impl == "capacity":
         return _routed_capacity(x, idx, w, w1, w3, w2, **kw,
                                 capacity=block_m or capacity_rows(idx.size, w1.shape[0]))

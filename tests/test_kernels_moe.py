@@ -12,6 +12,8 @@ The fp32 policy is held to 1e-5 relative to the largest |y| (fp32 sums of a few 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 
 from kernels_common import assert_close, fresh_rng, load_fixture
 from kernels_pallas import moe as kmoe
+from kernels_pallas import moe_mgpu
 from v41_jax.model import moe as ref
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight, dequant_fp4_rows, quant_weight_fp4
@@ -69,6 +72,10 @@ def test_matches_reference(impl, numerics):
     rng, seed = fresh_rng()
     dtype = jnp.float32 if numerics is F32 else jnp.bfloat16
     case = _case(rng, dtype=dtype)
+    if impl == "mgpu" and numerics is F32:
+        with pytest.raises(ValueError, match="bf16 experts and bf16 activations"):
+            kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl)
+        return
     got = kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl, block_n=64)
     _check(got, ref.routed_experts(*case, numerics, 1.0), seed, numerics)
 
@@ -154,6 +161,44 @@ def test_skewed_groups_span_tiles():
     got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="pallas", block_m=16,
                               block_n=64)
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
+
+
+def test_mgpu_dispatch_covers_every_tile_layout():
+    """The Mosaic path's tile-aligned dispatch (on CPU with the GEMM's jnp reference): a hot
+    expert over several 16-row tiles, empty experts, and 16-row tiles of a 17-pair group."""
+    rng, seed = fresh_rng()
+    case = _case(rng, skew=True)
+    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="mgpu", block_m=16, block_n=64)
+    _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
+
+
+@pytest.mark.parametrize("n,k", [(2304, 5120), (5120, 2304)], ids=["gate_up", "down"])
+def test_mgpu_kernel_lowers_for_cuda_at_real_widths(n, k):
+    """Without a GPU: the Mosaic GPU lowering (TMA descriptors, the shared-memory budget of the
+    three-warpgroup ring) runs at export time, so a launch the H200 could not take fails here."""
+    args = (jax.ShapeDtypeStruct((20 * 128, k), jnp.bfloat16), jax.ShapeDtypeStruct((4, n, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((20,), jnp.int32))
+    exported = jax.export.export(moe_mgpu.grouped_matmul, platforms=["cuda"])(*args)
+    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        jax.export.export(jax.jit(functools.partial(moe_mgpu.grouped_matmul, steps=6)), platforms=["cuda"])(*args)
+
+
+@pytest.mark.skipif(not moe_mgpu.available(), reason="needs an NVIDIA Hopper GPU (wgmma, TMA)")
+@pytest.mark.parametrize("tile_m,tile_n,steps", [(128, 128, 3), (64, 128, 4)])
+def test_mgpu_grouped_matmul_matches_its_reference(tile_m, tile_n, steps):
+    """Compiled Mosaic GPU kernel vs its jnp reference on live tiles (skipped tiles are unwritten).
+    Both accumulate in fp32 and round once to bf16; summation order differs, so a bf16 output
+    may move by one step: rtol 2^-7."""
+    rng, seed = fresh_rng()
+    n_tiles, k, n, e = 6, 512, 512, 3
+    x = jnp.asarray(rng.standard_normal((n_tiles * tile_m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.bfloat16)
+    te = jnp.asarray([0, 2, 2, 1, -1, -1], jnp.int32)
+    kw = dict(tile_m=tile_m, tile_n=tile_n, steps=steps)
+    got = np.asarray(moe_mgpu.grouped_matmul(x, w, te, **kw).astype(jnp.float32))[:4 * tile_m]
+    want = np.asarray(moe_mgpu.grouped_matmul_ref(x, w, te, **kw).astype(jnp.float32))[:4 * tile_m]
+    assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max(), seed=seed)
 
 
 def test_capacity_rounds_take_the_overflow():

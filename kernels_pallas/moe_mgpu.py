@@ -1,0 +1,151 @@
+"""Optional NVIDIA (Hopper) fast path for the routed experts' grouped GEMM: Pallas Mosaic GPU.
+
+The Triton grouped GEMM (`kernels_pallas.moe`) stays the portable path (CUDA and ROCm). This one
+adds what Triton's lowering does not give on Hopper: warp specialisation. Per SM, one persistent
+CTA of three warpgroups: a memory warpgroup issues TMA loads of the next K steps into a
+`steps`-deep shared-memory ring while two compute warpgroups run wgmma on the current one (each
+owns half of the CTA's columns), so weight streaming and MMA overlap instead of alternating.
+
+Layout: the expert-sorted pairs are dispatched into tile-aligned rows (each expert's group padded
+to whole `tile_m` tiles, `moe.tile_table`), so every tile is one expert and one rectangular TMA
+block; tiles past the live count are skipped. The kernel is a plain grouped GEMM
+x_pad [M_pad, K] @ w[e]^T ([E, N, K], the checkpoint's layout) -> bf16 [M_pad, N]; the SwiGLU
+epilogue and the fp8 fake-quant between the GEMMs stay in XLA (one fused elementwise pass).
+Rounding points are the Triton path's: fp32 accumulation, g / u / y rounded to bf16.
+
+bf16 experts only (held FP8 / FP4 experts take the Triton path, which decodes them in registers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:   # the Mosaic GPU dialect ships with jaxlib; lowering works without a GPU (jax.export)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - a jax without Mosaic GPU
+    plgpu = None
+
+_N_MINOR = 1   # planar_snake: the column index runs fastest (a tile's rows stay in L2)
+
+
+def available() -> bool:
+    """True where this path can run: an NVIDIA GPU of compute capability 9.x (wgmma, TMA)."""
+    if plgpu is None or jax.default_backend() != "gpu":
+        return False
+    dev = jax.devices()[0]
+    return getattr(dev, "platform", "") == "gpu" and str(getattr(dev, "compute_capability", "0")).startswith("9")
+
+
+def _num_sms() -> int:
+    return getattr(jax.devices()[0], "core_count", 132) or 132
+
+
+def _swizzled(cols: int, dtype) -> tuple:
+    """Shared-memory transforms for a tile whose rows hold `cols` elements of `dtype`."""
+    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(te_gmem, x_gmem, w_gmem, out_gmem, *, tile_m, tile_n, tile_k, steps, epi, snake):
+    m_pad, k = x_gmem.shape
+    n = w_gmem.shape[1]
+    cta_n = 2 * tile_n                                               # two compute warpgroups
+    m_iters, n_iters = m_pad // tile_m, n // cta_n
+    dtype = x_gmem.dtype
+    tr = _swizzled(tile_k, dtype)
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k // tile_k,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=steps, compute_context=context,
+            in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=tr,
+                                      memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=tr,
+                                      memory_space=plgpu.SMEM)])
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), out_gmem.dtype, transforms=_swizzled(epi, out_gmem.dtype)),
+        collective_axes="wg")
+    def _scope(allocs, out_smem):
+        wg = jax.lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tiles(info):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), _N_MINOR, snake)
+            e = te_gmem[mi]
+            rows = pl.ds(mi * tile_m, tile_m)
+
+            @pl.when(e >= 0)
+            def _live():
+                def context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        out = acc_ref[...].astype(out_gmem.dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for i in range(tile_m // epi):
+                            for j in range(tile_n // epi):
+                                slot = (i * (tile_n // epi) + j) % 2
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                out_smem[wg, slot] = out[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg, slot],
+                                    out_gmem.at[pl.ds(mi * tile_m + i * epi, epi),
+                                                pl.ds(ni * cta_n + wg * tile_n + j * epi, epi)])
+
+                def mma(_, a_smem, b_smem, acc_ref):
+                    b = plgpu.transpose_ref(b_smem.at[pl.ds(wg * tile_n, tile_n)], (1, 0))
+                    plgpu.wgmma(acc_ref, a_smem, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                pipeline(mma, context)(x_gmem.at[rows, :], w_gmem.at[e, pl.ds(ni * cta_n, cta_n), :],
+                                       allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "tile_k", "steps", "epi", "snake",
+                                             "interpret"))
+def grouped_matmul(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, tile_m: int = 128,
+                   tile_n: int = 128, tile_k: int = 64, steps: int = 4, epi: int = 64,
+                   snake: int = 8, interpret: bool = False) -> jax.Array:
+    """x_pad [M_pad, K] bf16 (tile i = rows [i*tile_m, (i+1)*tile_m), all one expert), w [E, N, K]
+    bf16, tile_expert [M_pad / tile_m] int32 (-1 = no rows) -> [M_pad, N] bf16 (fp32 accumulation);
+    the rows of skipped tiles are left unwritten."""
+    m_pad, k = x_pad.shape
+    n = w.shape[1]
+    if x_pad.dtype != w.dtype or w.shape[2] != k:
+        raise ValueError(f"grouped_matmul: x {x_pad.shape} {x_pad.dtype} vs w {w.shape} {w.dtype}")
+    if m_pad % tile_m or n % (2 * tile_n) or k % tile_k or tile_m % epi or tile_n % epi:
+        raise ValueError(f"grouped_matmul: M={m_pad}, N={n}, K={k} do not tile by "
+                         f"{tile_m} / 2x{tile_n} / {tile_k} (epilogue {epi})")
+    return plgpu.kernel(
+        functools.partial(_kernel, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, steps=steps, epi=epi,
+                          snake=snake),
+        out_type=jax.ShapeDtypeStruct((m_pad, n), x_pad.dtype),
+        grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )(tile_expert, x_pad, w)
+
+
+def grouped_matmul_ref(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, tile_m: int = 128,
+                       **_) -> jax.Array:
+    """Pure-jnp `grouped_matmul` (skipped tiles give 0 here instead of being left unwritten)."""
+    xt = x_pad.reshape(tile_expert.shape[0], tile_m, -1)
+    we = w[jnp.maximum(tile_expert, 0)]                               # [tiles, N, K]
+    out = jnp.einsum("tmk,tnk->tmn", xt, we, preferred_element_type=jnp.float32)
+    out = jnp.where((tile_expert >= 0)[:, None, None], out, 0)
+    return out.astype(x_pad.dtype).reshape(x_pad.shape[0], -1)
