@@ -126,6 +126,7 @@ def grouped_matmul(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, ti
     the rows of skipped tiles are left unwritten."""
     m_pad, k = x_pad.shape
     n = w.shape[1]
+    epi = min(epi, tile_m, tile_n)
     if x_pad.dtype != w.dtype or w.shape[2] != k:
         raise ValueError(f"grouped_matmul: x {x_pad.shape} {x_pad.dtype} vs w {w.shape} {w.dtype}")
     if m_pad % tile_m or n % (2 * tile_n) or k % tile_k or tile_m % epi or tile_n % epi:

@@ -71,12 +71,13 @@ def _check(got, want, seed, numerics):
 def test_matches_reference(impl, numerics):
     rng, seed = fresh_rng()
     dtype = jnp.float32 if numerics is F32 else jnp.bfloat16
-    case = _case(rng, dtype=dtype)
+    case = _case(rng, dtype=dtype, d=128 if impl == "mgpu" else 64)   # mgpu: 2 x 64 columns per CTA
     if impl == "mgpu" and numerics is F32:
         with pytest.raises(ValueError, match="bf16 experts and bf16 activations"):
             kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl)
         return
-    got = kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl, block_n=64)
+    got = kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl,
+                              block_n=64)
     _check(got, ref.routed_experts(*case, numerics, 1.0), seed, numerics)
 
 
@@ -165,10 +166,10 @@ def test_skewed_groups_span_tiles():
 
 def test_mgpu_dispatch_covers_every_tile_layout():
     """The Mosaic path's tile-aligned dispatch (on CPU with the GEMM's jnp reference): a hot
-    expert over several 16-row tiles, empty experts, and 16-row tiles of a 17-pair group."""
+    expert over three 64-row tiles (150 pairs: 64 + 64 + 22), empty experts, pad rows."""
     rng, seed = fresh_rng()
-    case = _case(rng, skew=True)
-    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="mgpu", block_m=16, block_n=64)
+    case = _case(rng, t=150, skew=True, d=128)
+    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="mgpu", block_m=64, block_n=64)
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
 
 
