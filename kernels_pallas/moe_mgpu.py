@@ -51,31 +51,47 @@ def _swizzled(cols: int, dtype) -> tuple:
             plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(te_gmem, x_gmem, w_gmem, out_gmem, *, tile_m, tile_n, tile_k, steps, epi, snake):
+def _silu_glu(g, u, wt, limit: float):
+    """fp32 g, u (GEMM outputs), wt (routing weight per row) -> bf16 a, as `moe._swiglu_epilogue`:
+    g and u rounded to bf16 first, then the asymmetric clamp, wt * silu(g) * u in fp32."""
+    g = g.astype(jnp.bfloat16).astype(jnp.float32)
+    u = u.astype(jnp.bfloat16).astype(jnp.float32)
+    if limit > 0:
+        u = jnp.minimum(jnp.maximum(u, -limit), limit)
+        g = jnp.minimum(g, limit)
+    return (wt * (g / (1 + jnp.exp(-g)) * u)).astype(jnp.bfloat16)
+
+
+def _kernel(te_gmem, *refs, glu, tile_m, tile_n, tile_k, steps, epi, snake, limit):
+    """refs = (x_gmem, w_gmem, out_gmem): out = x @ w[e]^T; with `glu`, (wt_gmem, x_gmem, w1_gmem,
+    w3_gmem, out_gmem): out = the SwiGLU of x @ w1[e]^T and x @ w3[e]^T with routing weights
+    wt_gmem [M_pad, epi] (each row one weight repeated, so an epilogue tile reads it in the
+    accumulator's own shape)."""
+    wt_gmem, x_gmem, *w_gmems, out_gmem = refs if glu else (None, *refs)
     m_pad, k = x_gmem.shape
-    n = w_gmem.shape[1]
+    n = w_gmems[0].shape[1]
     cta_n = 2 * tile_n                                               # two compute warpgroups
     m_iters, n_iters = m_pad // tile_m, n // cta_n
-    dtype = x_gmem.dtype
-    tr = _swizzled(tile_k, dtype)
+    tr = _swizzled(tile_k, x_gmem.dtype)
 
     def pipeline(body, context):
+        b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=tr, memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // tile_k,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=steps, compute_context=context,
             in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=tr,
-                                      memory_space=plgpu.SMEM),
-                      plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=tr,
-                                      memory_space=plgpu.SMEM)])
+                                      memory_space=plgpu.SMEM)] + [b_spec] * len(w_gmems))
 
     ignore = lambda *_, **__: None
 
     @functools.partial(
         pl.run_scoped,
-        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, *(w.at[0] for w in w_gmems)),
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_gmem.dtype, transforms=_swizzled(epi, out_gmem.dtype)),
+        wt_smem=plgpu.SMEM((2, epi, epi), jnp.float32) if glu else None,
+        wt_barrier=plgpu.Barrier(num_barriers=2) if glu else None,
         collective_axes="wg")
-    def _scope(allocs, out_smem):
+    def _scope(allocs, out_smem, wt_smem, wt_barrier):
         wg = jax.lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -88,58 +104,94 @@ def _kernel(te_gmem, x_gmem, w_gmem, out_gmem, *, tile_m, tile_n, tile_k, steps,
             @pl.when(e >= 0)
             def _live():
                 def context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        out = acc_ref[...].astype(out_gmem.dtype)
+                    @functools.partial(pl.run_scoped,
+                                       accs=[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in w_gmems])
+                    def _acc(accs):
+                        eval_pipeline(accs)
+                        vals = [acc[...] for acc in accs]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for i in range(tile_m // epi):
+                            r0 = mi * tile_m + i * epi
+                            if glu:   # this row block's routing weights
+                                plgpu.copy_gmem_to_smem(wt_gmem.at[pl.ds(r0, epi)], wt_smem.at[wg],
+                                                        wt_barrier.at[wg])
+                                plgpu.barrier_wait(wt_barrier.at[wg])
                             for j in range(tile_n // epi):
+                                blk = [v[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi] for v in vals]
+                                out = (_silu_glu(*blk, wt_smem[wg], limit) if glu
+                                       else blk[0].astype(out_gmem.dtype))
                                 slot = (i * (tile_n // epi) + j) % 2
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                out_smem[wg, slot] = out[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
+                                out_smem[wg, slot] = out
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(
                                     out_smem.at[wg, slot],
-                                    out_gmem.at[pl.ds(mi * tile_m + i * epi, epi),
-                                                pl.ds(ni * cta_n + wg * tile_n + j * epi, epi)])
+                                    out_gmem.at[pl.ds(r0, epi), pl.ds(ni * cta_n + wg * tile_n + j * epi, epi)])
 
-                def mma(_, a_smem, b_smem, acc_ref):
-                    b = plgpu.transpose_ref(b_smem.at[pl.ds(wg * tile_n, tile_n)], (1, 0))
-                    plgpu.wgmma(acc_ref, a_smem, b)
+                def mma(_, a_smem, *rest):
+                    *b_smems, accs = rest
+                    for acc, b_smem in zip(accs, b_smems):
+                        plgpu.wgmma(acc, a_smem, b_smem.at[pl.ds(wg * tile_n, tile_n)].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
-                    return acc_ref
+                    return accs
 
-                pipeline(mma, context)(x_gmem.at[rows, :], w_gmem.at[e, pl.ds(ni * cta_n, cta_n), :],
+                pipeline(mma, context)(x_gmem.at[rows, :],
+                                       *(w.at[e, pl.ds(ni * cta_n, cta_n), :] for w in w_gmems),
                                        allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "tile_k", "steps", "epi", "snake",
-                                             "interpret"))
-def grouped_matmul(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, tile_m: int = 128,
-                   tile_n: int = 128, tile_k: int = 64, steps: int = 4, epi: int = 64,
-                   snake: int = 8, interpret: bool = False) -> jax.Array:
-    """x_pad [M_pad, K] bf16 (tile i = rows [i*tile_m, (i+1)*tile_m), all one expert), w [E, N, K]
-    bf16, tile_expert [M_pad / tile_m] int32 (-1 = no rows) -> [M_pad, N] bf16 (fp32 accumulation);
-    the rows of skipped tiles are left unwritten."""
+def _launch(kernel_args, out_shape, **kw):
+    return plgpu.kernel(
+        functools.partial(_kernel, **kw), out_type=out_shape,
+        grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(*kernel_args)
+
+
+def _check_tiles(x_pad, ws, tile_m, tile_n, tile_k, epi):
     m_pad, k = x_pad.shape
-    n = w.shape[1]
-    epi = min(epi, tile_m, tile_n)
-    if x_pad.dtype != w.dtype or w.shape[2] != k:
-        raise ValueError(f"grouped_matmul: x {x_pad.shape} {x_pad.dtype} vs w {w.shape} {w.dtype}")
+    n = ws[0].shape[1]
+    if any(w.dtype != x_pad.dtype or w.shape[2] != k for w in ws):
+        raise ValueError(f"grouped_matmul: x {x_pad.shape} {x_pad.dtype} vs w "
+                         f"{[(w.shape, str(w.dtype)) for w in ws]}")
     if m_pad % tile_m or n % (2 * tile_n) or k % tile_k or tile_m % epi or tile_n % epi:
         raise ValueError(f"grouped_matmul: M={m_pad}, N={n}, K={k} do not tile by "
                          f"{tile_m} / 2x{tile_n} / {tile_k} (epilogue {epi})")
-    return plgpu.kernel(
-        functools.partial(_kernel, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, steps=steps, epi=epi,
-                          snake=snake),
-        out_type=jax.ShapeDtypeStruct((m_pad, n), x_pad.dtype),
-        grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )(tile_expert, x_pad, w)
+
+
+_STATIC = ("tile_m", "tile_n", "tile_k", "steps", "epi", "snake")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def grouped_matmul(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, tile_m: int = 128,
+                   tile_n: int = 128, tile_k: int = 64, steps: int = 3, epi: int = 64,
+                   snake: int = 16) -> jax.Array:
+    """x_pad [M_pad, K] bf16 (tile i = rows [i*tile_m, (i+1)*tile_m), all one expert), w [E, N, K]
+    bf16, tile_expert [M_pad / tile_m] int32 (-1 = no rows) -> [M_pad, N] bf16 (fp32 accumulation);
+    the rows of skipped tiles are left unwritten."""
+    epi = min(epi, tile_m, tile_n)
+    _check_tiles(x_pad, [w], tile_m, tile_n, tile_k, epi)
+    return _launch((tile_expert, x_pad, w), jax.ShapeDtypeStruct((x_pad.shape[0], w.shape[1]), x_pad.dtype),
+                   glu=False, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, steps=steps, epi=epi,
+                   snake=snake, limit=0.0)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("limit",))
+def grouped_swiglu(x_pad: jax.Array, w1: jax.Array, w3: jax.Array, row_weight: jax.Array,
+                   tile_expert: jax.Array, *, limit: float, tile_m: int = 128, tile_n: int = 64,
+                   tile_k: int = 64, steps: int = 3, epi: int = 64, snake: int = 16) -> jax.Array:
+    """The gate/up GEMMs with the SwiGLU epilogue: row_weight [M_pad] fp32 -> bf16 [M_pad, F]
+    a = bf16(row_weight * silu(min(g, limit)) * clip(u, ±limit)), g, u = bf16(x @ w1[e]^T),
+    bf16(x @ w3[e]^T). Two fp32 accumulators per warpgroup, so half the columns of
+    `grouped_matmul` per tile."""
+    epi = min(epi, tile_m, tile_n)
+    _check_tiles(x_pad, [w1, w3], tile_m, tile_n, tile_k, epi)
+    wt = jnp.broadcast_to(row_weight.astype(jnp.float32)[:, None], (x_pad.shape[0], epi))
+    return _launch((tile_expert, wt, x_pad, w1, w3), jax.ShapeDtypeStruct((x_pad.shape[0], w1.shape[1]), x_pad.dtype),
+                   glu=True, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, steps=steps, epi=epi,
+                   snake=snake, limit=limit)
 
 
 def grouped_matmul_ref(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, tile_m: int = 128,
@@ -150,3 +202,10 @@ def grouped_matmul_ref(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *
     out = jnp.einsum("tmk,tnk->tmn", xt, we, preferred_element_type=jnp.float32)
     out = jnp.where((tile_expert >= 0)[:, None, None], out, 0)
     return out.astype(x_pad.dtype).reshape(x_pad.shape[0], -1)
+
+
+def grouped_swiglu_ref(x_pad: jax.Array, w1: jax.Array, w3: jax.Array, row_weight: jax.Array,
+                       tile_expert: jax.Array, *, limit: float, tile_m: int = 128, **_) -> jax.Array:
+    """Pure-jnp `grouped_swiglu` (skipped tiles give 0)."""
+    g, u = (grouped_matmul_ref(x_pad, w, tile_expert, tile_m=tile_m).astype(jnp.float32) for w in (w1, w3))
+    return _silu_glu(g, u, row_weight.astype(jnp.float32)[:, None], limit)

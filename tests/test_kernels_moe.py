@@ -71,13 +71,13 @@ def _check(got, want, seed, numerics):
 def test_matches_reference(impl, numerics):
     rng, seed = fresh_rng()
     dtype = jnp.float32 if numerics is F32 else jnp.bfloat16
-    case = _case(rng, dtype=dtype, d=128 if impl == "mgpu" else 64)   # mgpu: 2 x 64 columns per CTA
+    case = _case(rng, dtype=dtype, d=256 if impl == "mgpu" else 64)   # mgpu: 2 x 128 columns per CTA
     if impl == "mgpu" and numerics is F32:
         with pytest.raises(ValueError, match="bf16 experts and bf16 activations"):
             kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl)
         return
     got = kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl,
-                              block_n=64)
+                              block_n=128 if impl == "mgpu" else 64)
     _check(got, ref.routed_experts(*case, numerics, 1.0), seed, numerics)
 
 
@@ -168,8 +168,8 @@ def test_mgpu_dispatch_covers_every_tile_layout():
     """The Mosaic path's tile-aligned dispatch (on CPU with the GEMM's jnp reference): a hot
     expert over three 64-row tiles (150 pairs: 64 + 64 + 22), empty experts, pad rows."""
     rng, seed = fresh_rng()
-    case = _case(rng, t=150, skew=True, d=128)
-    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="mgpu", block_m=64, block_n=64)
+    case = _case(rng, t=150, skew=True, d=256)
+    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="mgpu", block_m=64, block_n=128)
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
 
 
@@ -181,6 +181,9 @@ def test_mgpu_kernel_lowers_for_cuda_at_real_widths(n, k):
             jax.ShapeDtypeStruct((20,), jnp.int32))
     exported = jax.export.export(moe_mgpu.grouped_matmul, platforms=["cuda"])(*args)
     assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
+    glu = jax.export.export(jax.jit(functools.partial(moe_mgpu.grouped_swiglu, limit=10.0)), platforms=["cuda"])(
+        args[0], args[1], args[1], jax.ShapeDtypeStruct((20 * 128,), jnp.float32), args[2])
+    assert glu.mlir_module().count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         jax.export.export(jax.jit(functools.partial(moe_mgpu.grouped_matmul, steps=6)), platforms=["cuda"])(*args)
 
@@ -200,6 +203,13 @@ def test_mgpu_grouped_matmul_matches_its_reference(tile_m, tile_n, steps):
     got = np.asarray(moe_mgpu.grouped_matmul(x, w, te, **kw).astype(jnp.float32))[:4 * tile_m]
     want = np.asarray(moe_mgpu.grouped_matmul_ref(x, w, te, **kw).astype(jnp.float32))[:4 * tile_m]
     assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max(), seed=seed)
+    # the fused gate/up: bf16 g, u may each move one step, then silu * u * weight (rtol 2^-6)
+    w3 = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.bfloat16)
+    rw = jnp.asarray(rng.random(n_tiles * tile_m) + 0.1, jnp.float32)
+    kw["tile_n"] = tile_n // 2
+    got = np.asarray(moe_mgpu.grouped_swiglu(x, w, w3, rw, te, limit=2.0, **kw).astype(jnp.float32))[:4 * tile_m]
+    want = np.asarray(moe_mgpu.grouped_swiglu_ref(x, w, w3, rw, te, limit=2.0, **kw).astype(jnp.float32))[:4 * tile_m]
+    assert_close(got, want, rtol=2 ** -6, atol=2 ** -7 * np.abs(want).max(), seed=seed)
 
 
 def test_capacity_rounds_take_the_overflow():
