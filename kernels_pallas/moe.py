@@ -409,11 +409,11 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     return ref.add_slots(jnp.take_along_axis(y, idx_t[..., None], axis=1))  # [T, k, D]
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "limit", "tile_m", "tile_n", "steps", "reference"))
-def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, tile_n, steps, reference):
+@functools.partial(jax.jit, static_argnames=("numerics", "limit", "tile_m", "steps", "reference"))
+def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, steps, reference):
     """The Mosaic GPU path (`moe_mgpu`): pairs dispatched into tile-aligned rows [M_pad, D] (the
     tile table's tiles, each one expert), the warp-specialised gate/up GEMM with the SwiGLU
-    epilogue (tile_n / 2 columns of each weight per warpgroup), fp8 fake-quant of a in XLA, the
+    epilogue (`moe_mgpu.preset` launches), fp8 fake-quant of a in XLA, the
     down GEMM, each pair's row gathered back (pad rows and skipped tiles are never read).
     `reference` runs the kernels' jnp references instead (CPU tests of the dispatch)."""
     t, k = idx.shape
@@ -424,17 +424,18 @@ def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, tile_n, step
     pair = jnp.where(rows < tend[:, None], order[jnp.minimum(rows, n_pairs - 1)], n_pairs).reshape(-1)
     xq = jnp.concatenate([_act_in(x, numerics), jnp.zeros((1, x.shape[1]), numerics.act_dtype)])
     pw = jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
-    tiles = dict(tile_expert=te, tile_m=tile_m, steps=steps)
+    cfg = moe_mgpu.preset(tile_m)
+    tiles = dict(tile_expert=te, tile_m=tile_m, steps=steps, split=cfg["split"])
     xs = xq[jnp.where(pair < n_pairs, pair // k, t)]                  # [M_pad, D], pad rows zero
     swiglu = moe_mgpu.grouped_swiglu_ref if reference else moe_mgpu.grouped_swiglu
     gemm = moe_mgpu.grouped_matmul_ref if reference else moe_mgpu.grouped_matmul
-    a = swiglu(xs, w1, w3, pw[pair], limit=limit, tile_n=tile_n // 2, **tiles)
+    a = swiglu(xs, w1, w3, pw[pair], limit=limit, tile_n=cfg["glu_n"], **tiles)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
     # back to pair order by a gather (an XLA scatter of the [M_pad, D] rows took 0.5 ms at 2K
     # tokens on the H200, more than the down GEMM): each pair's padded row, from a scatter of ints
     row = jnp.zeros((n_pairs,), jnp.int32).at[pair].set(jnp.arange(pair.shape[0], dtype=jnp.int32),
                                                          mode="drop")
-    return ref.add_slots(gemm(a, w2, tile_n=tile_n, **tiles)[row].reshape(t, k, -1))
+    return ref.add_slots(gemm(a, w2, tile_n=cfg["down_n"], **tiles)[row].reshape(t, k, -1))
 
 
 def capacity_rows(n_pairs: int, n_experts: int) -> int:
@@ -528,8 +529,8 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
             raise ValueError("impl='mgpu' takes bf16 experts and bf16 activations; held FP8 / FP4 "
                              "experts and fp32 numerics take impl='pallas'")
         # off an NVIDIA Hopper GPU (CPU tests) the GEMMs run as their jnp reference
-        return _routed_mgpu(x, idx, w, w1, w3, w2, **kw, tile_m=block_m or 128, tile_n=block_n or 128,
-                            steps=num_stages or 3, reference=not moe_mgpu.available())
+        return _routed_mgpu(x, idx, w, w1, w3, w2, **kw, tile_m=block_m or 256, steps=num_stages or 3,
+                            reference=not moe_mgpu.available())
     if impl == "capacity":
         return _routed_capacity(x, idx, w, w1, w3, w2, **kw,
                                 capacity=block_m or capacity_rows(idx.size, w1.shape[0]))

@@ -62,20 +62,37 @@ def _silu_glu(g, u, wt, limit: float):
     return (wt * (g / (1 + jnp.exp(-g)) * u)).astype(jnp.bfloat16)
 
 
-def _kernel(te_gmem, *refs, glu, tile_m, tile_n, tile_k, steps, epi, snake, limit):
+def _wg_tile(tile_m: int, tile_n: int, split: str) -> tuple[int, int]:
+    """A compute warpgroup's share of the CTA's [tile_m, tile_n] block."""
+    if split not in ("m", "n"):
+        raise ValueError(f"grouped_matmul: split={split!r} is not 'm' or 'n'")
+    return (tile_m // 2, tile_n) if split == "m" else (tile_m, tile_n // 2)
+
+
+def preset(tile_m: int) -> dict:
+    """Launch per dispatch-tile height, from the H200 sweeps (BENCHMARKS.md): 256-row CTAs split
+    by rows (each warpgroup 128 x 128 for the down GEMM, 128 x 64 x 2 accumulators for gate/up);
+    shorter tiles split by columns."""
+    if tile_m >= 256:
+        return dict(split="m", down_n=128, glu_n=64)
+    return dict(split="n", down_n=256, glu_n=128)
+
+
+def _kernel(te_gmem, *refs, glu, tile_m, tile_n, tile_k, split, steps, epi, snake, limit):
     """refs = (x_gmem, w_gmem, out_gmem): out = x @ w[e]^T; with `glu`, (wt_gmem, x_gmem, w1_gmem,
     w3_gmem, out_gmem): out = the SwiGLU of x @ w1[e]^T and x @ w3[e]^T with routing weights
     wt_gmem [M_pad, epi] (each row one weight repeated, so an epilogue tile reads it in the
-    accumulator's own shape)."""
+    accumulator's own shape). A CTA computes a [tile_m, tile_n] block; its two compute
+    warpgroups split it by rows (split "m") or by columns ("n")."""
     wt_gmem, x_gmem, *w_gmems, out_gmem = refs if glu else (None, *refs)
     m_pad, k = x_gmem.shape
     n = w_gmems[0].shape[1]
-    cta_n = 2 * tile_n                                               # two compute warpgroups
-    m_iters, n_iters = m_pad // tile_m, n // cta_n
+    m_iters, n_iters = m_pad // tile_m, n // tile_n
+    wg_m, wg_n = _wg_tile(tile_m, tile_n, split)
     tr = _swizzled(tile_k, x_gmem.dtype)
 
     def pipeline(body, context):
-        b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=tr, memory_space=plgpu.SMEM)
+        b_spec = plgpu.BlockSpec((tile_n, tile_k), lambda kk: (0, kk), transforms=tr, memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k // tile_k,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=steps, compute_context=context,
@@ -93,6 +110,10 @@ def _kernel(te_gmem, *refs, glu, tile_m, tile_n, tile_k, steps, epi, snake, limi
         collective_axes="wg")
     def _scope(allocs, out_smem, wt_smem, wt_barrier):
         wg = jax.lax.axis_index("wg")
+        wg_rows = pl.ds(wg * wg_m, wg_m) if split == "m" else slice(None)     # of the CTA block
+        wg_cols = pl.ds(wg * wg_n, wg_n) if split == "n" else slice(None)
+        row0 = wg * wg_m if split == "m" else 0
+        col0 = wg * wg_n if split == "n" else 0
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(info):
@@ -105,38 +126,38 @@ def _kernel(te_gmem, *refs, glu, tile_m, tile_n, tile_k, steps, epi, snake, limi
             def _live():
                 def context(eval_pipeline):
                     @functools.partial(pl.run_scoped,
-                                       accs=[plgpu.ACC((tile_m, tile_n), jnp.float32) for _ in w_gmems])
+                                       accs=[plgpu.ACC((wg_m, wg_n), jnp.float32) for _ in w_gmems])
                     def _acc(accs):
                         eval_pipeline(accs)
                         vals = [acc[...] for acc in accs]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for i in range(tile_m // epi):
-                            r0 = mi * tile_m + i * epi
+                        for i in range(wg_m // epi):
+                            r0 = mi * tile_m + row0 + i * epi
                             if glu:   # this row block's routing weights
                                 plgpu.copy_gmem_to_smem(wt_gmem.at[pl.ds(r0, epi)], wt_smem.at[wg],
                                                         wt_barrier.at[wg])
                                 plgpu.barrier_wait(wt_barrier.at[wg])
-                            for j in range(tile_n // epi):
+                            for j in range(wg_n // epi):
                                 blk = [v[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi] for v in vals]
                                 out = (_silu_glu(*blk, wt_smem[wg], limit) if glu
                                        else blk[0].astype(out_gmem.dtype))
-                                slot = (i * (tile_n // epi) + j) % 2
+                                slot = (i * (wg_n // epi) + j) % 2
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 out_smem[wg, slot] = out
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(
                                     out_smem.at[wg, slot],
-                                    out_gmem.at[pl.ds(r0, epi), pl.ds(ni * cta_n + wg * tile_n + j * epi, epi)])
+                                    out_gmem.at[pl.ds(r0, epi), pl.ds(ni * tile_n + col0 + j * epi, epi)])
 
                 def mma(_, a_smem, *rest):
                     *b_smems, accs = rest
                     for acc, b_smem in zip(accs, b_smems):
-                        plgpu.wgmma(acc, a_smem, b_smem.at[pl.ds(wg * tile_n, tile_n)].transpose((1, 0)))
+                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[wg_cols].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
                     return accs
 
                 pipeline(mma, context)(x_gmem.at[rows, :],
-                                       *(w.at[e, pl.ds(ni * cta_n, cta_n), :] for w in w_gmems),
+                                       *(w.at[e, pl.ds(ni * tile_n, tile_n), :] for w in w_gmems),
                                        allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -150,48 +171,51 @@ def _launch(kernel_args, out_shape, **kw):
     )(*kernel_args)
 
 
-def _check_tiles(x_pad, ws, tile_m, tile_n, tile_k, epi):
+def _check_tiles(x_pad, ws, tile_m, tile_n, tile_k, split, epi):
     m_pad, k = x_pad.shape
     n = ws[0].shape[1]
+    wg_m, wg_n = _wg_tile(tile_m, tile_n, split)
     if any(w.dtype != x_pad.dtype or w.shape[2] != k for w in ws):
         raise ValueError(f"grouped_matmul: x {x_pad.shape} {x_pad.dtype} vs w "
                          f"{[(w.shape, str(w.dtype)) for w in ws]}")
-    if m_pad % tile_m or n % (2 * tile_n) or k % tile_k or tile_m % epi or tile_n % epi:
-        raise ValueError(f"grouped_matmul: M={m_pad}, N={n}, K={k} do not tile by "
-                         f"{tile_m} / 2x{tile_n} / {tile_k} (epilogue {epi})")
+    if m_pad % tile_m or n % tile_n or k % tile_k or wg_m % epi or wg_n % epi or wg_m % 64:
+        raise ValueError(f"grouped_matmul: M={m_pad}, N={n}, K={k} do not tile by {tile_m} x "
+                         f"{tile_n} x {tile_k} (split {split}: {wg_m} x {wg_n} per warpgroup, "
+                         f"a multiple of 64 rows and of the {epi}-wide epilogue)")
 
 
-_STATIC = ("tile_m", "tile_n", "tile_k", "steps", "epi", "snake")
+_STATIC = ("tile_m", "tile_n", "tile_k", "split", "steps", "epi", "snake")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def grouped_matmul(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, tile_m: int = 128,
-                   tile_n: int = 128, tile_k: int = 64, steps: int = 3, epi: int = 64,
-                   snake: int = 16) -> jax.Array:
+def grouped_matmul(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, tile_m: int = 256,
+                   tile_n: int = 128, tile_k: int = 64, split: str = "m", steps: int = 3,
+                   epi: int = 64, snake: int = 16) -> jax.Array:
     """x_pad [M_pad, K] bf16 (tile i = rows [i*tile_m, (i+1)*tile_m), all one expert), w [E, N, K]
     bf16, tile_expert [M_pad / tile_m] int32 (-1 = no rows) -> [M_pad, N] bf16 (fp32 accumulation);
     the rows of skipped tiles are left unwritten."""
-    epi = min(epi, tile_m, tile_n)
-    _check_tiles(x_pad, [w], tile_m, tile_n, tile_k, epi)
+    epi = min(epi, _wg_tile(tile_m, tile_n, split)[1])
+    _check_tiles(x_pad, [w], tile_m, tile_n, tile_k, split, epi)
     return _launch((tile_expert, x_pad, w), jax.ShapeDtypeStruct((x_pad.shape[0], w.shape[1]), x_pad.dtype),
-                   glu=False, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, steps=steps, epi=epi,
-                   snake=snake, limit=0.0)
+                   glu=False, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split=split, steps=steps,
+                   epi=epi, snake=snake, limit=0.0)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("limit",))
 def grouped_swiglu(x_pad: jax.Array, w1: jax.Array, w3: jax.Array, row_weight: jax.Array,
-                   tile_expert: jax.Array, *, limit: float, tile_m: int = 128, tile_n: int = 64,
-                   tile_k: int = 64, steps: int = 3, epi: int = 64, snake: int = 16) -> jax.Array:
+                   tile_expert: jax.Array, *, limit: float, tile_m: int = 256, tile_n: int = 64,
+                   tile_k: int = 64, split: str = "m", steps: int = 3, epi: int = 64,
+                   snake: int = 16) -> jax.Array:
     """The gate/up GEMMs with the SwiGLU epilogue: row_weight [M_pad] fp32 -> bf16 [M_pad, F]
     a = bf16(row_weight * silu(min(g, limit)) * clip(u, ±limit)), g, u = bf16(x @ w1[e]^T),
     bf16(x @ w3[e]^T). Two fp32 accumulators per warpgroup, so half the columns of
     `grouped_matmul` per tile."""
-    epi = min(epi, tile_m, tile_n)
-    _check_tiles(x_pad, [w1, w3], tile_m, tile_n, tile_k, epi)
+    epi = min(epi, _wg_tile(tile_m, tile_n, split)[1])
+    _check_tiles(x_pad, [w1, w3], tile_m, tile_n, tile_k, split, epi)
     wt = jnp.broadcast_to(row_weight.astype(jnp.float32)[:, None], (x_pad.shape[0], epi))
     return _launch((tile_expert, wt, x_pad, w1, w3), jax.ShapeDtypeStruct((x_pad.shape[0], w1.shape[1]), x_pad.dtype),
-                   glu=True, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, steps=steps, epi=epi,
-                   snake=snake, limit=limit)
+                   glu=True, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k, split=split, steps=steps,
+                   epi=epi, snake=snake, limit=limit)
 
 
 def grouped_matmul_ref(x_pad: jax.Array, w: jax.Array, tile_expert: jax.Array, *, tile_m: int = 128,

@@ -408,7 +408,7 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         td = case("dense", runner("pallas", "dense"), "dense all-experts") if t <= (64 if b.smoke else 2048) else None
         if t >= (16 if b.smoke else 512):   # Mosaic GPU (NVIDIA-only) warp-specialised GEMMs
             mg = [case(label, runner("pallas", "mgpu", **kw), f"mosaic-gpu {label}")
-                  for label, kw in (("mgpu", {}), ("mgpu-m64", dict(block_m=64, num_stages=4)))]
+                  for label, kw in (("mgpu", {}), ("mgpu-m128", dict(block_m=128)))]
             if times.get("auto") and any(mg):
                 b.results.setdefault("moe_speedups", {})[f"T{t}/mgpu_vs_pallas"] = \
                     round(times["auto"] / min(m for m in mg if m), 2)

@@ -71,13 +71,12 @@ def _check(got, want, seed, numerics):
 def test_matches_reference(impl, numerics):
     rng, seed = fresh_rng()
     dtype = jnp.float32 if numerics is F32 else jnp.bfloat16
-    case = _case(rng, dtype=dtype, d=256 if impl == "mgpu" else 64)   # mgpu: 2 x 128 columns per CTA
+    case = _case(rng, dtype=dtype, d=128 if impl == "mgpu" else 64)   # mgpu: 128 columns per CTA
     if impl == "mgpu" and numerics is F32:
         with pytest.raises(ValueError, match="bf16 experts and bf16 activations"):
             kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl)
         return
-    got = kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl,
-                              block_n=128 if impl == "mgpu" else 64)
+    got = kmoe.routed_experts(*case, numerics, 1.0, backend="pallas", impl=impl, block_n=64)
     _check(got, ref.routed_experts(*case, numerics, 1.0), seed, numerics)
 
 
@@ -165,32 +164,37 @@ def test_skewed_groups_span_tiles():
 
 
 def test_mgpu_dispatch_covers_every_tile_layout():
-    """The Mosaic path's tile-aligned dispatch (on CPU with the GEMM's jnp reference): a hot
-    expert over three 64-row tiles (150 pairs: 64 + 64 + 22), empty experts, pad rows."""
+    """The Mosaic path's tile-aligned dispatch (on CPU with the kernels' jnp references): a hot
+    expert over three 128-row tiles (300 pairs: 128 + 128 + 44), empty experts, pad rows."""
     rng, seed = fresh_rng()
-    case = _case(rng, t=150, skew=True, d=256)
-    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="mgpu", block_m=64, block_n=128)
+    case = _case(rng, t=300, skew=True, d=256)
+    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="mgpu", block_m=128)
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
 
 
-@pytest.mark.parametrize("n,k", [(2304, 5120), (5120, 2304)], ids=["gate_up", "down"])
-def test_mgpu_kernel_lowers_for_cuda_at_real_widths(n, k):
-    """Without a GPU: the Mosaic GPU lowering (TMA descriptors, the shared-memory budget of the
-    three-warpgroup ring) runs at export time, so a launch the H200 could not take fails here."""
-    args = (jax.ShapeDtypeStruct((20 * 128, k), jnp.bfloat16), jax.ShapeDtypeStruct((4, n, k), jnp.bfloat16),
-            jax.ShapeDtypeStruct((20,), jnp.int32))
-    exported = jax.export.export(moe_mgpu.grouped_matmul, platforms=["cuda"])(*args)
-    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 1
-    glu = jax.export.export(jax.jit(functools.partial(moe_mgpu.grouped_swiglu, limit=10.0)), platforms=["cuda"])(
-        args[0], args[1], args[1], jax.ShapeDtypeStruct((20 * 128,), jnp.float32), args[2])
-    assert glu.mlir_module().count("custom_call @mosaic_gpu") == 1
+@pytest.mark.parametrize("tile_m", [256, 128])
+def test_mgpu_kernels_lower_for_cuda_at_real_widths(tile_m):
+    """Without a GPU: the Mosaic GPU lowering (layouts, TMA descriptors, the shared-memory budget
+    of the three-warpgroup ring) runs at export time, so a launch the H200 could not take fails
+    here. Both presets, gate/up (F = 2304 from D = 5120) and down (D from F)."""
+    cfg = moe_mgpu.preset(tile_m)
+    kw = dict(tile_m=tile_m, split=cfg["split"])
+    spec = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+    te, rows = spec(20, dt=jnp.int32), 20 * tile_m
+    export = lambda fn, *args: jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    glu = export(functools.partial(moe_mgpu.grouped_swiglu, limit=10.0, tile_n=cfg["glu_n"], **kw),
+                 spec(rows, 5120), spec(4, 2304, 5120), spec(4, 2304, 5120), spec(rows, dt=jnp.float32), te)
+    down = export(functools.partial(moe_mgpu.grouped_matmul, tile_n=cfg["down_n"], **kw),
+                  spec(rows, 2304), spec(4, 5120, 2304), te)
+    assert glu.count("custom_call @mosaic_gpu") == 1 and down.count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match="exceeds available shared memory"):
-        jax.export.export(jax.jit(functools.partial(moe_mgpu.grouped_matmul, steps=6)), platforms=["cuda"])(*args)
+        export(functools.partial(moe_mgpu.grouped_matmul, tile_n=cfg["down_n"], steps=6, **kw),
+               spec(rows, 2304), spec(4, 5120, 2304), te)
 
 
 @pytest.mark.skipif(not moe_mgpu.available(), reason="needs an NVIDIA Hopper GPU (wgmma, TMA)")
-@pytest.mark.parametrize("tile_m,tile_n,steps", [(128, 128, 3), (64, 128, 4)])
-def test_mgpu_grouped_matmul_matches_its_reference(tile_m, tile_n, steps):
+@pytest.mark.parametrize("tile_m", [256, 128])
+def test_mgpu_grouped_matmul_matches_its_reference(tile_m):
     """Compiled Mosaic GPU kernel vs its jnp reference on live tiles (skipped tiles are unwritten).
     Both accumulate in fp32 and round once to bf16; summation order differs, so a bf16 output
     may move by one step: rtol 2^-7."""
@@ -199,14 +203,15 @@ def test_mgpu_grouped_matmul_matches_its_reference(tile_m, tile_n, steps):
     x = jnp.asarray(rng.standard_normal((n_tiles * tile_m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.bfloat16)
     te = jnp.asarray([0, 2, 2, 1, -1, -1], jnp.int32)
-    kw = dict(tile_m=tile_m, tile_n=tile_n, steps=steps)
+    cfg = moe_mgpu.preset(tile_m)
+    kw = dict(tile_m=tile_m, tile_n=cfg["down_n"], split=cfg["split"])
     got = np.asarray(moe_mgpu.grouped_matmul(x, w, te, **kw).astype(jnp.float32))[:4 * tile_m]
     want = np.asarray(moe_mgpu.grouped_matmul_ref(x, w, te, **kw).astype(jnp.float32))[:4 * tile_m]
     assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max(), seed=seed)
     # the fused gate/up: bf16 g, u may each move one step, then silu * u * weight (rtol 2^-6)
     w3 = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.bfloat16)
     rw = jnp.asarray(rng.random(n_tiles * tile_m) + 0.1, jnp.float32)
-    kw["tile_n"] = tile_n // 2
+    kw["tile_n"] = cfg["glu_n"]
     got = np.asarray(moe_mgpu.grouped_swiglu(x, w, w3, rw, te, limit=2.0, **kw).astype(jnp.float32))[:4 * tile_m]
     want = np.asarray(moe_mgpu.grouped_swiglu_ref(x, w, w3, rw, te, limit=2.0, **kw).astype(jnp.float32))[:4 * tile_m]
     assert_close(got, want, rtol=2 ** -6, atol=2 ** -7 * np.abs(want).max(), seed=seed)
