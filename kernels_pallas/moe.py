@@ -409,6 +409,35 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     return ref.add_slots(jnp.take_along_axis(y, idx_t[..., None], axis=1))  # [T, k, D]
 
 
+def _dispatch_kernel(te_ref, tok_ref, x_ref, xs_ref, *, tile_m, bd):
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(te_ref[i] >= 0)
+    def _():
+        tok = tok_ref[pl.ds(pl.multiple_of(i * tile_m, tile_m), tile_m)]
+        live = tok < x_ref.shape[0]
+        cols = j * bd + jax.lax.broadcasted_iota(jnp.int32, (bd,), 0)
+        rows = load(x_ref.at[jnp.where(live, tok, 0)[:, None], cols[None, :]], mask=live[:, None], other=0)
+        xs_ref[pl.ds(pl.multiple_of(i * tile_m, tile_m), tile_m), pl.ds(pl.multiple_of(j * bd, bd), bd)] = rows
+
+
+def dispatch_rows(te: jax.Array, tok: jax.Array, x: jax.Array, tile_m: int, *, interpret: bool,
+                  bd: int = 128) -> jax.Array:
+    """x [T, D] -> [M_pad, D] tile-aligned rows: row r of tile i is x[tok[i * tile_m + r]], or zero
+    where tok >= T (a pad row). Tiles with te < 0 are not written (the grouped GEMMs skip them):
+    as an XLA gather every row of the static M_pad is written, 0.18 ms at 2K tokens on the H200
+    with 56% of them dead."""
+    m_pad, d = tok.shape[0], x.shape[1]
+    bd = min(bd, d)
+    return pl.pallas_call(
+        functools.partial(_dispatch_kernel, tile_m=tile_m, bd=bd),
+        grid=(te.shape[0], d // bd),
+        in_specs=[_full(te.shape), _full(tok.shape), _full(x.shape)],
+        out_specs=_full((m_pad, d)), out_shape=jax.ShapeDtypeStruct((m_pad, d), x.dtype),
+        compiler_params=compiler_params(8, 1), interpret=interpret, name="moe_dispatch",
+    )(te, tok, x)
+
+
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "tile_m", "steps", "reference"))
 def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, steps, reference):
     """The Mosaic GPU path (`moe_mgpu`): pairs dispatched into tile-aligned rows [M_pad, D] (the
@@ -422,11 +451,11 @@ def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, steps, refer
     te, tf, tend = tile_table(sizes, tile_m, n_pairs)
     rows = tf[:, None] + jnp.arange(tile_m, dtype=jnp.int32)[None, :]  # [tiles, tile_m] sorted rows
     pair = jnp.where(rows < tend[:, None], order[jnp.minimum(rows, n_pairs - 1)], n_pairs).reshape(-1)
-    xq = jnp.concatenate([_act_in(x, numerics), jnp.zeros((1, x.shape[1]), numerics.act_dtype)])
     pw = jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
     cfg = moe_mgpu.preset(tile_m)
     tiles = dict(tile_expert=te, tile_m=tile_m, steps=steps, split=cfg["split"])
-    xs = xq[jnp.where(pair < n_pairs, pair // k, t)]                  # [M_pad, D], pad rows zero
+    xs = dispatch_rows(te, jnp.where(pair < n_pairs, pair // k, t), _act_in(x, numerics), tile_m,
+                       interpret=reference)                           # [M_pad, D]
     swiglu = moe_mgpu.grouped_swiglu_ref if reference else moe_mgpu.grouped_swiglu
     gemm = moe_mgpu.grouped_matmul_ref if reference else moe_mgpu.grouped_matmul
     a = swiglu(xs, w1, w3, pw[pair], limit=limit, tile_n=cfg["glu_n"], **tiles)

@@ -167,6 +167,7 @@ def _launch(kernel_args, out_shape, **kw):
     return plgpu.kernel(
         functools.partial(_kernel, **kw), out_type=out_shape,
         grid=(_num_sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        kernel_name="moe_mgpu_gate_up" if kw["glu"] else "moe_mgpu_down",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(*kernel_args)
 

@@ -34,9 +34,10 @@ def copy_bandwidth(mib: int, reps: int = 10) -> dict:
 
 # ---- where a step's device time goes ---------------------------------------------------------------
 
-# the `name=` of every pallas_call in kernels_pallas: their launches are reported under these names
+# the `name=` of every pallas_call and the `kernel_name=` of every Mosaic GPU kernel in
+# kernels_pallas: their launches are reported under these names
 PALLAS_KERNELS = ("sparse_latent_attn", "index_scores", "moe_gemv_gate_up", "moe_gemv_down",
-                  "moe_gate_up", "moe_down")
+                  "moe_gate_up", "moe_down", "moe_dispatch", "moe_mgpu_gate_up", "moe_mgpu_down")
 
 
 def kernel_group(name: str) -> str:
