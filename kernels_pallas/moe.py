@@ -510,14 +510,25 @@ def _routed_capacity(x, idx, w, w1, w3, w2, *, numerics, limit, capacity):
     return ref.add_slots(y.reshape(t, k, -1))
 
 
-def choose_impl(tokens: int) -> str:
+def choose_impl(tokens: int, mosaic: bool = False) -> str:
     """The fastest exact implementation for a step, from the H200 measurements (BENCHMARKS.md,
     5120 / 2304, top-6, 64 and 384 experts): up to 8 tokens -> "gemv" (one weight stream per
     pair: 0.72 ms at eight tokens against the reference loop's 0.85 with 64 experts; they tie at
-    one token, 0.14-0.15); otherwise the Pallas grouped GEMM, which also beats the dense
+    one token, 0.14-0.15); from 2,048 tokens, where `mosaic` (the Mosaic GPU path can run:
+    `mgpu_ok`) -> "mgpu" (2.27-2.33 vs 2.46-2.58 ms at 2K tokens, 7.0 vs 7.8-8.0 at 8K; slower at
+    512: 1.5-2.0 vs 1.36-1.41); otherwise the Pallas grouped GEMM, which also beats the dense
     all-experts GEMM where every expert is busy (1.12 / 1.20 vs 1.17 / 1.38 ms at 32 / 128 tokens
-    with 64 experts; 5.3 / 6.1 vs 7.8 / 12.2 ms at 128 / 256 tokens with 384)."""
-    return "gemv" if tokens <= 8 else "pallas"
+    with 64 experts; 5.3 / 6.1 vs 7.8 / 12.2 ms at 128 / 256 tokens with 384) and the
+    fixed-capacity dispatch (1.36 / 2.53 / 7.85 vs 1.70 / 2.94 / 9.39 ms at 512 / 2K / 8K)."""
+    if tokens <= 8:
+        return "gemv"
+    return "mgpu" if mosaic and tokens >= 2048 else "pallas"
+
+
+def mgpu_ok(w1, w3, w2, numerics: Numerics) -> bool:
+    """Whether the Mosaic GPU path takes these experts: bf16 arrays, bf16 activations."""
+    return (numerics.act_dtype == jnp.bfloat16
+            and all(isinstance(w_, jax.Array) and w_.dtype == jnp.bfloat16 for w_ in (w1, w3, w2)))
 
 
 def launch_config(block_m: int) -> dict:
@@ -546,15 +557,14 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     "capacity", block_m is the rows per expert and round (default `capacity_rows`)."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
         return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
-    impl = impl or choose_impl(x.shape[0])
+    impl = impl or choose_impl(x.shape[0], moe_mgpu.available() and mgpu_ok(w1, w3, w2, numerics))
     kw = dict(numerics=numerics, limit=float(swiglu_limit))
     if impl == "ragged_dot":
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)
     if impl == "dense":
         return _routed_dense(x, idx, w, w1, w3, w2, **kw)
     if impl == "mgpu":
-        if not all(isinstance(w_, jax.Array) and w_.dtype == jnp.bfloat16 for w_ in (w1, w3, w2)) \
-                or numerics.act_dtype != jnp.bfloat16:
+        if not mgpu_ok(w1, w3, w2, numerics):
             raise ValueError("impl='mgpu' takes bf16 experts and bf16 activations; held FP8 / FP4 "
                              "experts and fp32 numerics take impl='pallas'")
         # off an NVIDIA Hopper GPU (CPU tests) the GEMMs run as their jnp reference

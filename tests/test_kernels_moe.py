@@ -246,6 +246,18 @@ def test_choose_impl_follows_the_measurements():
     assert kmoe.choose_impl(9) == "pallas"
     assert kmoe.choose_impl(32) == "pallas"      # every expert busy: still ahead of dense
     assert kmoe.choose_impl(2048) == "pallas"
+    assert kmoe.choose_impl(8, mosaic=True) == "gemv"
+    assert kmoe.choose_impl(512, mosaic=True) == "pallas"   # the Mosaic path is slower there
+    assert kmoe.choose_impl(2048, mosaic=True) == "mgpu"
+
+
+def test_mgpu_takes_bf16_experts_only():
+    rng, _ = fresh_rng()
+    _, _, _, *bf = _case(rng)
+    _, _, _, *fp8 = _case(rng, held="fp8")
+    assert kmoe.mgpu_ok(*bf, FAST)
+    assert not kmoe.mgpu_ok(*fp8, FAST)
+    assert not kmoe.mgpu_ok(*bf, F32)
 
 
 def test_tile_table():

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas._compat import TRITON_CUSTOM_CALL
 from kernels_pallas.indexer import _index_scores_pallas
-from kernels_pallas.moe import _routed_gemv, _routed_pallas
+from kernels_pallas.moe import _routed_gemv, _routed_pallas, dispatch_rows
 from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight
@@ -86,6 +86,13 @@ def test_moe_gemv_lowers_for_rocm(held):
                            num_warps=4, num_stages=3, interpret=False)
     e = _export_rocm(fn, S((t, d), BF16), S((t, k), I32), S((t, k), F32), *_experts(held, e_, d, f_))
     assert _triton_calls(e) == 2          # gate/up and down
+
+
+def test_moe_dispatch_lowers_for_rocm():
+    """The Mosaic path's row dispatch is a Triton kernel too (the GEMMs after it are NVIDIA-only)."""
+    fn = functools.partial(dispatch_rows, tile_m=256, interpret=False)
+    e = _export_rocm(fn, S((112,), I32), S((112 * 256,), I32), S((2048, 5120), BF16))
+    assert _triton_calls(e) == 1
 
 
 def test_pallas_call_without_triton_params_is_refused_for_rocm():
