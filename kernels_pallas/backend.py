@@ -9,6 +9,8 @@ function was jitted needs a re-trace, e.g. a new jit or `jax.clear_caches()`):
 
 On a machine without a GPU a "pallas" request runs the kernels in Pallas interpret mode (the
 CPU CI does this on small shapes); V41_PALLAS_INTERPRET=1 forces interpret mode on a GPU too.
+On NVIDIA Hopper the MoE grouped GEMM from 2K tokens takes the optional Mosaic GPU path
+(`kernels_pallas.moe_mgpu`); V41_MOSAIC_GPU=0 keeps it on the portable Triton kernels.
 """
 
 from __future__ import annotations
