@@ -6,7 +6,9 @@ V41_KERNELS = xla | pallas | auto):
   indexer.index_scores_paged      lightning-indexer scores from the paged index plane
   indexer.index_topk_paged        ... plus the top-k (full scan, or REINDEX candidate columns)
   moe.routed_experts              routed SwiGLU experts as a grouped GEMM (or the fastest exact
-                                  alternative per step, `moe.choose_impl`)
+                                  alternative per step, `moe.choose_impl`; from 2K tokens on
+                                  NVIDIA Hopper the Mosaic GPU kernels of `moe_mgpu`, an optional
+                                  fast path, V41_MOSAIC_GPU=0 to keep Triton)
 Measurements: BENCHMARKS.md (Kernels); CPU CI runs them in interpret mode and exports each one
 for ROCm (tests/test_kernels_*.py).
 """
