@@ -3,6 +3,7 @@ and refusal of every malformed case with an error naming the tensor and the file
 
 import json
 import os
+import re
 import shutil
 import struct
 from collections import Counter
@@ -346,6 +347,22 @@ def test_refused_tensor_set(tiny, tiny_tensors, tmp_path, case, name, mutate):
         load_params(tmp_path, progress=False)
     where = str(tmp_path / INDEX_NAME) if case == "missing" else str(tmp_path / "model.safetensors")
     assert repr(name) in str(e.value) and where in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name, experts", [("layers.0.attn.wq_a.scale", "bf16"),
+                                           ("layers.1.ffn.experts.3.w2.scale", "fp4"),
+                                           ("layers.1.ffn.experts.3.w2.scale", "fp8")])
+def test_refused_nan_scale(tiny, tiny_tensors, tmp_path, name, experts):
+    """E8M0 code 255 is NaN: a scale holding it is refused by name, in every expert format,
+    instead of loading NaN weights."""
+    tensors = dict(tiny_tensors)
+    bad = tensors[name].view(np.uint8).copy()
+    bad.reshape(-1)[1] = 255
+    tensors[name] = bad.view(tensors[name].dtype)
+    write_checkpoint(tmp_path, tensors, 1)
+    shutil.copy(tiny[0] / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(repr(name))}: 1 E8M0 scale bytes are 255"):
+        load_params(tmp_path, progress=False, experts=experts)
 
 
 def _copy(tiny, tmp_path) -> Path:

@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from .. import quant
 from ..config import ModelConfig, validate
-from .safetensors_io import Checkpoint
+from .safetensors_io import Checkpoint, CheckpointError
 from .schema import TensorSpec, validate_checkpoint
 
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
@@ -158,16 +158,25 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
     def read(names) -> np.ndarray:
         return np.stack([ckpt.get(n) for n in names]) if unit.stacked else ckpt.get(names[0])
 
+    def read_scales() -> np.ndarray:
+        """The units' E8M0 scales as uint8; code 255 is E8M0's NaN, never a real scale."""
+        names = [n.removesuffix(".weight") + ".scale" for n in unit.names]
+        codes = quant.as_u8(read(names))
+        if (codes == 255).any():
+            bad = next(n for n in names if (quant.as_u8(ckpt.get(n)) == 255).any())
+            raise CheckpointError(f"tensor {bad!r}: {int((codes == 255).sum())} E8M0 scale bytes are "
+                                  "255, the NaN code (a corrupt scale)")
+        return codes
+
     w = read(unit.names)
-    scales = [n.removesuffix(".weight") + ".scale" for n in unit.names]
     held = held_as(spec, unit, experts)
     if held in ("fp4", "fp8"):
-        fp4 = quant.Fp4Weight(quant.as_u8(w), quant.as_u8(read(scales)))
+        fp4 = quant.Fp4Weight(quant.as_u8(w), read_scales())
         return fp4 if held == "fp4" else recode_fp8(fp4, _EXPERT.sub(r"\1.*.\3", unit.names[0]))
     if spec.dtype == "F8_E4M3":
-        out = quant.dequant_fp8_blocks(w, read(scales))
+        out = quant.dequant_fp8_blocks(w, read_scales())
     elif spec.dtype == "I8":
-        out = quant.dequant_fp4_rows(w, read(scales))
+        out = quant.dequant_fp4_rows(w, read_scales())
     else:
         out = jnp.asarray(w)
     return out.astype(HELD_DTYPES[held])
