@@ -486,14 +486,18 @@ def _routed_capacity(x, idx, w, w1, w3, w2, *, numerics, limit, capacity):
     """Each expert's pairs dispatched into C = `capacity` rows of an [E, C, D] block, then three
     batched dense GEMMs (the vendor GEMM library through XLA). Slot c of round r holds the pair at
     position r * C + c of the expert's group; a group longer than C takes more rounds (a while
-    loop, one round when routing fits). An empty slot reads a zero row with weight 0, so its a
-    and y are exactly 0, and its store is dropped."""
+    loop, one round when routing fits). An empty slot reads a zero row with weight 0. Each pair
+    takes its row back from its round by a gather (an XLA scatter of [rows, D] cost 0.5 ms at 2K
+    tokens on the H200)."""
     t, k = idx.shape
     n_exp = w1.shape[0]
     w1, w3, w2 = held(w1), held(w3), held(w2)
-    _, w_t, order, sizes = sort_pairs(idx, w, n_exp)
+    idx_t, w_t, order, sizes = sort_pairs(idx, w, n_exp)
     starts = jnp.cumsum(sizes) - sizes
     n_pairs = t * k
+    e_of = idx_t.reshape(-1)                                          # pair -> expert
+    rank = jnp.zeros((n_pairs,), jnp.int32).at[order].set(jnp.arange(n_pairs, dtype=jnp.int32))
+    pos_of = rank - starts[e_of]                                      # pair -> place in its group
     xq = jnp.concatenate([_act_in(x, numerics), jnp.zeros((1, x.shape[1]), numerics.act_dtype)])
     pw = jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
     mm = lambda a, b, spec: jnp.einsum(spec, a, b.astype(a.dtype), precision=HIGHEST,
@@ -503,13 +507,13 @@ def _routed_capacity(x, idx, w, w1, w3, w2, *, numerics, limit, capacity):
         pos = r * capacity + jnp.arange(capacity, dtype=jnp.int32)
         live = pos[None, :] < sizes[:, None]                          # [E, C]
         pair = jnp.where(live, order[jnp.minimum(starts[:, None] + pos[None, :], n_pairs - 1)], n_pairs)
-        tok = jnp.where(live, pair // k, t)                           # row t of xq is zero
-        xs = xq[tok]                                                  # [E, C, D]
+        xs = xq[jnp.where(live, pair // k, t)]                        # [E, C, D]; row t of xq is zero
         g, u = mm(xs, w1, "ecd,efd->ecf"), mm(xs, w3, "ecd,efd->ecf")
         a = _swiglu_epilogue(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), pw[pair].reshape(-1),
                              numerics, limit).reshape(g.shape)
-        ys = numerics.act(mm(_act_in(a, numerics), w2, "ecf,edf->ecd"))
-        return y.at[pair.reshape(-1)].set(ys.reshape(-1, ys.shape[-1]).astype(y.dtype), mode="drop")
+        ys = numerics.act(mm(_act_in(a, numerics), w2, "ecf,edf->ecd")).reshape(n_exp * capacity, -1)
+        mine = (pos_of // capacity == r)[:, None]                     # pairs served this round
+        return jnp.where(mine, ys[e_of * capacity + pos_of % capacity].astype(y.dtype), y)
 
     rounds = (jnp.max(sizes) + capacity - 1) // capacity
     y = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((n_pairs, x.shape[1]), numerics.act_dtype))

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
+from kernels_pallas import moe_mgpu  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
@@ -400,8 +401,11 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
             for held in helds:
                 kw_ = dict(kw)
                 tag = label if held == "bf16" else f"{held}-{label}"     # bf16 names as in earlier runs
-                times[tag] = case(f"pallas[{tag}]", runner("pallas", kw_.pop("impl", None), held, **kw_),
-                                  f"pallas {tag}", held)
+                impl = kw_.pop("impl", None)
+                # what routed_experts runs for impl=None (the Mosaic path on Hopper from 2K tokens)
+                chosen = impl or kmoe.choose_impl(t, moe_mgpu.available() and held == "bf16")
+                times[tag] = case(f"pallas[{tag}]", runner("pallas", impl, held, **kw_),
+                                  f"pallas {tag} ({chosen})", held)
         if not others:
             return times
         tr = case("ragged_dot", runner("pallas", "ragged_dot"), "ragged_dot")
