@@ -110,10 +110,21 @@ def tile_table(sizes: jax.Array, block_m: int, n_pairs: int):
             jnp.where(live, end, 0).astype(jnp.int32))
 
 
+def where_is(ids: jax.Array, n: int) -> jax.Array:
+    """ids [M] int32, each of 0..n-1 at most once (values >= n: pad, ignored) -> [n] int32, the
+    index in `ids` of each id: the inverse of a pair order, as a gather table."""
+    return jnp.zeros((n,), jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32), mode="drop")
+
+
+def _padded_weights(w_t: jax.Array) -> jax.Array:
+    """Per-token routing weights [T, k] -> fp32 per pair [T*k + 1]; the extra 0 is the weight of
+    pad id T*k (a zero row's pair: its a is exactly 0)."""
+    return jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+
+
 def combine(y_sorted: jax.Array, order: jax.Array, t: int, k: int) -> jax.Array:
     """Pair outputs in sorted order [T*k, D] -> fp32 [T, D] (`ref.add_slots`)."""
-    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return ref.add_slots(y_sorted[inv].reshape(t, k, -1))
+    return ref.add_slots(y_sorted[where_is(order, order.shape[0])].reshape(t, k, -1))
 
 
 # ---- expert weight tiles: as held (bf16, FP8 rows, FP4), decoded in registers --------------------
@@ -457,7 +468,7 @@ def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, steps, refer
     te, tf, tend = tile_table(sizes, tile_m, n_pairs)
     rows = tf[:, None] + jnp.arange(tile_m, dtype=jnp.int32)[None, :]  # [tiles, tile_m] sorted rows
     pair = jnp.where(rows < tend[:, None], order[jnp.minimum(rows, n_pairs - 1)], n_pairs).reshape(-1)
-    pw = jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    pw = _padded_weights(w_t)                                          # [T*k + 1], pad id T*k -> 0
     cfg = moe_mgpu.preset(tile_m)
     tiles = dict(tile_expert=te, tile_m=tile_m, steps=steps, split=cfg["split"])
     xs = dispatch_rows(te, jnp.where(pair < n_pairs, pair // k, t), _act_in(x, numerics), tile_m,
@@ -467,10 +478,9 @@ def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, steps, refer
     a = swiglu(xs, w1, w3, pw[pair], limit=limit, tile_n=cfg["glu_n"], **tiles)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
     # back to pair order by a gather (an XLA scatter of the [M_pad, D] rows took 0.5 ms at 2K
-    # tokens on the H200, more than the down GEMM): each pair's padded row, from a scatter of ints
-    row = jnp.zeros((n_pairs,), jnp.int32).at[pair].set(jnp.arange(pair.shape[0], dtype=jnp.int32),
-                                                         mode="drop")
-    return ref.add_slots(gemm(a, w2, tile_n=cfg["down_n"], **tiles)[row].reshape(t, k, -1))
+    # tokens on the H200, more than the down GEMM)
+    y = gemm(a, w2, tile_n=cfg["down_n"], **tiles)
+    return ref.add_slots(y[where_is(pair, n_pairs)].reshape(t, k, -1))
 
 
 def capacity_rows(n_pairs: int, n_experts: int) -> int:
@@ -496,10 +506,9 @@ def _routed_capacity(x, idx, w, w1, w3, w2, *, numerics, limit, capacity):
     starts = jnp.cumsum(sizes) - sizes
     n_pairs = t * k
     e_of = idx_t.reshape(-1)                                          # pair -> expert
-    rank = jnp.zeros((n_pairs,), jnp.int32).at[order].set(jnp.arange(n_pairs, dtype=jnp.int32))
-    pos_of = rank - starts[e_of]                                      # pair -> place in its group
+    pos_of = where_is(order, n_pairs) - starts[e_of]                  # pair -> place in its group
     xq = jnp.concatenate([_act_in(x, numerics), jnp.zeros((1, x.shape[1]), numerics.act_dtype)])
-    pw = jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    pw = _padded_weights(w_t)                                          # [T*k + 1], pad id T*k -> 0
     mm = lambda a, b, spec: jnp.einsum(spec, a, b.astype(a.dtype), precision=HIGHEST,
                                        preferred_element_type=jnp.float32)
 
@@ -541,6 +550,12 @@ def mgpu_ok(w1, w3, w2, numerics: Numerics) -> bool:
             and all(isinstance(w_, jax.Array) and w_.dtype == jnp.bfloat16 for w_ in (w1, w3, w2)))
 
 
+def auto_impl(tokens: int, w1, w3, w2, numerics: Numerics) -> str:
+    """What `routed_experts` runs for impl=None: `choose_impl`, with the Mosaic path where it can
+    run on this machine and takes these experts."""
+    return choose_impl(tokens, moe_mgpu.available() and mgpu_ok(w1, w3, w2, numerics))
+
+
 def launch_config(block_m: int) -> dict:
     """Measured Triton parameters per tile height: 128-row tiles need 8 warps for their two fp32
     [128, 128] accumulators (2.2x over 4 warps at 2048 tokens); short decode tiles are weight
@@ -567,7 +582,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     "capacity", block_m is the rows per expert and round (default `capacity_rows`)."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
         return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
-    impl = impl or choose_impl(x.shape[0], moe_mgpu.available() and mgpu_ok(w1, w3, w2, numerics))
+    impl = impl or auto_impl(x.shape[0], w1, w3, w2, numerics)
     kw = dict(numerics=numerics, limit=float(swiglu_limit))
     if impl == "ragged_dot":
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from v41_jax.model import moe as ref
+
 try:   # the Mosaic GPU dialect ships with jaxlib; lowering works without a GPU (jax.export)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover - a jax without Mosaic GPU
@@ -61,13 +63,9 @@ def _swizzled(cols: int, dtype) -> tuple:
 
 def _silu_glu(g, u, wt, limit: float):
     """fp32 g, u (GEMM outputs), wt (routing weight per row) -> bf16 a, as `moe._swiglu_epilogue`:
-    g and u rounded to bf16 first, then the asymmetric clamp, wt * silu(g) * u in fp32."""
-    g = g.astype(jnp.bfloat16).astype(jnp.float32)
-    u = u.astype(jnp.bfloat16).astype(jnp.float32)
-    if limit > 0:
-        u = jnp.minimum(jnp.maximum(u, -limit), limit)
-        g = jnp.minimum(g, limit)
-    return (wt * (g / (1 + jnp.exp(-g)) * u)).astype(jnp.bfloat16)
+    g and u rounded to bf16 first, then the model's `swiglu` in fp32."""
+    g, u = (v.astype(jnp.bfloat16).astype(jnp.float32) for v in (g, u))
+    return ref.swiglu(g, u, limit, wt).astype(jnp.bfloat16)
 
 
 def _wg_tile(tile_m: int, tile_n: int, split: str) -> tuple[int, int]:

@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
-from kernels_pallas import moe_mgpu  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
@@ -402,8 +401,7 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
                 kw_ = dict(kw)
                 tag = label if held == "bf16" else f"{held}-{label}"     # bf16 names as in earlier runs
                 impl = kw_.pop("impl", None)
-                # what routed_experts runs for impl=None (the Mosaic path on Hopper from 2K tokens)
-                chosen = impl or kmoe.choose_impl(t, moe_mgpu.available() and held == "bf16")
+                chosen = impl or kmoe.auto_impl(t, *weights(held), FAST)
                 times[tag] = case(f"pallas[{tag}]", runner("pallas", impl, held, **kw_),
                                   f"pallas {tag} ({chosen})", held)
         if not others:
@@ -486,8 +484,9 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         for t in (32, 128, 256, 512, 2048, 8192):
             if b.left() < 0:
                 break
-            # where `choose_impl` does not take the grouped GEMM, time it too
-            grouped = [] if kmoe.choose_impl(t) == "pallas" else [("grouped", dict(impl="pallas"))]
+            # where the auto choice is not the Triton grouped GEMM (GEMV, or the Mosaic path), time
+            # it too
+            grouped = [] if kmoe.auto_impl(t, *weights("bf16"), FAST) == "pallas" else [("grouped", dict(impl="pallas"))]
             shape_case(t, [("auto", {})] + grouped)
     ins = inputs(jax.random.key(1234), 64)
     got = runner("pallas", "pallas")(ins)[0]
