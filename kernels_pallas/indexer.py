@@ -1,6 +1,6 @@
 """Lightning-indexer scores straight from the paged index plane, and the top-k on top of them.
 
-ARCHITECTURE.md §3.7, RUNTIME.md §5; jnp reference: `v41_jax.model.indexer`.
+docs/MODEL.md §3.7, docs/CACHE.md §3; jnp reference: `v41_jax.model.indexer`.
 
 Cache-side input layout
 -----------------------
@@ -12,7 +12,7 @@ Cache-side input layout
                by the candidate source for each query, -1 padded (REINDEX consumers).
 Without candidates the score columns are the logical rows 0 .. MP*rpp-1 (a FULL layer's scan);
 with them the columns are the kept blocks' rows, compacted: column c is row
-candidates[c // bs] * bs + c % bs (ATOM's "kept list as block table", RUNTIME.md §5.3), so a
+candidates[c // bs] * bs + c % bs (ATOM's "kept list as block table", docs/CACHE.md §3.2), so a
 consumer reads 16,384 key rows per query however long the context is.
 
 Scores are Σ_h w_h · ReLU(q_h · k) with the reference's rounding points (the dot, each weighted

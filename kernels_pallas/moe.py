@@ -1,6 +1,6 @@
 """Routed-expert SwiGLU FFN as a grouped GEMM over expert-sorted (token, expert) pairs.
 
-ARCHITECTURE.md §3.10; jnp reference: `v41_jax.model.moe.routed_experts` (same signature here,
+docs/MODEL.md §3.10; jnp reference: `v41_jax.model.moe.routed_experts` (same signature here,
 plus `backend=` / `impl=`).
 
 Steps (one call):

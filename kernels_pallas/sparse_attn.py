@@ -1,8 +1,8 @@
 """Sparse latent attention with a per-head sink, reading K = V rows straight from cache row views.
 
-ARCHITECTURE.md §3.5 step 4 and §9.1 item 3; jnp reference: `v41_jax.model.sparse_attn`.
+docs/MODEL.md §3.5; jnp reference: `v41_jax.model.sparse_attn`.
 
-Cache-side input layout (what the step feeds; RUNTIME.md §2.6, §3.5)
+Cache-side input layout (what the step feeds; docs/CACHE.md §1.7, §2.4)
 --------------------------------------------------------------------
 A *source* is a pair `(rows [R, D], idx [B, S, K])`:
   rows  a flat row view of one cache plane, e.g. the kv owner's compressed rows

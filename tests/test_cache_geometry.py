@@ -1,5 +1,5 @@
-"""CacheGeometry: byte budgets against RUNTIME.md §2 / ARCHITECTURE.md §6.2, and the array view
-agreeing with the flat address formulas (I-14: one authority for allocated and addressed bytes)."""
+"""CacheGeometry: byte budgets against docs/CACHE.md §1, and the array view agreeing with the flat
+address formulas (docs/CACHE.md INV-8: one authority for allocated and addressed bytes)."""
 
 import subprocess
 import sys
@@ -32,9 +32,9 @@ def _geom(cfg, **kw):
 
 
 @pytest.mark.parametrize("kv,index,per_token,page", [
-    ("bf16", "bf16", 3200, None),         # ARCHITECTURE.md §6.2 bf16/bf16
-    ("bf16", "fp8", 2890, 739_840),       # RUNTIME.md §2.3, B=256
-    ("packed", "fp4", 890, 227_840),      # RUNTIME.md §2.3 "(288+68)*2.5 = 890"
+    ("bf16", "bf16", 3200, None),         # docs/CACHE.md §1.4 bf16/bf16
+    ("bf16", "fp8", 2890, 739_840),       # docs/CACHE.md §1.4, B=256
+    ("packed", "fp4", 890, 227_840),      # docs/CACHE.md §1.4: (288 + 68) * 2.5 = 890
 ])
 def test_page_bytes_per_token(released, kv, index, per_token, page):
     g = _geom(released, kv_format=kv, index_format=index)
@@ -51,7 +51,7 @@ def test_small_pages_bf16_fp8(released, b, paged):
 
 
 @pytest.mark.parametrize("kv,slack,atom_v2", [
-    ("bf16", 0, 5_276_672),     # RUNTIME.md §2.4: 40 rings x 128, comp ring 2
+    ("bf16", 0, 5_276_672),     # docs/CACHE.md §1.5 (ATOM's v2): 40 rings x 128, comp ring 2
     ("bf16", 5, 5_971_968),     # 43 rings x 133, comp ring 7
     ("packed", 0, 2_736_384),
 ])
@@ -66,7 +66,7 @@ def test_state_bytes_per_slot(released, kv, slack, atom_v2):
 def test_total_and_alignment(released):
     for pages in (63, 64):
         g = _geom(released, index_format="fp8", num_pages=pages, slots=3)
-        # RUNTIME.md §2.5: boundary = align_up(739,840 P, 1024) (adds 512 B when P is odd)
+        # docs/CACHE.md §1.6: boundary = align_up(739,840 P, 1024) (adds 512 B when P is odd)
         assert g.boundary == -(-739_840 * pages // 1024) * 1024
         assert g.total_bytes == g.boundary + 3 * g.state_bytes
         assert g.boundary % g.alignment == 0 and g.state_bytes % g.alignment == 0

@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
 RELEASED = ROOT / "v41_jax" / "configs" / "deepseek_v41_flash.config.json"
 
-# ARCHITECTURE.md §3.11.2, written out so that a change in the prime rule or NumPy's stream fails.
+# The released constants (docs/MODEL.md §3.11.2), written out so that a change in the prime rule
+# or NumPy's stream fails.
 RELEASED_PRIMES = {
     1: [[16000057, 16000079, 16000081, 16000097, 16000121, 16000129, 16000133, 16000183],
         [16000189, 16000207, 16000211, 16000253, 16000277, 16000289, 16000307, 16000321],

@@ -121,7 +121,7 @@ def _fixture_rows():
 
 def test_fixture_one_row_space():
     """The fixture's ids index window slots then main rows: one flat row view, as the BF16 pool's
-    single row space (RUNTIME.md §2.6). Float64 expected, no bf16 probabilities: fp32 policy."""
+    single row space (docs/CACHE.md §1.7). Float64 expected, no bf16 probabilities: fp32 policy."""
     f, win, main, q, idx, want = _fixture_rows()
     rows = jnp.asarray(np.concatenate([win, main]))
     got = sparse_attn_paged(jnp.asarray(q), jnp.asarray(f["sink"], jnp.float32),

@@ -82,7 +82,7 @@ def test_rope_interleaved_on_last_lanes_and_inverse():
 
 
 def test_rope_yarn_band_for_released_config():
-    # ARCHITECTURE.md §3.1: dim 64, base 160000, L0 65536, factor 16 -> ramp lo 15, hi 25
+    # docs/MODEL.md §3.1: dim 64, base 160000, L0 65536, factor 16 -> ramp lo 15, hi 25
     cfg = SimpleNamespace(rope_head_dim=64, rope_theta=10000.0, compress_rope_theta=160000.0,
                           original_seq_len=65536, rope_factor=16.0, beta_fast=32, beta_slow=1)
     plain = 1.0 / 160000.0 ** (np.arange(0, 64, 2) / 64)

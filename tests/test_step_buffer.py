@@ -1,5 +1,5 @@
 """The cache is one donated buffer: consumed by the step, updated in place (no second copy), and
-padding rows touch nothing (I-11)."""
+padding rows touch nothing (docs/CACHE.md INV-6)."""
 
 from dataclasses import replace
 

@@ -1,4 +1,4 @@
-"""resolve_topology against ARCHITECTURE.md §1.4 (released), the official fixtures' modes and the
+"""resolve_topology against docs/MODEL.md §1.2 (released), the official fixtures' modes and the
 repo's small configs."""
 
 import pathlib
@@ -15,7 +15,7 @@ OFFICIAL = ROOT / "tests" / "fixtures" / "dsv41_official"
 W, F, RI, RU = Mode.WINDOW, Mode.FULL, Mode.REINDEX, Mode.REUSE
 NO, PRODUCE, CONSUME = Candidates.NONE, Candidates.PRODUCE, Candidates.CONSUME
 
-# ARCHITECTURE.md §1.4, row by row: (first, last, ratio, mode, kv owner, top-k owner, candidates).
+# docs/MODEL.md §1.2, row by row: (first, last, ratio, mode, kv owner, top-k owner, candidates).
 RELEASED_TABLE = [
     (0, 0, 0, W, None, None, NO),
     (1, 1, 0, W, None, None, NO),

@@ -1,6 +1,6 @@
 """Model configuration: one frozen dataclass, loaded from any of the three published layouts.
 
-Accepted inputs (see ARCHITECTURE.md §1):
+Accepted inputs (see docs/MODEL.md §1.1):
   * the released HF `config.json` (root with `text_config` and `quantization_config`),
   * a flat HF text config (`hidden_size`, `num_hidden_layers`, ...),
   * the official reference's own `ModelArgs` field names (`dim`, `n_layers`, ...).
@@ -41,7 +41,7 @@ _HF_TO_REF = {
     "max_position_embeddings": "max_seq_len",
 }
 
-# The only quantization_config the published checkpoint format has (ARCHITECTURE.md §1.1).
+# The only quantization_config the published checkpoint format has (docs/MODEL.md §1.1).
 PUBLISHED_QUANTIZATION = {
     "quant_method": "fp8",
     "activation_scheme": "dynamic",
@@ -229,7 +229,7 @@ def _normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---- validation ----------------------------------------------------------------------------
 # Fail-closed: every rule raises ValueError("<field>: <rule>"). The attention rules are those the
-# topology resolver relies on (ARCHITECTURE.md §1.4, RUNTIME.md §1); the width rules are those the
+# topology resolver relies on (docs/MODEL.md §1.2); the width rules are those the
 # published quantization needs (A8 activation scales per 32 lanes, FP4 weight scales per 32 inputs).
 
 def validate(cfg: ModelConfig) -> None:
@@ -321,7 +321,7 @@ def _check_candidates(cfg: ModelConfig) -> None:
         _fail("candidate_topk_blocks", f"candidate_topk_blocks and candidate_block_size must be >= 1 "
               f"with a candidate source, got {cfg.candidate_topk_blocks} x "
               f"{cfg.candidate_block_size}")
-    # per-row selection counts are computed in closed form from a full pool (RUNTIME.md §3.5)
+    # per-row selection counts are computed in closed form from a full pool (docs/CACHE.md INV-10)
     if cfg.candidate_topk_blocks * cfg.candidate_block_size < cfg.index_topk:
         _fail("candidate_topk_blocks", f"candidate_topk_blocks * candidate_block_size = "
               f"{cfg.candidate_topk_blocks * cfg.candidate_block_size} must be >= index_topk "

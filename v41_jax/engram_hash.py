@@ -1,4 +1,4 @@
-"""Engram hash constants and hash ids (ARCHITECTURE.md §3.11.1-3.11.3), on the host in NumPy.
+"""Engram hash constants and hash ids (docs/MODEL.md §3.11.1-3.11.3), on the host in NumPy.
 
 The tables are host resident, so the row ids are computed here and the gathered rows are handed
 to the jitted code. Everything is int64: a compressed token id times its multiplier stays below
@@ -117,7 +117,7 @@ def _token_normalizer():
 
 
 def token_map_from_tokenizer(tokenizer: "Tokenizer", compressed_vocab_size: int) -> np.ndarray:
-    """Compressed id per token id (§3.11.1) from a `tokenizers.Tokenizer` -> int64 [vocab].
+    """Compressed id per token id (docs/MODEL.md §3.11.1) from a `tokenizers.Tokenizer` -> int64 [vocab].
 
     Each id is decoded alone, specials kept; equal normalized keys share an id, numbered in
     first-seen order. A decode with U+FFFD (a partial UTF-8 byte token) is keyed by its raw token
@@ -154,7 +154,7 @@ class EngramCursor:
     history: tuple[int, ...]
 
     def as_row(self) -> np.ndarray:
-        """The STATE cursor row (RUNTIME.md §2.4): int64 [1 + H] = [position, history...]."""
+        """The STATE cursor row (docs/CACHE.md §1.5): int64 [1 + H] = [position, history...]."""
         return np.asarray((self.position, *self.history), np.int64)
 
     @classmethod
@@ -247,7 +247,7 @@ class EngramHasher:
     def prefix_cursor_rows(self, cursor: EngramCursor, compressed: np.ndarray) -> np.ndarray:
         """Cursor rows after each prefix of the span -> int64 [T, 1 + H]; row j = the cursor once
         compressed[:j + 1] is committed. A verify step commits the row of its accepted length,
-        since Engram history cannot be rebuilt from the KV (RUNTIME.md §7.4)."""
+        since Engram history cannot be rebuilt from the KV (docs/CACHE.md §4)."""
         h = self.max_ngram_size - 1
         context = self._context(cursor, compressed)                                  # [H+T]
         ends = np.arange(1, len(compressed) + 1)

@@ -1,7 +1,7 @@
 """Quantization codecs: the published checkpoint formats and the reference's QAT round-trips.
 
 Bit-exact ports of the reference quantizers (`act_quant`, `fp4_act_quant` in the official
-`kernel_cpu.py`) and decoders of every stored format (ARCHITECTURE.md §2.1, §4):
+`kernel_cpu.py`) and decoders of every stored format (docs/MODEL.md §2.1, §4.2):
 
   * E8M0 ("ue8m0") scale byte c -> 2^(c-127); c = 0 is 2^-127 (not zero), c = 255 is NaN.
   * E4M3FN (OCP fp8, bias 7, max 448, no inf; 0x7f/0xff are NaN).

@@ -1,4 +1,4 @@
-"""Per-layer CSA2 attention topology, resolved once from the config (ARCHITECTURE.md §1.4).
+"""Per-layer CSA2 attention topology, resolved once from the config (docs/MODEL.md §1.2).
 
 Every non-zero-ratio layer reads the compressed KV of the most recent KV source with the same
 ratio (its kv owner, which also owns the index keys) and the top-k of the most recent index source
@@ -39,7 +39,7 @@ class LayerTopology:
 
     @property
     def rope_global(self) -> bool:
-        """Compressed layers use the compress-theta + YaRN table for everything (§3.0)."""
+        """Compressed layers use the compress-theta + YaRN table for everything (docs/MODEL.md §3.1)."""
         return self.ratio > 0
 
     @property

@@ -1,6 +1,6 @@
 """The cache buffer: one preallocated pytree of typed arrays, shaped by `CacheGeometry`.
 
-The step takes it donated and returns it updated in place (RUNTIME.md §2.10): every write is a
+The step takes it donated and returns it updated in place (docs/CACHE.md §1.8): every write is a
 scatter whose padding rows carry an out-of-range index and are dropped, never wrapped onto a live
 row. Layout (bf16 / f32 rows; packed rows are uint8 of the packed row width):
 
@@ -63,7 +63,7 @@ def allocate(geom: CacheGeometry) -> Cache:
 @partial(jax.jit, donate_argnums=(0,))
 def reset_slots(cache: Cache, fresh: jax.Array) -> Cache:
     """Zero whole STATE entries (window rings, compressor rings) and reset their cursors to
-    [0, DEAD...]: the fresh-slot rule for a request starting at position 0 (RUNTIME.md §2.7, I-2).
+    [0, DEAD...]: the fresh-slot rule for a request starting at position 0 (docs/CACHE.md §1.9, INV-2).
 
     fresh [N] bool, one flag per slot (a fixed shape, so this compiles once). A select over the
     STATE arrays rather than a scatter of zero slots: it updates in place with no temporary, where

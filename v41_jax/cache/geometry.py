@@ -1,6 +1,6 @@
 """CSA2 cache geometry: the one authority for every region's shape, dtype, byte count and address.
 
-The cache has two currencies (RUNTIME.md §2):
+The cache has two currencies (docs/CACHE.md §1):
 
 * PAGE: a page id names, for every KV owner (FULL layer) of ratio r, `B/r` compressed main rows
   and `B/r` index-key rows (B = page tokens). Region-major byte layout: first the main-page
@@ -13,9 +13,9 @@ The cache has two currencies (RUNTIME.md §2):
   more than one token (`[n_ring_owners, max_ratio + S, head_dim]`, raw projections then gate
   scores), and the Engram cursor (`[H + 1]` = committed position, last H compressed ids).
 
-Field set, as RUNTIME.md §2.4 "v2" (rings, not tails) with one deliberate difference: only the
-ratio > 1 owners get compressor rings; a ratio-1 owner's group is always complete inside a step,
-so ATOM's ring for it is never read. Per slot that is `2 * comp_ring * head_dim * 4` bytes less
+Field set: ATOM's "v2" (rings, not tails; docs/CACHE.md §1.5) with one deliberate difference:
+only the ratio > 1 owners get compressor rings; a ratio-1 owner's group is always complete inside
+a step, so ATOM's ring for it is never read. Per slot that is `2 * comp_ring * head_dim * 4` bytes less
 than ATOM's figure (8,192 B for V4.1-Flash at S = 0: 5,268,480 vs 5,276,672).
 
 Everything that allocates, addresses, zeroes, images or budgets the cache reads `CacheGeometry`;
@@ -38,7 +38,7 @@ import numpy as np
 from v41_jax.config import ModelConfig
 from v41_jax.topology import Mode, resolve_topology
 
-# Row formats (RUNTIME.md §2.2). "bf16"/"f32" rows are typed arrays; packed rows are uint8 bytes
+# Row formats (docs/CACHE.md §1.3). "bf16"/"f32" rows are typed arrays; packed rows are uint8 bytes
 # whose encodings the packed kernels own.
 KV_FORMATS = ("bf16", "f32", "packed")
 INDEX_FORMATS = ("bf16", "f32", "fp8", "fp4")
@@ -134,7 +134,7 @@ class CacheGeometry:
                 raise ValueError(f"page_tokens: {s.page_tokens} must be divisible by owner "
                                  f"{o.layer}'s ratio {o.ratio}")
         if s.page_tokens % 2:
-            raise ValueError("page_tokens: must be even (RUNTIME.md §2.1)")
+            raise ValueError("page_tokens: must be even (docs/CACHE.md §1.2)")
         if s.num_pages < 2 or s.slots < 1 or s.draft_slack < 0:
             raise ValueError("num_pages >= 2 (page 0 is the null page), slots >= 1, draft_slack >= 0")
         max_context = s.max_context or cfg.max_seq_len
@@ -250,7 +250,7 @@ class CacheGeometry:
             "cursor": sds((s.slots, self.history + 1), _CURSOR_DTYPE),
         }
 
-    # ---- flat byte addresses (RUNTIME.md §2.6) --------------------------------------------
+    # ---- flat byte addresses (docs/CACHE.md §1.7) --------------------------------------------
     def main_row_address(self, owner: int, page: int, row: int) -> int:
         return page * self.page_bytes + self.page_fields[owner] + row * self.main_row_bytes
 
@@ -275,7 +275,7 @@ class CacheGeometry:
 
     # ---- the byte image (checkpoint images, interop, and the test that both views agree) ----
     def to_image(self, cache) -> np.ndarray:
-        """The whole cache as one uint8[total_bytes] laid out as RUNTIME.md §2.3-2.4."""
+        """The whole cache as one uint8[total_bytes] laid out as docs/CACHE.md §1.4, §1.5."""
         img = np.zeros(self.total_bytes, np.uint8)
         for view, arr in self._views(img, cache):
             view[...] = np.asarray(arr).view(np.uint8).reshape(view.shape)

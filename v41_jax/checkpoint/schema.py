@@ -1,4 +1,4 @@
-"""The exact checkpoint key -> (shape, dtype) table of a config (ARCHITECTURE.md §2.2-2.4).
+"""The exact checkpoint key -> (shape, dtype) table of a config (docs/MODEL.md §2.2).
 
 Names are the reference's `state_dict` names (no `model.` prefix). The table follows the reference
 modules, and the official fixture checkpoints (tests/fixtures/dsv41_official) are the ground truth:

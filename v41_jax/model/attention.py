@@ -1,10 +1,10 @@
-"""The attention sublayer (ARCHITECTURE.md §3.5, §3.8) for the full-sequence forward, all four CSA2
-modes, and the DSpark draft attention (§5.3).
+"""The attention sublayer (docs/MODEL.md §3.4, §3.8) for the full-sequence forward, all four CSA2
+modes, and the DSpark draft attention (docs/MODEL.md §5.3).
 
 The compressed branch shares work down the stack: a FULL layer publishes its compressed rows and
 index keys, an index source its selection, the candidate source its blocks. `AttnContext` carries
 them; the caller threads it through the layers (it also is what the checker records). Every layer
-reads the rows and index keys of its own kv owner (the prefill-consistent semantics, §9.1).
+reads the rows and index keys of its own kv owner (the prefill-consistent semantics, docs/MODEL.md §3.8).
 
 API (B batch, S sequence from position 0, D model width, H x Dh heads, K = min(index_topk, S // r))
   AttnContext(rows, keys, selected, candidates)   dicts keyed by the owning layer:

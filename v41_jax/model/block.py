@@ -1,5 +1,5 @@
 """One block: optional Engram, the attention sublayer and the MoE sublayer, wired by single-pass mHC
-(ARCHITECTURE.md §3.3-3.4).
+(docs/MODEL.md §3.2, §3.3).
 
 The attention sublayer is passed in as a callable, so the full forward, the DSpark draft stages and
 the cache step share this wiring and differ only in how they attend.

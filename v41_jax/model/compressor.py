@@ -1,4 +1,4 @@
-"""KV compressor of a FULL layer (ARCHITECTURE.md §3.6): one latent row per complete group of
+"""KV compressor of a FULL layer (docs/MODEL.md §3.6): one latent row per complete group of
 `ratio` consecutive tokens, row j covering positions r*j .. r*j + r - 1.
 
 The cores take the new tokens plus the carried partial group, so the same functions serve the full

@@ -1,4 +1,4 @@
-"""DSpark draft head: the reference `forward_spec` at a decode step (ARCHITECTURE.md §5.1-5.3).
+"""DSpark draft head: the reference `forward_spec` at a decode step (docs/MODEL.md §5.1-5.3).
 
 The target's main hidden (mean-of-streams inputs of the target layers) is projected once
 (`main_proj` + `main_norm` of stage 0) into context rows; every stage turns them into its own

@@ -1,4 +1,4 @@
-"""Engram module: n-gram hash rows -> per-stream key + shared value -> gated residual update (§3.11.4).
+"""Engram module: n-gram hash rows -> per-stream key + shared value -> gated residual update (docs/MODEL.md §3.11.4).
 
 The hash ids come from `v41_jax/engram_hash.py`; the FP8 tables stay on the host
 (`params["engram_tables"]`). Rows are gathered there and passed into the jitted forward.

@@ -1,4 +1,4 @@
-"""Final collapse, norm and LM head (ARCHITECTURE.md §3.12).
+"""Final collapse, norm and LM head (docs/MODEL.md §3.12).
 
 There are no separate hc_head parameters: the last block's FFN-side pre-mix collapses the streams.
 

@@ -1,8 +1,8 @@
-"""Lightning indexer: which compressed rows each query attends to (ARCHITECTURE.md §3.7).
+"""Lightning indexer: which compressed rows each query attends to (docs/MODEL.md §3.7).
 
 Pure cores over explicit arrays: query rows at their positions, key rows of the kv owner, and
 per-query visible counts, so the full forward and the cache path call the same functions.
-Selections tie toward the lower index everywhere (`numerics.top_k`: lax.top_k with -0.0 == +0.0; §9.1 item 1).
+Selections tie toward the lower index everywhere (`numerics.top_k`: lax.top_k with -0.0 == +0.0; docs/MODEL.md §4.3).
 
 API (B batch, T queries, N key rows, Hi/Di indexer heads/width)
   visible_rows(positions, ratio) -> int32 [...]        (p + 1) // r: rows whose group is complete

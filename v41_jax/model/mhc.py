@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC), single-pass variant (ARCHITECTURE.md §3.3).
+"""Manifold-constrained hyper-connections (mHC), single-pass variant (docs/MODEL.md §3.2).
 
 The residual is N = hc_mult parallel streams. Each sublayer predicts (pre, post, comb) from its
 input streams; it expands with its own post/comb but hands `pre` on: the collapse feeding a

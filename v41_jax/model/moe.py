@@ -1,4 +1,4 @@
-"""Mixture of experts: sqrtsoftplus router, routed SwiGLU experts, one shared expert (§3.10).
+"""Mixture of experts: sqrtsoftplus router, routed SwiGLU experts, one shared expert (docs/MODEL.md §3.10).
 
 API
   score(logits [T, E] fp32, cfg) -> fp32     sqrt(softplus(logits / gate_temp))

@@ -1,4 +1,4 @@
-"""Sparse single-latent attention with a per-head sink (ARCHITECTURE.md §3.5 step 4, §9.1 item 3).
+"""Sparse single-latent attention with a per-head sink (docs/MODEL.md §3.5).
 
 Every query head attends over its own list of latent rows (K = V, one shared latent per row).
 The reference kernel walks the list in chunks of 64 with an online softmax; the chunking is part of

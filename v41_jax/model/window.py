@@ -1,4 +1,4 @@
-"""Sliding-window index lists (ARCHITECTURE.md §3.9; the reference's get_window_topk_idxs).
+"""Sliding-window index lists (docs/MODEL.md §3.9; the reference's get_window_topk_idxs).
 
 Two address spaces:
   * linear: row i of the KV buffer holds position i (the full forward, draft context rows);
