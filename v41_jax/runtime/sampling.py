@@ -7,10 +7,13 @@ step: a request draws the same tokens alone as inside any batch (continuous batc
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -21,8 +24,41 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("sampling: temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+        """Strict: bools and non-numbers refused, NaN/inf refused, top_k and seed integers (numpy scalars
+        accepted); the values are stored as Python float/int."""
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if not _real(t) or not _finite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature: must be a finite number >= 0, got {_brief(t)}")
+        if not _integral(k) or not 0 <= k < 2 ** 31:
+            raise ValueError(f"SamplingParams.top_k: must be an integer in [0, 2**31), got {_brief(k)}")
+        if not _real(p) or not 0 < p <= 1:                      # NaN fails the comparison
+            raise ValueError(f"SamplingParams.top_p: must be a number in (0, 1], got {_brief(p)}")
+        if not _integral(s) or not 0 <= s < 2 ** 32:
+            raise ValueError(f"SamplingParams.seed: must be an integer in [0, 2**32), got {_brief(s)}")
+        for name, value in (("temperature", float(t)), ("top_k", int(k)), ("top_p", float(p)), ("seed", int(s))):
+            object.__setattr__(self, name, value)
+
+
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _integral(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:                                       # an int beyond float range
+        return False
+
+
+def _brief(v) -> str:
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v).bit_length() > 128:
+        return f"an integer of {int(v).bit_length()} bits"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @jax.jit
