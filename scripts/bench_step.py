@@ -592,7 +592,8 @@ def main(argv=None) -> int:
             continue
 
         def fn(cache, c=c):
-            return c.compiled(params, cache, c.device_batch)
+            out = c.compiled(params, cache, c.device_batch)
+            return out.logits, out.cache
 
         try:
             row["compiles_running"] = busy()

@@ -1,151 +1,228 @@
-"""Offline batch generation over the cache and the jitted step (continuous batching).
+"""Offline generation: a JSONL file of requests through the engine (continuous batching).
 
-    python -m scripts.generate --checkpoint DIR --prompts P.jsonl [--out OUT.jsonl]
-        [--tokenizer tokenizer.json] [--max-new-tokens 32] [--temperature 0] [--top-k 0]
-        [--top-p 1] [--seed 0] [--max-batch 4] [--chunk 64] [--numerics fast]
+    python -m scripts.generate --checkpoint DIR --prompts P.jsonl [--out OUT.jsonl] [--stream] ...
 
-Input JSONL, one request per line: {"id": ..., "prompt": "text"} (needs --tokenizer) or
-{"id": ..., "prompt_ids": [ints]}; optional per-line "max_new_tokens", "temperature", "top_k",
-"top_p", "seed", "stop_ids", "ignore_eos". Output JSONL (to --out, else stdout): id, prompt_len,
-tokens, text (with a tokenizer), finish_reason, error. A bad request gets an error line; the
-others run unaffected. The closing summary goes to stderr: requests, generated tokens, tokens/s,
-steps, compile time vs run time.
+Input, one JSON object per line:
+
+    {"id": "a", "prompt": "text"}              text prompt (needs a tokenizer: tokenizer.json in the
+                                               checkpoint folder, or --tokenizer)
+    {"id": "b", "prompt_ids": [5, 6, 7]}       token ids in [0, vocab)
+    optional per line: max_new_tokens (int >= 1), temperature (>= 0, 0 = greedy), top_k (int >= 0,
+    0 = off), top_p (0 < p <= 1), seed (int in [0, 2**32)), stop_ids (list of ids), ignore_eos
+    (bool), logprobs (bool); absent fields take the flags below. Unknown fields are refused.
+
+Output, one JSON object per request in input order (to --out, else stdout): id, prompt_len,
+tokens, text (with a tokenizer), finish_reason (eos | stop | length | error), error, logprobs.
+A bad line gets its own error line (file, line number and field) and the others run. Arguments
+and the prompts file are checked before the checkpoint loads; a file without one valid request
+compiles nothing. The summary (stderr) gives tokens/s, TTFT and inter-token latency p50/p95 and
+compile vs run time. Exit code 2 for a usage error (one line, no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-import jax
-from tqdm.auto import tqdm
+import numpy as np
 
-from v41_jax.cache.geometry import EngineSettings, typed_format
-from v41_jax.checkpoint.load import EXPERT_HOLDS, load_params
-from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
-from v41_jax.model.numerics import Numerics
-from v41_jax.runtime.engine import (CompileMeter, Engine, Request, Stats, default_buckets,
-                                    parse_buckets)
-from v41_jax.runtime.sampling import SamplingParams
+from v41_jax.runtime import compile_cache
 
-NUMERICS = {"reference": Numerics.reference, "fast": Numerics.fast, "fp32": Numerics.fp32}
+NUMERICS_CHOICES = ("fast", "fp32", "reference")
+EXPERT_CHOICES = ("auto", "fp8", "fp4", "bf16")
 
 
-def read_requests(path: str, args, tokenizer) -> list[Request]:
-    out = []
-    with open(path) as f:
-        for i, line in enumerate(l for l in f if l.strip()):
-            row = json.loads(line)
-            if "prompt_ids" in row:
-                ids = [int(t) for t in row["prompt_ids"]]
-            elif tokenizer is None:
-                raise SystemExit(f"{path}:{i + 1}: a text prompt needs --tokenizer")
-            else:
-                ids = tokenizer.encode(row["prompt"]).ids
-            sampling = SamplingParams(temperature=row.get("temperature", args.temperature),
-                                      top_k=row.get("top_k", args.top_k), top_p=row.get("top_p", args.top_p),
-                                      seed=row.get("seed", args.seed))
-            out.append(Request(ids, row.get("max_new_tokens", args.max_new_tokens), sampling,
-                               tuple(row.get("stop_ids", args.stop_ids)),
-                               row.get("ignore_eos", args.ignore_eos), row.get("id", i)))
-    return out
+class UsageError(Exception):
+    """A bad argument or input file: printed as one line, exit code 2."""
 
 
-def build_engine(args, tokenizer) -> Engine:
-    cfg, params = load_params(args.checkpoint, progress=not args.quiet, experts=args.experts)
-    ckpt = Path(args.checkpoint)
-    if (ckpt / "engram_token_map.json").exists():
-        token_map = load_token_map(ckpt / "engram_token_map.json")
-    elif tokenizer is not None and cfg.engram_layer_ids:
-        token_map = token_map_from_tokenizer(tokenizer, cfg.engram_compressed_vocab_size)
-    else:
-        token_map = None
-    numerics = NUMERICS[args.numerics]()
-    fmt = typed_format(numerics.act_dtype)
-    max_context = args.max_context or cfg.max_seq_len
-    buckets = parse_buckets(args.buckets) if args.buckets else default_buckets(args.max_batch, args.chunk)
-    pages_per_request = -(-max_context // args.page_tokens)
-    settings = EngineSettings(page_tokens=args.page_tokens,
-                              num_pages=args.pages or buckets.max_requests * pages_per_request + 1,
-                              slots=max(args.slots, buckets.max_requests), max_context=max_context,
-                              kv_format=fmt, index_format=fmt)
-    return Engine(params, cfg, settings=settings, buckets=buckets, numerics=numerics, token_map=token_map,
-                  prefill_chunk=args.chunk)
-
-
-def _tokenizer(args):
-    if not args.tokenizer:
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(args.tokenizer)
+def _positive(name: str, allow_zero: bool = False):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not an integer") from None
+        if v < 0 or (v == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{name}: must be {'>= 0' if allow_zero else '>= 1'}, got {v}")
+        return v
+    return parse
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--prompts", required=True, help="JSONL, one request per line")
-    ap.add_argument("--out", help="JSONL results (default: stdout)")
-    ap.add_argument("--tokenizer", help="tokenizer.json for text prompts and decoded output")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stop-ids", type=int, nargs="*", default=())
-    ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--max-batch", type=int, default=4, help="requests per step")
-    ap.add_argument("--chunk", type=int, default=64, help="prefill rows per step")
-    ap.add_argument("--buckets", help="explicit step shapes TxRxO,... (tokens x requests x logits)")
-    ap.add_argument("--page-tokens", type=int, default=16)
-    ap.add_argument("--pages", type=int, default=0, help="PAGE pool size (default: max-batch full contexts)")
-    ap.add_argument("--slots", type=int, default=0, help="STATE slots (default: max-batch)")
-    ap.add_argument("--max-context", type=int, default=0, help="tokens per request (default: config)")
-    ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
-    ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto",
-                    help="how the routed experts are held (auto: fp8 on a GPU, bf16 on CPU; fp8: "
-                         "fastest decode kernels; bf16: fastest prefill)")
-    ap.add_argument("--xla-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "v41-jax", "xla"),
-                    help="persistent compilation cache directory ('' disables): a re-run skips compiling")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap = argparse.ArgumentParser(prog="python -m scripts.generate", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__[__doc__.index("Input,"):], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="published-format checkpoint folder (config.json, shards)")
+    ap.add_argument("--prompts", required=True, help="JSONL file of requests (schema below)")
+    ap.add_argument("--out", help="write results here as JSONL (default: stdout)")
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint folder's, if any)")
+    ap.add_argument("--stream", action="store_true", help="print each request's tokens (text with a tokenizer) "
+                    "to stderr as they come")
+    ap.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=32,
+                    help="new tokens per request unless the line says (capped by the context limit)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    ap.add_argument("--top-k", type=_positive("--top-k", True), default=0, help="keep the k most likely tokens (0 = off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    ap.add_argument("--seed", type=_positive("--seed", True), default=0, help="sampling seed in [0, 2**32)")
+    ap.add_argument("--stop-ids", type=_positive("--stop-ids", True), nargs="*", default=(),
+                    help="token ids that end a request")
+    ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    ap.add_argument("--max-batch", type=_positive("--max-batch"), default=4, help="requests per step")
+    ap.add_argument("--chunk", type=_positive("--chunk"), default=64, help="prefill rows per step")
+    ap.add_argument("--buckets", help="explicit step shapes TxRxO,... (tokens x requests x logits rows)")
+    ap.add_argument("--page-tokens", type=_positive("--page-tokens"), default=16, help="tokens per cache page")
+    ap.add_argument("--pages", type=_positive("--pages", True), default=0,
+                    help="page pool size (default: max-batch full contexts)")
+    ap.add_argument("--slots", type=_positive("--slots", True), default=0, help="STATE slots (default: max-batch)")
+    ap.add_argument("--max-context", type=_positive("--max-context", True), default=0,
+                    help="tokens per request, prompt included (default: the config's)")
+    ap.add_argument("--numerics", choices=NUMERICS_CHOICES, default="fast",
+                    help="fast: bf16 activations; fp32; reference: the official rounding points")
+    ap.add_argument("--experts", choices=EXPERT_CHOICES, default="auto",
+                    help="how the routed experts are held (auto: fp8 on a GPU, bf16 on CPU)")
+    ap.add_argument("--compile-cache", default=None,
+                    help=f"persistent compilation cache folder ('' disables; default ${compile_cache.ENV} "
+                         f"or {compile_cache.DEFAULT})")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
+
+
+def _validate(args):
+    """Everything checkable without the weights -> (cfg, tokenizer, requests-or-errors)."""
+    from v41_jax.config import ModelConfig
+    from v41_jax.runtime.engine import load_tokenizer, parse_buckets
+    from v41_jax.runtime.request_parse import RequestDefaults, RequestError, parse_file
+
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / "config.json").is_file():
+        raise UsageError(f"{ckpt}: not a checkpoint folder (no config.json)")
+    if not Path(args.prompts).is_file() and args.prompts != "-":
+        raise UsageError(f"{args.prompts}: prompts file not found")
+    if args.buckets:
+        try:
+            parse_buckets(args.buckets)
+        except ValueError as err:
+            raise UsageError(f"--buckets: {err}") from None
+    try:
+        defaults = RequestDefaults.from_args(args)
+    except RequestError as err:
+        raise UsageError(f"--{err.field.replace('_', '-')}: {err.message}") from None
+    try:
+        cfg = ModelConfig.from_file(ckpt / "config.json")
+    except (ValueError, OSError) as err:
+        raise UsageError(f"{ckpt / 'config.json'}: {err}") from None
+    try:
+        tokenizer = load_tokenizer(args.tokenizer, ckpt)
+    except Exception as err:  # noqa: BLE001 - any tokenizer failure is a usage error
+        raise UsageError(f"--tokenizer: {err}") from None
+    source = sys.stdin.buffer if args.prompts == "-" else args.prompts
+    parsed = parse_file(source, vocab_size=cfg.vocab_size, defaults=defaults, tokenizer=tokenizer)
+    return cfg, tokenizer, parsed
+
+
+def _percentiles(values) -> str:
+    if not values:
+        return "n/a"
+    p50, p95 = np.percentile(np.asarray(values) * 1e3, [50, 95])
+    return f"p50 {p50:.1f} ms, p95 {p95:.1f} ms"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.xla_cache:
-        jax.config.update("jax_compilation_cache_dir", args.xla_cache)
-    tokenizer = _tokenizer(args)
-    engine = build_engine(args, tokenizer)
-    requests = read_requests(args.prompts, args, tokenizer)
-    stats = Stats()
-    before = CompileMeter.seconds
-    engine.warmup()                                  # every bucket compiled before the clock runs
-    stats.compile_s = CompileMeter.seconds - before
-    with tqdm(total=sum(r.max_new_tokens for r in requests), unit="tok", disable=args.quiet,
-              file=sys.stderr) as bar:
-        results = engine.generate(requests, on_step=bar.update, stats=stats)
+    try:
+        cfg, tokenizer, parsed = _validate(args)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from v41_jax.runtime.request_parse import RequestError
+
+    seen = set()
+    for i, p in enumerate(parsed):
+        if not isinstance(p, RequestError):
+            if p.request_id in seen:
+                parsed[i] = RequestError("id", f"{p.request_id!r} is used by an earlier line",
+                                         where=args.prompts, request_id=p.request_id)
+            seen.add(p.request_id)
+    requests = [p for p in parsed if not isinstance(p, RequestError)]
+    for err in (p for p in parsed if isinstance(p, RequestError)):
+        print(f"error: {err}", file=sys.stderr)
+    results = {}
+    stats = None
+    if requests:
+        results, stats = _run(args, tokenizer, requests)
     out = open(args.out, "w") if args.out else sys.stdout
     try:
-        for res in results:
+        for p in parsed:
+            if isinstance(p, RequestError):
+                out.write(json.dumps({"id": p.request_id, "prompt_len": 0, "tokens": [], "finish_reason": "error",
+                                      "error": str(p)}) + "\n")
+                continue
+            res = results[p.request_id]
             row = {"id": res.request_id, "prompt_len": res.prompt_len, "tokens": res.tokens,
                    "finish_reason": res.finish_reason}
             if tokenizer is not None:
                 row["text"] = tokenizer.decode(res.tokens)
+            if p.logprobs:
+                row["logprobs"] = res.logprobs
             if res.error:
                 row["error"] = res.error
             out.write(json.dumps(row) + "\n")
     finally:
         if args.out:
             out.close()
-    errors = sum(r.error is not None for r in results)
-    print(f"summary: {stats.requests} requests ({errors} refused), {stats.prompt_tokens} prompt tokens, "
-          f"{stats.generated_tokens} generated tokens in {stats.steps} steps, "
-          f"{stats.tokens_per_s:.1f} tokens/s; compile {stats.compile_s:.1f} s, run {stats.run_s:.1f} s "
-          f"({jax.default_backend()}, {args.numerics} numerics)", file=sys.stderr)
+    refused = sum(isinstance(p, RequestError) for p in parsed) + sum(r.error is not None for r in results.values())
+    if stats is None:
+        print(f"summary: {len(parsed)} requests ({refused} refused), nothing to run; compiled nothing",
+              file=sys.stderr)
+        return 0
+    ttft = [r.ttft_s for r in results.values() if r.ttft_s is not None]
+    itl = [b - a for r in results.values() for a, b in zip(r.token_times, r.token_times[1:])]
+    print(f"summary: {len(parsed)} requests ({refused} refused), {stats.prompt_tokens} prompt tokens, "
+          f"{stats.generated_tokens} generated tokens in {stats.steps} steps, {stats.tokens_per_s:.1f} tokens/s; "
+          f"TTFT {_percentiles(ttft)}; inter-token {_percentiles(itl)}; "
+          f"compile {stats.compile_s:.1f} s, run {stats.run_s:.1f} s ({stats.backend}, {args.numerics} numerics)",
+          file=sys.stderr)
     return 0
+
+
+def _run(args, tokenizer, requests):
+    """Load, warm up and generate -> ({id: Result}, Stats)."""
+    import jax
+    from tqdm.auto import tqdm
+
+    from v41_jax.runtime.engine import Engine, Stats
+    from v41_jax.runtime.scheduler import FinishEvent, TokenEvent
+
+    engine = Engine.from_checkpoint(args.checkpoint, numerics=args.numerics, experts=args.experts,
+                                    max_batch=args.max_batch, chunk=args.chunk, buckets=args.buckets,
+                                    page_tokens=args.page_tokens, pages=args.pages, slots=args.slots,
+                                    max_context=args.max_context, compile_cache_dir=args.compile_cache,
+                                    tokenizer=args.tokenizer, progress=not args.quiet)
+    stats = Stats()
+    for req in requests:
+        budget = engine.scheduler.budget(req)
+        if 0 < budget < req.max_new_tokens:
+            print(f"note: request {req.request_id!r}: max_new_tokens {req.max_new_tokens} capped to {budget} "
+                  f"by the context limit {engine.geom.max_context}", file=sys.stderr)
+    stats.compile_s = engine.warmup()                    # every bucket compiled before the clock runs
+    total = sum(engine.scheduler.budget(r) for r in requests)
+    with tqdm(total=total, unit="tok", disable=args.quiet or args.stream, file=sys.stderr) as bar:
+        def on_event(e):
+            if isinstance(e, TokenEvent):
+                bar.update(len(e.tokens))
+                if args.stream:
+                    piece = tokenizer.decode(list(e.tokens)) if tokenizer is not None else " ".join(map(str, e.tokens))
+                    print(f"[{e.rid}] {piece}", file=sys.stderr, flush=True)
+            elif isinstance(e, FinishEvent):       # what it will not generate after all
+                bar.update(e.result.max_new_tokens - len(e.result.tokens))
+                if args.stream:
+                    print(f"[{e.rid}] <{e.result.finish_reason}>" + (f" {e.result.error}" if e.result.error else ""),
+                          file=sys.stderr, flush=True)
+
+        results = engine.generate(requests, on_event=on_event, stats=stats)
+    stats.backend = jax.default_backend()
+    return {r.request_id: r for r in results}, stats
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.engine_common import build_model, chunked, forward_logits, make_engine, teacher_forced
-from v41_jax.runtime.engine import Request
+from v41_jax.runtime.request import Request
 
 ATOL = 1e-4
 PROMPT, NEW = 40, 32

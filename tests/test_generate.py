@@ -11,7 +11,8 @@ import pytest
 
 from scripts import generate as generate_script
 from tests.engine_common import BUCKETS, SETTINGS, build_model, make_engine
-from v41_jax.runtime.engine import CompileMeter, Request
+from v41_jax.runtime.compile_cache import CompileMeter
+from v41_jax.runtime.request import Request
 from v41_jax.runtime.metadata import Bucket, BucketSet
 from v41_jax.runtime.sampling import SamplingParams
 
@@ -107,14 +108,14 @@ def test_no_recompilation_after_warmup(model):
     buckets = BucketSet((BUCKETS.buckets[-1], Bucket(4, 4, 4)))
     engine = make_engine(*model[1], buckets=buckets, prefill_chunk=16)
     engine.warmup()
-    lowered, compiled = CompileMeter.lowerings, CompileMeter.backend_compiles
+    lowered, compiled = CompileMeter.lowerings, CompileMeter.xla_compiles()
     warm_steps = engine.step_id
     reqs = [replace(r, max_new_tokens=r.max_new_tokens + 20) for r in _requests(engine.cfg.vocab_size, 8, seed=3)]
     results = engine.generate(reqs)
     assert all(r.finish_reason == "length" for r in results)
     assert engine.step_id - warm_steps >= 50
     assert all(engine.bucket_steps[b] > 1 for b in buckets.buckets)     # both shapes in use
-    assert CompileMeter.lowerings == lowered and CompileMeter.backend_compiles == compiled
+    assert CompileMeter.lowerings == lowered and CompileMeter.xla_compiles() == compiled
 
 
 def test_generate_script(model, tmp_path, capsys):

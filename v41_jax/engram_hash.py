@@ -215,11 +215,26 @@ class EngramHasher:
         n = self.max_ngram_size
         context = self._context(cursor, compressed)                                  # [N-1+T]
         t = np.arange(len(compressed))
-        slot = np.arange(n)
-        source = context[(n - 1) + t[:, None] - slot[None, :]]                      # [T, N]
-        before_start = (cursor.position + t)[:, None] < slot[None, :]
+        source = context[(n - 1) + t[:, None] - np.arange(n)[None, :]]              # [T, N]
+        return self._latch(source, cursor.position + t)
+
+    def _latch(self, source: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Lookback tokens [T, N] of tokens at `positions` [T] with the latch applied."""
+        before_start = positions[:, None] < np.arange(self.max_ngram_size)[None, :]
         blocked = np.logical_or.accumulate(before_start | (source == DEAD), axis=1)
         return np.where(blocked, self.pad_id, source)
+
+    def next_token_ids(self, cursor_rows: np.ndarray, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One token for each of K requests at once (a decode step): cursor rows [K, 1 + H] (as
+        `EngramCursor.as_row`) and their next tokens [K] -> (row ids [K, L, cols], cursor rows
+        after them [K, 1 + H]). Equals `hash_ids` row by row, without a per-request loop."""
+        rows = np.asarray(cursor_rows, np.int64).reshape(-1, self.max_ngram_size)
+        compressed = self.compress(np.asarray(token_ids).reshape(-1))
+        history = rows[:, 1:]                                                        # oldest first
+        source = np.concatenate([compressed[:, None], history[:, ::-1]], axis=1)     # slot 0 = the token
+        ids = self.bucket_ids(self._latch(source, rows[:, 0]))
+        nxt = np.concatenate([rows[:, :1] + 1, history[:, 1:], compressed[:, None]], axis=1)
+        return ids, nxt
 
     def bucket_ids(self, tokens: np.ndarray) -> np.ndarray:
         """Lookback tokens [T, N] -> table row ids [T, L, (N-1) * H], offsets included.

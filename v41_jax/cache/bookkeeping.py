@@ -2,12 +2,12 @@
 
 * `PageAllocator`: page ids 1..P-1 (page 0 is the null page every padding row names). A freed
   page is quarantined until every step that was dispatched while the request still held it has
-  completed (RUNTIME.md §2.8, I-13): in a pipelined loop the step in flight may still read or
+  completed (docs/CACHE.md §1.10, INV-7): in a pipelined loop the step in flight may still read or
   write it, and handing it to a new request at once would let that step's writes land in the new
   owner's rows.
-* `SlotAllocator`: one STATE entry per in-flight request; unique by construction (I-16).
+* `SlotAllocator`: one STATE entry per in-flight request; unique by construction (docs/CACHE.md INV-9).
 * `check_cursor`: a span that does not start at 0 must find its slot's committed position equal to
-  its own first position, else `StaleStateError` (I-1: the seed's "needs state at 828, found 818"
+  its own first position, else `StaleStateError` (docs/CACHE.md INV-1: the seed's "needs state at 828, found 818"
   can never pass silently).
 """
 

@@ -1,123 +1,39 @@
-"""Generation: continuous batching of requests over the jitted step.
+"""The engine: a Scheduler (host) and a Runner (device) in one pipelined loop.
 
-Each iteration admits waiting requests while a STATE slot and their pages are free (a request
-reserves pages for prompt + max_new_tokens at admission, so a running request never stalls for
-memory), schedules one span per running request (decodes first, one token each, then prefill
-chunks while the step's token budget lasts), runs one step in the smallest bucket that holds the
-batch, samples the rows that end a prompt or decode a token, and retires finished requests.
+    engine = Engine.from_checkpoint("artifacts/demo")
+    results = engine.generate(["def fib(n):"], SamplingParams(temperature=0.7), max_new_tokens=32)
+    for event in engine.stream(Request(prompt_ids, max_new_tokens=64)): ...
 
-Host-side per span (RUNTIME.md §3.6): a continuing span reads its slot's Engram cursor from the
-cache and must find it at its own first position (else StaleStateError); the cursor's history
-seeds the n-gram hashes of the span's tokens, whose rows are gathered from the host-resident
-tables and passed in the batch together with the cursor after the span; position-0 spans get
-their slot reset first. Nothing is staged twice and nothing is skipped: the step writes each
-span's cursor once.
+Each `step()` plans step N+1 and builds its metadata while step N is still on the device, then
+waits for N's tokens (copied to the host asynchronously as soon as N was launched), fills the
+pending decode tokens into N+1, launches it, and only then applies N's results (tokens, finishes,
+the stale-state verdict) and returns their events. The device waits for the host only for the
+short hand-off of the sampled tokens; everything else overlaps the running step.
 
-Bad requests (empty prompt, token id outside the vocabulary, prompt that leaves no room for one
-new token, more pages than the pool holds, max_new_tokens < 1) finish at once with
-finish_reason "error" and a message; the others run as if they were absent. More requests than
-slots wait in the queue.
+Servers use `add` / `abort` / `step`; `generate` and `stream` are loops over `step`.
 """
 
 from __future__ import annotations
 
-import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from v41_jax.cache.bookkeeping import PageAllocator, SlotAllocator, check_cursor
-from v41_jax.cache.buffer import allocate, reset_slots
-from v41_jax.cache.geometry import CacheGeometry, EngineSettings
-from v41_jax.checkpoint.load import ENGRAM_KEY
+from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format
 from v41_jax.config import ModelConfig
-from v41_jax.engram_hash import EngramCursor, EngramHasher
 from v41_jax.model.numerics import Numerics
-from v41_jax.runtime.metadata import Bucket, BucketSet, BuiltStep, Span, build_step
-from v41_jax.runtime.sampling import SamplingParams, sample
-from v41_jax.runtime.step import make_step
+from v41_jax.runtime import compile_cache
+from v41_jax.runtime.metadata import Bucket, BucketSet, Span
+from v41_jax.runtime.request import Request, Result
+from v41_jax.runtime.runner import InFlight, Ran, Runner
+from v41_jax.runtime.sampling import SamplingParams
+from v41_jax.runtime.scheduler import Event, FinishEvent, Scheduler, StepPlan, TokenEvent
 
-TRACE, LOWER, COMPILE = ("/jax/core/compile/jaxpr_trace_duration",
-                         "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                         "/jax/core/compile/backend_compile_duration")
-
-
-class CompileMeter:
-    """Process-wide compilation counters (jax.monitoring events). `lowerings` counts every jit
-    cache miss, including those the persistent compilation cache then serves; `backend_compiles`
-    the XLA compilations actually run; `seconds` tracing + lowering + compiling."""
-    lowerings = 0
-    backend_compiles = 0
-    seconds = 0.0
-
-    @classmethod
-    def _listen(cls, event: str, duration: float, **_):
-        if event in (TRACE, LOWER, COMPILE):
-            cls.seconds += duration
-            cls.lowerings += event == LOWER
-            cls.backend_compiles += event == COMPILE
-
-
-jax.monitoring.register_event_duration_secs_listener(CompileMeter._listen)
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: Sequence[int]
-    max_new_tokens: int = 32
-    sampling: SamplingParams = SamplingParams()
-    stop_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    request_id: Any = None
-
-
-@dataclass
-class Result:
-    request_id: Any
-    prompt_len: int
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str = ""          # "eos" | "stop" | "length" | "error"
-    error: str | None = None
-
-
-@dataclass
-class Stats:
-    requests: int = 0
-    steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    compile_s: float = 0.0
-    run_s: float = 0.0               # wall time of generate() minus compile time
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.run_s if self.run_s > 0 else 0.0
-
-
-class Ran(NamedTuple):
-    logits: jax.Array                # fp32 [O, V] on device
-    built: BuiltStep
-    inter: dict | None               # per-token-row intermediates when the engine records
-
-
-@dataclass
-class _Live:
-    req: Request
-    rid: Any
-    slot: int
-    pages: list[int]
-    tokens: list[int]                # prompt + generated
-    prompt_len: int
-    committed: int = 0               # positions already in the cache
-    result: Result | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.committed < self.prompt_len
+NUMERICS = {"reference": Numerics.reference, "fast": Numerics.fast, "fp32": Numerics.fp32}
 
 
 def default_buckets(max_requests: int, chunk: int) -> BucketSet:
@@ -129,183 +45,271 @@ def default_buckets(max_requests: int, chunk: int) -> BucketSet:
 
 def parse_buckets(spec: str) -> BucketSet:
     """"TxRxO,..." (tokens x requests x logits rows) -> BucketSet."""
-    return BucketSet(tuple(Bucket(*map(int, b.split("x"))) for b in spec.split(",")))
+    try:
+        return BucketSet(tuple(Bucket(*map(int, b.split("x"))) for b in spec.split(",")))
+    except (TypeError, ValueError):
+        raise ValueError(f"buckets: {spec!r} is not TxRxO[,TxRxO...] with positive integers") from None
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    compile_s: float = 0.0
+    run_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.run_s if self.run_s > 0 else 0.0
 
 
 class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, *, settings: EngineSettings, buckets: BucketSet,
                  numerics: Numerics, token_map: np.ndarray | None = None, prefill_chunk: int | None = None,
-                 eos_id: int | None = None, record: bool = False):
-        self.params, self.cfg, self.numerics, self.buckets = params, cfg, numerics, buckets
-        self.record = record
-        self.eos_id = cfg.eos_token_id if eos_id is None else eos_id
-        self.geom = CacheGeometry.build(cfg, settings)
+                 eos_id: int | None = None, record: bool = False, tokenizer=None):
+        geom = CacheGeometry.build(cfg, settings)
         if buckets.max_requests > settings.slots:
             raise ValueError(f"buckets: {buckets.max_requests} requests per step exceed {settings.slots} slots")
+        self.cfg, self.numerics, self.buckets, self.tokenizer = cfg, numerics, buckets, tokenizer
+        self.eos_id = cfg.eos_token_id if eos_id is None else eos_id
         self.prefill_chunk = prefill_chunk or buckets.max_tokens
-        self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
-        self.tables = params.get(ENGRAM_KEY)
-        self.step_fn = make_step(cfg, self.geom, numerics, record)
+        self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record)
         self.reset()
 
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: str | os.PathLike, *, numerics: str = "fast", experts: str = "auto",
+                        max_batch: int = 4, chunk: int = 64, buckets: str | BucketSet | None = None,
+                        page_tokens: int = 16, pages: int = 0, slots: int = 0, max_context: int = 0,
+                        compile_cache_dir: str | None = None, tokenizer: str | None = None,
+                        progress: bool = False) -> "Engine":
+        """An engine over a published checkpoint folder. The tokenizer (`tokenizer.json`) and the
+        Engram token map (`engram_token_map.json`) are taken from the folder when they are there.
+        compile_cache_dir: the persistent compilation cache (None: `compile_cache` default)."""
+        from v41_jax.checkpoint.load import load_params
+        from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
+
+        compile_cache.enable(compile_cache_dir)
+        ckpt = Path(ckpt_dir)
+        tok = load_tokenizer(tokenizer, ckpt)
+        cfg, params = load_params(ckpt, progress=progress, experts=experts)
+        if (ckpt / "engram_token_map.json").exists():
+            token_map = load_token_map(ckpt / "engram_token_map.json")
+        elif tok is not None and cfg.engram_layer_ids:
+            token_map = token_map_from_tokenizer(tok, cfg.engram_compressed_vocab_size)
+        else:
+            token_map = None
+        num = NUMERICS[numerics]()
+        fmt = typed_format(num.act_dtype)
+        max_context = max_context or cfg.max_seq_len
+        if isinstance(buckets, str):
+            buckets = parse_buckets(buckets)
+        buckets = buckets or default_buckets(max_batch, chunk)
+        per_request = -(-max_context // page_tokens)
+        settings = EngineSettings(page_tokens=page_tokens, num_pages=pages or buckets.max_requests * per_request + 1,
+                                  slots=max(slots, buckets.max_requests), max_context=max_context,
+                                  kv_format=fmt, index_format=fmt)
+        return cls(params, cfg, settings=settings, buckets=buckets, numerics=num, token_map=token_map,
+                   prefill_chunk=chunk, tokenizer=tok)
+
+    # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop every request's state: a zeroed cache and empty allocators (the compiled step stays)."""
-        self.cache = allocate(self.geom)
-        self.pages = PageAllocator(self.geom.settings.num_pages)
-        self.slots = SlotAllocator(self.geom.settings.slots)
-        self.step_id = 0                 # steps dispatched so far
+        """Drop every request and its state: a zeroed cache, empty allocators (compiled steps stay)."""
+        from v41_jax.cache.buffer import allocate
+
+        geom = self.geom
+        self.runner.cache = allocate(geom)
+        s = geom.settings
+        self.scheduler = Scheduler(num_pages=s.num_pages, slots=s.slots, max_requests=self.buckets.max_requests,
+                                   max_tokens=self.buckets.max_tokens, prefill_chunk=self.prefill_chunk,
+                                   page_tokens=s.page_tokens, max_context=geom.max_context,
+                                   check=self.check_request, eos_id=self.eos_id)
+        self._flight: InFlight | None = None
+        self._flight_plan: StepPlan | None = None
+        self._parked: list[Event] = []
+        self.steps = 0
         self.bucket_steps: Counter[Bucket] = Counter()
 
-    # ---- one step --------------------------------------------------------------------------
-    def _engram(self, cursor: EngramCursor, tokens: np.ndarray):
-        """(codes, scales, next cursor row) of a span's tokens after `cursor`."""
-        if self.hasher is None:
-            return (), (), np.asarray([cursor.position + len(tokens), *cursor.history], np.int32)
-        ids, nxt = self.hasher.hash_ids(cursor, tokens)                        # [L, nE, cols]
-        rows = [self.tables.gather(layer, ids[:, i]) for i, layer in enumerate(self.cfg.engram_layer_ids)]
-        return (tuple(c.view(np.uint8) for c, _ in rows), tuple(s.view(np.uint8) for _, s in rows),
-                nxt.as_row())
+    @property
+    def geom(self) -> CacheGeometry:
+        return self.runner.geom
 
-    def make_span(self, rid, slot: int, position: int, tokens: Sequence[int], pages: Sequence[int],
-                  cursor_row: np.ndarray | None, all_logits: bool = False) -> Span:
-        """A span with its Engram rows; cursor_row is the slot's cursor as read from the cache
-        (ignored for a position-0 span, whose slot is reset)."""
-        tokens = np.asarray(tokens, np.int32)
-        if position == 0:
-            cursor = EngramCursor(0, (-1,) * self.geom.history)
-        else:
-            check_cursor(rid, position, int(cursor_row[0]))
-            cursor = EngramCursor.from_row(cursor_row)
-        codes, scales, nxt = self._engram(cursor, tokens)
-        return Span(rid, slot, position, tokens, np.asarray(pages, np.int32), nxt, codes, scales, all_logits)
+    @property
+    def params(self) -> dict:
+        return self.runner.params
 
-    def cursors(self) -> np.ndarray:
-        """Every slot's Engram cursor, read from the cache (a blocking probe, RUNTIME.md I-4)."""
-        return np.asarray(self.cache.cursor)
+    @property
+    def cache(self):
+        return self.runner.cache
 
-    def run(self, spans: Sequence[Span], bucket: Bucket | None = None, forced: dict | None = None) -> Ran:
-        """Reset the fresh slots, build and run one step. forced: teacher forcing per token row
-        (see `step`); the intermediates come back when the engine records."""
-        n_logits = sum(len(s.tokens) if s.all_logits else 1 for s in spans)
-        bucket = bucket or self.buckets.pick(len(spans), sum(len(s.tokens) for s in spans), n_logits)
-        built = build_step(self.geom, self.cfg, bucket, spans)
-        fresh = np.zeros(self.geom.settings.slots, bool)
-        fresh[[s.slot for s in spans if s.position == 0]] = True
-        if fresh.any():
-            self.cache = reset_slots(self.cache, fresh)
-        out = self.step_fn(self.params, self.cache, built.batch, forced)
-        self.cache = out[1]
-        self.step_id += 1
-        self.bucket_steps[bucket] += 1
-        return Ran(out[0], built, out[2] if self.record else None)
+    @cache.setter
+    def cache(self, value) -> None:
+        self.runner.cache = value
 
-    def warmup(self) -> None:
-        """Compile every bucket (an all-padding step is inert) and the helpers."""
-        for b in self.buckets.buckets:
-            self._sample(self.run([], b).logits, [])
-        self.cache = reset_slots(self.cache, np.zeros(self.geom.settings.slots, bool))
-        jax.block_until_ready(self.cache)
+    @property
+    def pages(self):
+        return self.scheduler.pages
 
-    def _sample(self, logits: jax.Array, rows: Sequence[tuple[SamplingParams, int]]) -> np.ndarray:
-        """rows: (sampling params, position sampled for) of the first len(rows) logits rows."""
-        o = logits.shape[0]
-        sp = list(rows) + [(SamplingParams(), 0)] * (o - len(rows))
-        arr = lambda f, dt: jnp.asarray(np.array([f(s, p) for s, p in sp], dt))
-        return np.asarray(sample(logits, arr(lambda s, p: s.temperature, np.float32),
-                                 arr(lambda s, p: s.top_k, np.int32), arr(lambda s, p: s.top_p, np.float32),
-                                 arr(lambda s, p: s.seed, np.int32), arr(lambda s, p: p, np.int32)))
+    @property
+    def slots(self):
+        return self.scheduler.slots
 
-    # ---- generation ----------------------------------------------------------------------
+    @property
+    def step_fn(self):
+        return self.runner.step_fn
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    @eos_id.setter
+    def eos_id(self, value) -> None:
+        self._eos_id = value
+        if hasattr(self, "scheduler"):
+            self.scheduler.eos_id = value
+
+    def warmup(self, concurrent: bool = True) -> float:
+        """Compile every bucket (concurrently) -> seconds spent compiling or loading."""
+        before = compile_cache.CompileMeter.seconds
+        self.runner.warmup(concurrent)
+        return compile_cache.CompileMeter.seconds - before
+
+    # ---- requests ------------------------------------------------------------------------------
     def check_request(self, req: Request) -> str | None:
         prompt = np.asarray(req.prompt)
         if prompt.size == 0:
             return "empty prompt"
-        if prompt.ndim != 1 or prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
-            return f"token ids must lie in [0, {self.cfg.vocab_size})"
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer) \
+                or prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
+            return f"token ids must be integers in [0, {self.cfg.vocab_size})"
         if len(prompt) >= self.geom.max_context:
             return f"prompt of {len(prompt)} tokens leaves no room below max_context {self.geom.max_context}"
         if req.max_new_tokens < 1:
             return "max_new_tokens must be >= 1"
-        if self._pages_needed(req) > self.geom.settings.num_pages - 1:
-            return f"needs {self._pages_needed(req)} pages, the pool has {self.geom.settings.num_pages - 1}"
+        need = self.scheduler.pages_needed(req)
+        if need > self.geom.settings.num_pages - 1:
+            return f"needs {need} pages, the pool has {self.geom.settings.num_pages - 1}"
         return None
 
-    def _pages_needed(self, req: Request) -> int:
-        return self.geom.pages_for(min(len(req.prompt) + req.max_new_tokens, self.geom.max_context))
+    def add(self, req: Request) -> Any:
+        """Queue a request -> its id (a bad one ends at once with finish_reason "error")."""
+        return self.scheduler.add(req)
 
-    def generate(self, requests: Sequence[Request], on_step: Callable[[int], None] | None = None,
-                 stats: Stats | None = None) -> list[Result]:
-        """Run every request to completion; results in request order. on_step(new_tokens)."""
+    def abort(self, rid) -> bool:
+        return self.scheduler.abort(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._flight is not None
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """One pipelined iteration: plan and launch the next step, then apply the previous one's
+        results -> the events they produced."""
+        plan = self.scheduler.schedule()
+        prepared = self.runner.prepare(plan) if plan is not None else None
+        res, feedback = None, {}
+        if self._flight is not None:
+            res = self.runner.collect(self._flight)
+            feedback = {sp.rid: int(res.tokens[b]) for b, sp in enumerate(self._flight_plan.spans) if sp.emits}
+        flight = None
+        if prepared is not None:
+            flight = self.runner.dispatch(prepared, feedback)
+            self.steps += 1
+            bucket = prepared.built.bucket
+            self.bucket_steps[bucket] += 1
+        events = self.scheduler.update(res) if res is not None else self.scheduler.drain()
+        self._flight, self._flight_plan = flight, plan
+        if flight is None and res is None and self.scheduler.running:
+            raise RuntimeError("running requests but nothing to schedule")
+        return events
+
+    def stream(self, request: Request | Sequence[int] | str, sampling: SamplingParams | None = None,
+               **kw) -> Iterator[Event]:
+        """Submit one request and yield its events as they come: TokenEvents (the new token ids,
+        `text` via the tokenizer if one is known), then one FinishEvent. Other requests in the
+        engine progress meanwhile; their events stay queued for their own consumers."""
+        rid = self.add(self._request(request, sampling, **kw))
+        while True:
+            for e in self._take(lambda e: e.rid == rid):
+                yield e
+                if isinstance(e, FinishEvent):
+                    return
+
+    def _take(self, want: Callable[[Event], bool]) -> list[Event]:
+        """The wanted events parked by an earlier consumer, else those of one more step (the
+        others are parked for their own consumers)."""
+        mine = [e for e in self._parked if want(e)]
+        if mine:
+            self._parked = [e for e in self._parked if not want(e)]
+            return mine
+        new = self.step()
+        self._parked += [e for e in new if not want(e)]
+        return [e for e in new if want(e)]
+
+    def generate(self, prompts: Sequence[Request | Sequence[int] | str], sampling: SamplingParams | None = None,
+                 *, on_event: Callable[[Event], None] | None = None, stats: Stats | None = None,
+                 **kw) -> list[Result]:
+        """Run every prompt to completion -> results in prompt order. A prompt is a Request, a list
+        of token ids, or text (with a tokenizer); `sampling` and `kw` (max_new_tokens, stop_ids,
+        ignore_eos, logprobs) apply to those that are not Requests already."""
+        import time
+
         stats = stats if stats is not None else Stats()
-        t0, c0 = time.perf_counter(), CompileMeter.seconds
-        results, queue, live = [], deque(), []
-        for i, req in enumerate(requests):
-            rid = i if req.request_id is None else req.request_id
-            res = Result(rid, len(req.prompt))
-            results.append(res)
-            err = self.check_request(req)
-            if err:
-                res.finish_reason, res.error = "error", err
-            else:
-                queue.append((req, rid, res))
-        stats.requests += len(requests)
-        while queue or live:
-            while queue and len(live) < self.buckets.max_requests and self.slots.available \
-                    and self.pages.available >= self._pages_needed(queue[0][0]):
-                req, rid, res = queue.popleft()
-                live.append(_Live(req, rid, self.slots.acquire(rid), self.pages.allocate(self._pages_needed(req)),
-                                  [int(t) for t in req.prompt], len(req.prompt), result=res))
-                stats.prompt_tokens += len(req.prompt)
-            if not live:
-                raise RuntimeError("a valid request cannot be admitted into an empty engine")
-            scheduled = self._schedule(live)
-            cursors = self.cursors()
-            spans = [self.make_span(lv.rid, lv.slot, lv.committed, lv.tokens[lv.committed: lv.committed + n],
-                                    lv.pages, cursors[lv.slot]) for lv, n in scheduled]
-            sampled = self._sample(self.run(spans).logits,
-                                   [(lv.req.sampling, lv.committed + n) for lv, n in scheduled])
-            new = 0
-            for (lv, n), tok in zip(scheduled, sampled):
-                lv.committed += n
-                if lv.prefilling:
-                    continue
-                lv.tokens.append(int(tok))
-                lv.result.tokens.append(int(tok))
-                new += 1
-                reason = self._finished(lv, int(tok))
-                if reason:
-                    lv.result.finish_reason = reason
-                    self.pages.free(lv.pages, last_step=self.step_id)
-                    self.slots.release(lv.slot)
-                    live.remove(lv)
-            self.pages.retire(completed_step=self.step_id)   # the sampled tokens are on the host
-            stats.steps += 1
-            stats.generated_tokens += new
-            if on_step:
-                on_step(new)
-        compile_s = CompileMeter.seconds - c0
+        t0, c0 = time.perf_counter(), compile_cache.CompileMeter.seconds
+        rids = [self.add(self._request(p, sampling, **kw)) for p in prompts]
+        results = {rid: self.scheduler.by_id[rid].result for rid in rids}
+        stats.requests += len(rids)
+        stats.prompt_tokens += sum(r.prompt_len for r in results.values() if r.finish_reason != "error")
+        pending = {rid for rid in rids if not self.scheduler.by_id[rid].done}
+        steps0 = self.steps
+        while pending:
+            for e in self._take(lambda e: e.rid in pending):
+                if on_event:
+                    on_event(e)
+                if isinstance(e, FinishEvent):
+                    pending.discard(e.rid)
+        while self._flight is not None and not self.scheduler.running and not self.scheduler.waiting:
+            self.step()                              # settle the last (dead) step
+        stats.steps += self.steps - steps0
+        stats.generated_tokens += sum(len(r.tokens) for r in results.values())
+        compile_s = compile_cache.CompileMeter.seconds - c0
         stats.compile_s += compile_s
         stats.run_s += time.perf_counter() - t0 - compile_s
-        return results
+        return [results[rid] for rid in rids]
 
-    def _schedule(self, live: list[_Live]) -> list[tuple[_Live, int]]:
-        """(request, rows) for this step: one row per decoding request, then prefill chunks
-        sharing at most `prefill_chunk` rows (and what the largest bucket leaves)."""
-        decodes = [(lv, 1) for lv in live if not lv.prefilling]
-        budget = min(self.prefill_chunk, self.buckets.max_tokens - len(decodes))
-        prefills = []
-        for lv in (lv for lv in live if lv.prefilling):
-            n = min(budget, lv.prompt_len - lv.committed)
-            if n > 0:
-                prefills.append((lv, n))
-                budget -= n
-        return decodes + prefills
+    def _request(self, prompt, sampling: SamplingParams | None, **kw) -> Request:
+        if isinstance(prompt, Request):
+            return prompt
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (tokenizer.json in the checkpoint folder)")
+            prompt = self.tokenizer.encode(prompt).ids
+        return Request(list(prompt), sampling=sampling or SamplingParams(), **kw)
 
-    def _finished(self, lv: _Live, tok: int) -> str:
-        if tok == self.eos_id and not lv.req.ignore_eos:
-            return "eos"
-        if tok in lv.req.stop_ids:
-            return "stop"
-        if len(lv.result.tokens) >= lv.req.max_new_tokens or len(lv.tokens) >= self.geom.max_context:
-            return "length"
-        return ""
+    # ---- synchronous use (tools, tests) ------------------------------------------------------
+    def make_span(self, rid, slot: int, position: int, tokens: Sequence[int], pages: Sequence[int],
+                  cursor_row: np.ndarray | None, all_logits: bool = False) -> Span:
+        return self.runner.span(rid, slot, position, tokens, pages, cursor_row, all_logits)
+
+    def run(self, spans: Sequence[Span], bucket: Bucket | None = None, forced: dict | None = None) -> Ran:
+        return self.runner.run(spans, bucket, forced)
+
+    def cursors(self) -> np.ndarray:
+        return self.runner.cursors()
+
+    @property
+    def step_id(self) -> int:
+        return self.runner.steps
+
+
+def load_tokenizer(path: str | None, ckpt_dir: Path | None = None):
+    """A `tokenizers.Tokenizer` from `path`, else from `ckpt_dir/tokenizer.json` if there, else None."""
+    candidate = Path(path) if path else (ckpt_dir / "tokenizer.json" if ckpt_dir else None)
+    if candidate is None or (not path and not candidate.exists()):
+        return None
+    if not candidate.is_file():
+        raise FileNotFoundError(f"{candidate}: tokenizer file not found")
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(candidate))

@@ -1,10 +1,10 @@
-"""Step metadata, built on the host in numpy (RUNTIME.md §3).
+"""Step metadata, built on the host in numpy (docs/CACHE.md §2).
 
 A step runs a flat batch of token rows from up to R requests, padded to a bucket (R requests,
 T tokens, O logits rows) from a small fixed set, so the jitted step sees one shape per bucket and
-never recompiles for a new batch composition. Every per-step value is an array argument (I-8).
+never recompiles for a new batch composition. Every per-step value is an array argument (docs/CACHE.md INV-5).
 
-Padding is inert (I-11): a padding token has request row -1 and position 0 and appears in no plan;
+Padding is inert (docs/CACHE.md INV-6): a padding token has request row -1 and position 0 and appears in no plan;
 a padding request has length 0, slot N (out of range: its scatters are dropped, never wrapped)
 and an all-null block-table row; plan tails are -1 sentinel rows.
 
@@ -23,6 +23,8 @@ and an all-null block-table row; plan tails are -1 sentinel rows.
   engram_codes[i], engram_scales[i] [T, cols, hd] / [T, cols, hd/32] uint8: FP8 rows and E8M0
       scales of Engram layer i's hash ids, gathered on the host (zeros for padding)
   logit_rows [O] token rows whose logits the step returns (0 pad)
+  temperature, top_p [O] f32; top_k [O] int32; seed [O] uint32: each logits row's sampler
+      (greedy for padding rows); the position sampled for is the row's position + 1
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 from v41_jax.cache.bookkeeping import NULL_PAGE
 from v41_jax.cache.geometry import CacheGeometry
 from v41_jax.config import ModelConfig
+from v41_jax.runtime.sampling import SamplingParams
 
 
 @dataclass(frozen=True, order=True)
@@ -58,6 +61,7 @@ class Span:
     engram_codes: tuple = ()            # per Engram layer: uint8 [L, cols, hd]
     engram_scales: tuple = ()           # per Engram layer: uint8 [L, cols, hd / 32]
     all_logits: bool = False            # logits of every row (teacher forcing), else the last
+    sampling: SamplingParams = SamplingParams()   # how its logits rows are sampled
 
     @property
     def end(self) -> int:
@@ -67,7 +71,8 @@ class Span:
 @partial(jax.tree_util.register_dataclass, data_fields=[
     "tokens", "positions", "token_req", "req_pos", "req_len", "req_offset", "slots",
     "block_tables", "visible", "compress_plans", "window_writes", "ring_writes", "cursor_rows",
-    "engram_codes", "engram_scales", "logit_rows"], meta_fields=[])
+    "engram_codes", "engram_scales", "logit_rows", "temperature", "top_k", "top_p", "seed"],
+    meta_fields=[])
 @dataclass(frozen=True)
 class StepBatch:
     tokens: Any
@@ -86,6 +91,10 @@ class StepBatch:
     engram_codes: tuple
     engram_scales: tuple
     logit_rows: Any
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    seed: Any
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ def _pad_rows(parts: list, cap: int, width: int) -> np.ndarray:
 
 
 def validate_spans(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Sequence[Span]) -> None:
-    """The begin_step rules (RUNTIME.md §3.6): every violation is an error before any work."""
+    """The begin_step rules (docs/CACHE.md §2.5): every violation is an error before any work."""
     n_slots, n_pages, b = geom.settings.slots, geom.settings.num_pages, geom.settings.page_tokens
     if len(spans) > bucket.requests:
         raise ValueError(f"{len(spans)} spans exceed the bucket's {bucket.requests} requests")
@@ -155,6 +164,7 @@ def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Seq
     compress = {r: [] for r in geom.ratios}
     window_writes, ring_writes = [], []
     logit_rows, logit_owner = [], []
+    samplers = []
     n_engram = len(cfg.engram_layer_ids)
     cols, hd = cfg.engram_hash_cols, cfg.engram_head_dim
     engram_codes = tuple(np.zeros((t_cap, cols, hd), np.uint8) for _ in range(n_engram))
@@ -187,6 +197,7 @@ def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Seq
         kept = rows if s.all_logits else rows[-1:]
         logit_rows += list(kept)
         logit_owner += [(s.request_id, int(positions[t])) for t in kept]
+        samplers += [s.sampling] * len(kept)
         off += n
 
     batch = StepBatch(
@@ -199,8 +210,18 @@ def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Seq
         window_writes=_pad_rows(window_writes, plan_capacity(bucket, geom.ring_slots), 3),
         ring_writes=_pad_rows(ring_writes, plan_capacity(bucket, geom.comp_ring), 3),
         cursor_rows=cursor_rows, engram_codes=engram_codes, engram_scales=engram_scales,
-        logit_rows=np.pad(np.asarray(logit_rows, np.int32), (0, bucket.logits - len(logit_rows))))
+        logit_rows=np.pad(np.asarray(logit_rows, np.int32), (0, bucket.logits - len(logit_rows))),
+        **_sampler_rows(samplers, bucket.logits))
     return BuiltStep(batch, bucket, tuple(logit_owner))
+
+
+def _sampler_rows(samplers: list[SamplingParams], n: int) -> dict:
+    """Per logits row sampling arrays, padded with greedy rows."""
+    rows = samplers + [SamplingParams()] * (n - len(samplers))
+    return {"temperature": np.array([s.temperature for s in rows], np.float32),
+            "top_k": np.array([s.top_k for s in rows], np.int32),
+            "top_p": np.array([s.top_p for s in rows], np.float32),
+            "seed": np.array([s.seed for s in rows], np.uint32)}
 
 
 @dataclass(frozen=True)

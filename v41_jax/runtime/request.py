@@ -19,6 +19,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     request_id: Any = None
+    logprobs: bool = False           # return each sampled token's log-probability
 
 
 FINISH_REASONS = ("eos", "stop", "length", "abort", "error")
@@ -34,3 +35,4 @@ class Result:
     ttft_s: float | None = None      # submission -> first token on the host
     token_times: list[float] = field(default_factory=list)   # perf_counter of each token's arrival
     max_new_tokens: int = 0          # the budget the engine ran (capped by the context limit)
+    logprobs: list[float] = field(default_factory=list)

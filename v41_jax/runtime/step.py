@@ -1,4 +1,4 @@
-"""The jitted step: `step(params, cache, batch) -> (logits_rows, cache)`, cache donated.
+"""The jitted step: `step(params, cache, batch) -> StepOutput` (cache, sampled tokens, ...), cache donated.
 
 One forward over a flat, bucket-shaped batch of token rows from several requests (chunked prefill
 of any length, single-token decode, or both mixed), reading and writing the CSA2 cache in place.
@@ -24,9 +24,9 @@ kv owner's compressed rows; on the Pallas backend two paged sources of
 `kernels_pallas.sparse_attn.sparse_attn_paged` (compressed rows read in place from the page
 plane), on XLA one list per query in the reference's column layout (see `_attend`).
 
-The Engram cursor rows the host computed are written exactly once, at the end (RUNTIME.md §3.6
-step 4; the model never reads them). Every scatter drops its padding rows through an out-of-range
-index (slot N, page P), never a negative one that would wrap onto a live row (I-11).
+The Engram cursor rows the host computed are written exactly once, at the end (docs/CACHE.md §2.5,
+INV-3; the model never reads them). Every scatter drops its padding rows through an out-of-range
+index (slot N, page P), never a negative one that would wrap onto a live row (docs/CACHE.md INV-6).
 """
 
 from __future__ import annotations
@@ -44,20 +44,17 @@ from kernels_pallas.sparse_attn import sparse_attn_paged
 from v41_jax.cache.buffer import Cache
 from v41_jax.cache.geometry import CacheGeometry, typed_format
 from v41_jax.config import ModelConfig
-from v41_jax.model.attention import output_proj, query, window_kv
-from v41_jax.model.compressor import compress, init_state, pool_groups, stored_rows
-from v41_jax.model.forward import embed, fit_ids, run_layers
+from v41_jax.model.attention import compressed_entries, index_select, output_proj, query, window_kv
+from v41_jax.model.compressor import compress, group_latent, init_state, pool_groups, projections
+from v41_jax.model.forward import embed, force_picks, run_layers
 from v41_jax.model.head import final_hidden, lm_head
-from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_keys, index_query,
-                                   index_weights, select_topk)
-from v41_jax.model.linear import lin_f32
 from v41_jax.model.mhc import one_hot_pre
-from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.quant import dequant_fp8_rows
 from v41_jax.runtime.metadata import StepBatch
+from v41_jax.runtime.sampling import sample
 from v41_jax.topology import Candidates, LayerTopology, Mode
 
 
@@ -132,23 +129,19 @@ def _compress_and_store(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: La
     if r == 1:  # one token per group: the forward's latent of each planned token
         latent, _, _ = compress(p["compressor"], cfg, 1, h[None], None, jnp.zeros(1, jnp.int32), numerics)
         latent = latent[0, t]
-    else:
-        hf = h.astype(jnp.float32)
-        raw_kv = lin_f32(hf, p["compressor"]["wkv"]["weight"])           # [T, Dh] fp32
-        raw_score = lin_f32(hf, p["compressor"]["wgate"]["weight"])
+    else:  # compressor.compress, its groups' inputs gathered from the ring and this step's rows
+        raw_kv, raw_score = projections(p["compressor"], h)                # [T, Dh] fp32
         j = geom.ring_index(topo.layer)
         g_kv = _group_inputs(raw_kv, cache.comp_kv, plan, batch, j, r)
         g_score = _group_inputs(raw_score, cache.comp_score, plan, batch, j, r)
         pooled, _, _ = pool_groups(g_kv, g_score, init_state(plan.shape[0], r, cfg.head_dim), x - r + 1, r)
-        # as compressor.compress: the pooled sum rounds to the activation dtype before the norm
-        latent = rms_norm(numerics.act(pooled[:, 0]), p["compressor"]["norm"]["weight"], cfg.norm_eps)
+        latent = group_latent(p["compressor"], cfg, pooled[:, 0], numerics)
         wt, slot, row = batch.ring_writes.T
         slot = _drop(wt >= 0, slot, cache.comp_kv.shape[0])
         cache = replace(cache, comp_kv=cache.comp_kv.at[slot, j, row].set(raw_kv[wt], mode="drop"),
                         comp_score=cache.comp_score.at[slot, j, row].set(raw_score[wt], mode="drop"))
     c = x // r
-    stored = stored_rows(cfg, r, latent[None], c[None], numerics)[0]
-    keys = index_keys(p["indexer"], cfg, latent[None], c[None], r, numerics)[0]
+    stored, keys = (a[0] for a in compressed_entries(p, cfg, r, latent[None], c[None], numerics))
     page, row = _page_rows(batch, b, c, geom.owners[k].rows_per_page)
     page = _drop(valid, page, geom.settings.num_pages)
     main = cache.main[k].at[page, row].set(stored.astype(cache.main[k].dtype), mode="drop")
@@ -162,42 +155,21 @@ def _swap(arrays: tuple, k: int, new: jax.Array) -> tuple:
 
 def _select(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology, h: jax.Array,
             c_q: jax.Array, batch: StepBatch, state: StepState, numerics: Numerics) -> tuple[StepState, dict]:
-    """FULL / REINDEX: score the kv owner's index keys of each query's own request (visible
-    columns only) and publish the top-k (the candidate source also its blocks).
-    -> (state, this layer's picks and scores {kind: [1, T, ...]})."""
+    """FULL / REINDEX: `index_select` over the kv owner's index keys of each query's own request
+    (visible columns only) -> (state, this layer's picks and scores {kind: [1, T, ...]})."""
     key_pages = state.cache.index[geom.owner_index(topo.kv_owner)]
     visible = batch.visible[geom.ratios.index(topo.ratio)][:, None]        # [T, 1]
-    # each query is its own "request" of the paged scorer, with its request's block table
+    # each query is its own "request" of the paged scorer ([T, 1, ...]), with its request's block table
     tables = batch.block_tables[jnp.maximum(batch.token_req, 0)]           # [T, M]
-    q = index_query(p["indexer"], cfg, c_q, batch.positions, numerics)[:, None]           # [T, 1, Hi, Di]
-    w = index_weights(p["indexer"], cfg, h, numerics)[:, None]                            # [T, 1, Hi]
-    scores = index_scores_paged(q, w, key_pages, tables, visible, numerics=numerics)      # [T, 1, M*rpp]
-    n_rows = scores.shape[-1]
-    candidates = state.candidates
-    if topo.candidates is Candidates.PRODUCE:
-        blocks = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
-        candidates = {**candidates, topo.layer: blocks}
-    elif topo.candidates is Candidates.CONSUME:
-        # the reference's rule: mask the full scan to the kept blocks (not the compacted scorer,
-        # whose picks differ when fewer than k kept rows are visible)
-        keep = candidate_mask(candidates[cfg.candidate_source_layer], n_rows, cfg.candidate_block_size)
-        scores = jnp.where(keep, scores, -jnp.inf)
-    selected = select_topk(scores, visible, cfg.index_topk)[:, 0]
+    score = lambda q, w: index_scores_paged(q[:, None], w[:, None], key_pages, tables, visible,
+                                            numerics=numerics)             # [T, 1, M*rpp]
+    selected, scores, candidates = index_select(p, cfg, topo, h, c_q, batch.positions, visible, score,
+                                                state.candidates, numerics)
+    selected = selected[:, 0]
     picks = {"index_topk": selected[None], "index_scores": scores[:, 0][None]}
     if topo.candidates is Candidates.PRODUCE:
         picks["candidate_blocks"] = candidates[topo.layer][:, 0][None]
     return state._replace(selected={**state.selected, topo.layer: selected}, candidates=candidates), picks
-
-
-def _force(state: StepState, layer: int, forced: dict) -> StepState:
-    """Teacher forcing (checking against a reference): this layer's published picks become the
-    forced ones, as the full forward's `forced` does; the recorded picks stay the layer's own."""
-    candidates, selected = dict(state.candidates), dict(state.selected)
-    if layer in candidates and layer in forced.get("candidate_blocks", {}):
-        candidates[layer] = fit_ids(forced["candidate_blocks"][layer], candidates[layer].shape[-1])[:, None]
-    if layer in selected and layer in forced.get("index_topk", {}):
-        selected[layer] = fit_ids(forced["index_topk"][layer], selected[layer].shape[-1])
-    return state._replace(candidates=candidates, selected=selected)
 
 
 def _compressed_source(main: jax.Array, selected: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
@@ -254,8 +226,9 @@ def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: Layer
                                                              numerics))
         if topo.scores:
             state, picks = _select(p, cfg, geom, topo, h[0], c_q[0], batch, state, numerics)
-            if forced:
-                state = _force(state, topo.layer, forced)
+            if forced:  # the published picks become the forced ones; the recorded stay the layer's own
+                candidates, selected = force_picks(state.candidates, state.selected, topo.layer, forced)
+                state = state._replace(candidates=candidates, selected=selected)
         main = state.cache.main[geom.owner_index(topo.kv_owner)]
         compressed = _compressed_source(main, state.selected[topo.topk_owner], batch)
     o = _attend(q, p["attn_sink"], window, compressed, batch, cfg, numerics)
@@ -263,9 +236,25 @@ def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: Layer
     return output_proj(p, cfg, o, cos, sin, numerics), (state._replace(cache=cache), picks)
 
 
+class StepOutput(NamedTuple):
+    """What one step returns (one type whatever the flags). Only `tokens`, `found` and, when a
+    request asks, `logprobs` leave the device in the generation loop."""
+    cache: Cache
+    tokens: jax.Array        # int32 [O] the token sampled from each logits row
+    logprobs: jax.Array      # fp32 [O] its log-probability under the unmodified softmax
+    found: jax.Array         # int32 [R] each request row's slot cursor position as this step read it (-1 pad)
+    logits: jax.Array        # fp32 [O, V]
+    inter: dict | None       # per-token-row intermediates (record=True), else None
+
+
 def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = None, *, cfg: ModelConfig,
-         geom: CacheGeometry, numerics: Numerics, record: bool = False):
-    """-> (fp32 logits [O, V] of batch.logit_rows, the updated cache[, intermediates]).
+         geom: CacheGeometry, numerics: Numerics, record: bool = False) -> StepOutput:
+    """One forward over the batch, the cache read and written in place, and the next token of every
+    logits row sampled with its request's parameters (seeded by (seed, position sampled for)).
+
+    `found` is the cursor position of each request row's slot before this step writes it: the host
+    compares it with the span's first position of this same step (docs/CACHE.md INV-1,
+    INV-4), so the check needs no probe of its own and is never judged against another step.
 
     forced (teacher forcing, for checking against a reference): {"index_topk": {l: [T, K]},
     "candidate_blocks": {l: [T, Kb]}, "gate_topk": {l: [T, k]}} per token row, any subset.
@@ -275,6 +264,7 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     (index_topk, index_scores, candidate_blocks, gate_topk, gate_scores; dicts by layer).
     """
     forced = forced or {}
+    found = jnp.take(cache.cursor[:, 0], batch.slots, mode="fill", fill_value=-1)
     x = embed(params, batch.tokens[None], cfg.hc_mult, numerics)                   # [1, T, N, D]
     pre = one_hot_pre((1, batch.tokens.shape[0]), cfg.hc_mult)
     rows = {layer: dequant_fp8_rows(codes, scales)[None]
@@ -285,17 +275,19 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
                                       forced_gates={l: g[None] for l, g in forced.get("gate_topk", {}).items()})
     collapsed, normed = final_hidden(params, cfg, x, pre)
     logits = lm_head(params["head"]["weight"], normed[0, batch.logit_rows])
+    tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
+                    batch.positions[batch.logit_rows] + 1)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     cache = state.cache
     slot = _drop(batch.req_len > 0, batch.slots, cache.cursor.shape[0])
     cache = replace(cache, cursor=cache.cursor.at[slot].set(batch.cursor_rows, mode="drop"))
-    if not record:
-        return logits, cache
-    # per token row: drop the batch axis of one
-    inter = {k: ({l: a[0] for l, a in v.items()} if isinstance(v, dict) else v) for k, v in inter.items()}
-    inter.update(block_out=inter["block_out"][:, 0], next_pre=inter["next_pre"][:, 0],
-                 main_hidden=None if inter["main_hidden"] is None else inter["main_hidden"][0],
-                 final_collapsed=collapsed[0], final_normed=normed[0])
-    return logits, cache, inter
+    if record:
+        # per token row: drop the batch axis of one
+        inter = {k: ({l: a[0] for l, a in v.items()} if isinstance(v, dict) else v) for k, v in inter.items()}
+        inter.update(block_out=inter["block_out"][:, 0], next_pre=inter["next_pre"][:, 0],
+                     main_hidden=None if inter["main_hidden"] is None else inter["main_hidden"][0],
+                     final_collapsed=collapsed[0], final_normed=normed[0])
+    return StepOutput(cache, tokens, logprobs, found, logits, inter if record else None)
 
 
 def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:

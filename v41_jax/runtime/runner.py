@@ -1,0 +1,216 @@
+"""The Runner: the device side of the engine. Params, the donated cache, one compiled step per
+bucket, and the asynchronous hand-off of each step's few outputs to the host.
+
+A step goes through three calls, so the host never waits on the device except for what it
+cannot know in advance (the previous step's sampled tokens):
+
+* `prepare(plan)` while the previous step runs: every span's metadata (positions, block tables,
+  plans, samplers) and the Engram rows of every token already on the host, in numpy;
+* `dispatch(prepared, feedback)` once the previous step's tokens are in: the pending decode tokens
+  are written into the batch, their Engram rows hashed (one vectorised call for all of them) and
+  gathered, fresh slots reset, the step launched, and its tokens / found cursors / logprobs
+  copied to the host asynchronously;
+* `collect(in_flight)` -> the host arrays (blocks only until that step's outputs have landed).
+
+The Engram history of every span comes from the host's own copy of the request's tokens, never
+from a probe of the cache: the cache's cursor is what the step checks (`StepOutput.found`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from v41_jax.cache.bookkeeping import check_cursor
+from v41_jax.cache.buffer import DEAD, allocate, reset_slots
+from v41_jax.cache.geometry import CacheGeometry
+from v41_jax.checkpoint.load import ENGRAM_KEY
+from v41_jax.config import ModelConfig
+from v41_jax.engram_hash import EngramCursor, EngramHasher
+from v41_jax.model.numerics import Numerics
+from v41_jax.runtime.metadata import Bucket, BucketSet, BuiltStep, Span, build_step
+from v41_jax.runtime.sampling import SamplingParams
+from v41_jax.runtime.scheduler import StepPlan, StepResult
+from v41_jax.runtime.step import StepOutput, make_step
+
+
+class Prepared(NamedTuple):
+    plan: StepPlan
+    built: BuiltStep
+    pending_rows: np.ndarray       # int [K] token rows whose token the previous step samples
+    pending_reqs: np.ndarray       # int [K] their request rows
+    pending_ids: tuple             # [K] their request ids
+    pending_cursors: np.ndarray    # int64 [K, 1 + H] each one's cursor before that token
+    fresh: np.ndarray              # bool [N] slots that start at position 0 (reset first)
+    logprobs: bool                 # a span asked for logprobs
+
+
+class InFlight(NamedTuple):
+    step_id: int
+    out: StepOutput
+    logprobs: bool
+
+
+class Ran(NamedTuple):
+    """A synchronous step (tools, teacher forcing): its outputs and the metadata it ran."""
+    out: StepOutput
+    built: BuiltStep
+
+    @property
+    def logits(self) -> jax.Array:
+        return self.out.logits
+
+    @property
+    def inter(self) -> dict | None:
+        return self.out.inter
+
+
+class Runner:
+    def __init__(self, params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics,
+                 buckets: BucketSet, token_map: np.ndarray | None = None, record: bool = False):
+        self.params, self.cfg, self.geom, self.numerics, self.buckets = params, cfg, geom, numerics, buckets
+        self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
+        self.tables = params.get(ENGRAM_KEY)
+        self.step_fn = make_step(cfg, geom, numerics, record)
+        self.compiled: dict[Bucket, Any] = {}
+        self.cache = allocate(geom)
+        self.steps = 0                               # steps dispatched
+
+    # ---- Engram rows from the host's tokens ----------------------------------------------------
+    def cursor_row(self, tokens: Sequence[int], position: int) -> np.ndarray:
+        """The cursor a slot holds once `tokens[:position]` are committed: int64 [1 + H]."""
+        h = self.geom.history
+        hist = np.full(h, DEAD, np.int64)
+        if self.hasher is not None and position:
+            prev = self.hasher.compress(np.asarray(tokens[max(0, position - h): position]))
+            hist[h - len(prev):] = prev
+        return np.concatenate([[position], hist]).astype(np.int64)
+
+    def _engram(self, cursor: EngramCursor, tokens: np.ndarray):
+        """(codes, scales, next cursor row) of a span's tokens after `cursor`."""
+        if self.hasher is None:
+            return (), (), np.asarray([cursor.position + len(tokens), *cursor.history], np.int32)
+        ids, nxt = self.hasher.hash_ids(cursor, tokens)                        # [L, nE, cols]
+        rows = [self.tables.gather(layer, ids[:, i]) for i, layer in enumerate(self.cfg.engram_layer_ids)]
+        return (tuple(c.view(np.uint8) for c, _ in rows), tuple(s.view(np.uint8) for _, s in rows),
+                nxt.as_row())
+
+    def span(self, rid, slot: int, position: int, tokens: Sequence[int], pages: Sequence[int],
+             cursor_row: np.ndarray | None, all_logits: bool = False,
+             sampling: SamplingParams = SamplingParams()) -> Span:
+        """A span with its Engram rows from an explicit cursor row (as the slot holds it before the
+        span; ignored at position 0, whose slot is reset). Refuses a cursor at another position."""
+        tokens = np.asarray(tokens, np.int32)
+        if position == 0:
+            cursor = EngramCursor(0, (DEAD,) * self.geom.history)
+        else:
+            check_cursor(rid, position, int(cursor_row[0]))
+            cursor = EngramCursor.from_row(cursor_row)
+        codes, scales, nxt = self._engram(cursor, tokens)
+        return Span(rid, slot, position, tokens, np.asarray(pages, np.int32), nxt, codes, scales, all_logits,
+                    sampling)
+
+    # ---- the pipelined step --------------------------------------------------------------------
+    def prepare(self, plan: StepPlan) -> Prepared:
+        spans, pending = [], []
+        for b, sp in enumerate(plan.spans):
+            seq = sp.seq
+            cursor = self.cursor_row(seq.tokens, sp.position)
+            if sp.pending:             # a one-row decode whose token is still on the device
+                pending.append((b, cursor))
+                span = Span(seq.rid, seq.slot, sp.position, sp.known_tokens(), np.asarray(seq.pages, np.int32),
+                            cursor, *self._zero_engram(1), sampling=sp.sampling)
+            else:
+                span = self.span(seq.rid, seq.slot, sp.position, sp.known_tokens(), seq.pages, cursor,
+                                 sampling=sp.sampling)
+            spans.append(span)
+        bucket = self.buckets.pick(len(spans), sum(s.length for s in plan.spans), len(spans))
+        built = build_step(self.geom, self.cfg, bucket, spans)
+        reqs = np.asarray([b for b, _ in pending], np.int32)
+        fresh = np.zeros(self.geom.settings.slots, bool)
+        fresh[[sp.slot for sp in plan.spans if sp.position == 0]] = True
+        return Prepared(plan, built, built.batch.req_offset[reqs], reqs,
+                        tuple(plan.spans[b].rid for b in reqs),
+                        np.stack([c for _, c in pending]) if pending else np.zeros((0, self.geom.history + 1)),
+                        fresh, any(sp.seq.req.logprobs for sp in plan.spans))
+
+    def _zero_engram(self, n: int) -> tuple[tuple, tuple]:
+        cols, hd = self.cfg.engram_hash_cols, self.cfg.engram_head_dim
+        k = len(self.cfg.engram_layer_ids)
+        return (tuple(np.zeros((n, cols, hd), np.uint8) for _ in range(k)),
+                tuple(np.zeros((n, cols, hd // 32), np.uint8) for _ in range(k)))
+
+    def dispatch(self, prep: Prepared, feedback: Mapping[Any, int]) -> InFlight:
+        """Fill in the pending tokens (feedback: request id -> the token the previous step sampled
+        for it), launch the step and start copying its outputs to the host."""
+        batch = prep.built.batch
+        if len(prep.pending_rows):
+            toks = np.asarray([feedback[rid] for rid in prep.pending_ids], np.int32)
+            batch.tokens[prep.pending_rows] = toks
+            if self.hasher is None:
+                nxt = prep.pending_cursors.copy()
+                nxt[:, 0] += 1
+            else:
+                ids, nxt = self.hasher.next_token_ids(prep.pending_cursors, toks)
+                for i, layer in enumerate(self.cfg.engram_layer_ids):
+                    codes, scales = self.tables.gather(layer, ids[:, i])
+                    batch.engram_codes[i][prep.pending_rows] = codes.view(np.uint8)
+                    batch.engram_scales[i][prep.pending_rows] = scales.view(np.uint8)
+            batch.cursor_rows[prep.pending_reqs] = nxt
+        out = self._launch(prep.built, prep.fresh)
+        out.tokens.copy_to_host_async()
+        out.found.copy_to_host_async()
+        if prep.logprobs:
+            out.logprobs.copy_to_host_async()
+        return InFlight(prep.plan.step_id, out, prep.logprobs)
+
+    def _launch(self, built: BuiltStep, fresh: np.ndarray, forced: dict | None = None) -> StepOutput:
+        if fresh.any():
+            self.cache = reset_slots(self.cache, fresh)
+        fn = self.compiled.get(built.bucket) if forced is None else None
+        if fn is None:
+            out = self.step_fn(self.params, self.cache, built.batch, forced)
+        else:
+            out = fn(self.params, self.cache, built.batch)
+        self.cache = out.cache
+        self.steps += 1
+        return out
+
+    @staticmethod
+    def collect(flight: InFlight) -> StepResult:
+        out = flight.out
+        return StepResult(flight.step_id, np.asarray(out.tokens), np.asarray(out.found),
+                          np.asarray(out.logprobs) if flight.logprobs else None)
+
+    # ---- synchronous use (tools, tests) ------------------------------------------------------
+    def run(self, spans: Sequence[Span], bucket: Bucket | None = None, forced: dict | None = None) -> Ran:
+        """Reset the fresh slots, build and run one step now. forced: teacher forcing per token
+        row (see `step`)."""
+        n_logits = sum(len(s.tokens) if s.all_logits else 1 for s in spans)
+        bucket = bucket or self.buckets.pick(len(spans), sum(len(s.tokens) for s in spans), n_logits)
+        built = build_step(self.geom, self.cfg, bucket, spans)
+        fresh = np.zeros(self.geom.settings.slots, bool)
+        fresh[[s.slot for s in spans if s.position == 0]] = True
+        return Ran(self._launch(built, fresh, forced), built)
+
+    def cursors(self) -> np.ndarray:
+        """Every slot's Engram cursor, read from the cache (a blocking probe: tools only)."""
+        return np.asarray(self.cache.cursor)
+
+    def warmup(self, concurrent: bool = True) -> None:
+        """Compile every bucket's step (concurrently: XLA compiles outside the GIL) and the
+        slot reset; the persistent compilation cache serves a second start."""
+        batches = [(b, build_step(self.geom, self.cfg, b, []).batch) for b in self.buckets.buckets]
+
+        def compile_one(item):
+            bucket, batch = item
+            return bucket, self.step_fn.lower(self.params, self.cache, batch).compile()
+
+        workers = len(batches) if concurrent else 1
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            self.compiled.update(pool.map(compile_one, batches))
+        self.cache = reset_slots(self.cache, np.zeros(self.geom.settings.slots, bool))
+        jax.block_until_ready(self.cache)

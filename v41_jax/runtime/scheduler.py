@@ -1,0 +1,288 @@
+"""The Scheduler: which rows of which requests the next step runs (host only, no jax).
+
+It owns the waiting queue, the running requests, the page and slot allocators, admission and the
+policy; the Runner only executes what it plans. The loop is pipelined one step deep: step N+1 is
+planned while step N is on the device, before N's tokens are known. So
+
+* a request whose last planned row samples a token decodes next with that token *pending* (the
+  Runner fills it in from step N's output before it dispatches N+1);
+* a request that step N finishes (EOS, stop id) may still have a row in step N+1: that row is
+  dead, its output is discarded, and its pages stay quarantined until N+1 has completed
+  (docs/CACHE.md INV-7, page quarantine), so no new owner's rows can be written by it;
+* a request never gets more rows than its token budget allows (`budget`, known in advance).
+
+Policy: strict FCFS admission (the head of the queue waits for its pages and a slot, nothing
+overtakes it, so nothing starves), reserving pages for prompt + budget at admission so a running
+request never stalls for memory; each step plans one row per decoding request first, then prefill
+chunks in admission order while `prefill_chunk` rows (and what the largest bucket leaves) last.
+
+The stale-state check: each step reports the cursor position it found in every request row's slot
+(`StepOutput.found`); `update` compares it with the position that same step's span started at. A
+mismatch ends that request alone with `StaleStateError` text naming slot, expected and found; it
+is never judged against another step, so a pipelined loop cannot fire it falsely.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from v41_jax.cache.bookkeeping import PageAllocator, SlotAllocator, StaleStateError
+from v41_jax.runtime.request import Request, Result
+from v41_jax.runtime.sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """A request the scheduler holds: its tokens so far and what is planned for it."""
+    rid: Any
+    req: Request
+    result: Result
+    budget: int                          # new tokens it may produce (max_new_tokens, context-capped)
+    tokens: list[int]                    # prompt + tokens received so far
+    submitted: float
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    planned: int = 0                     # positions planned (rows in dispatched or planned steps)
+    planned_emits: int = 0               # sampled tokens planned
+    done: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return self.result.prompt_len
+
+    @property
+    def prefilling(self) -> bool:
+        return self.planned < self.prompt_len
+
+
+class PlannedSpan(NamedTuple):
+    seq: Sequence
+    position: int
+    length: int
+    emits: bool            # its last row samples the request's next token
+    pending: bool          # its first token is the one the previous step samples (not known yet)
+
+    @property
+    def rid(self):
+        return self.seq.rid
+
+    @property
+    def slot(self) -> int:
+        return self.seq.slot
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.seq.req.sampling
+
+    def known_tokens(self) -> np.ndarray:
+        """Its input tokens, the pending one (if any) as 0."""
+        start = self.position + self.pending
+        toks = self.seq.tokens[start: self.position + self.length]
+        return np.asarray([0] * self.pending + toks, np.int32)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    spans: tuple[PlannedSpan, ...]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    rid: Any
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    rid: Any
+    result: Result
+
+
+Event = TokenEvent | FinishEvent
+
+
+class StepResult(NamedTuple):
+    step_id: int
+    tokens: np.ndarray           # int [O]: row b is span b's sampled token
+    found: np.ndarray            # int [R]: span b's slot cursor as the step read it
+    logprobs: np.ndarray | None  # fp32 [O] when a span asked for them
+
+
+class Scheduler:
+    def __init__(self, *, num_pages: int, slots: int, max_requests: int, max_tokens: int,
+                 prefill_chunk: int, page_tokens: int, max_context: int,
+                 check: Callable[[Request], str | None], eos_id: int | None):
+        self.pages = PageAllocator(num_pages)
+        self.slots = SlotAllocator(slots)
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.prefill_chunk, self.page_tokens, self.max_context = prefill_chunk, page_tokens, max_context
+        self.check, self.eos_id = check, eos_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_id: dict[Any, Sequence] = {}
+        self.outbox: list[Event] = []
+        self.in_flight: dict[int, StepPlan] = {}     # planned or dispatched, results not read yet
+        self.last_planned = 0                        # step ids start at 1
+        self._auto_id = 0
+
+    # ---- requests in and out ------------------------------------------------------------------
+    def budget(self, req: Request) -> int:
+        return max(0, min(req.max_new_tokens, self.max_context - len(req.prompt)))
+
+    def pages_needed(self, req: Request) -> int:
+        return -(-(len(req.prompt) + self.budget(req)) // self.page_tokens)
+
+    def add(self, req: Request) -> Any:
+        """Queue a request -> its id. A request that can never run is finished at once with
+        finish_reason "error" (a FinishEvent in the next `update`/`drain`)."""
+        rid = req.request_id
+        if rid is None:
+            rid, self._auto_id = self._auto_id, self._auto_id + 1
+            while rid in self.by_id:
+                rid, self._auto_id = self._auto_id, self._auto_id + 1
+        if rid in self.by_id and not self.by_id[rid].done:
+            raise ValueError(f"request id {rid!r} is already in the engine")
+        result = Result(rid, len(req.prompt))
+        err = self.check(req)
+        seq = Sequence(rid, req, result, self.budget(req) if not err else 0,
+                       [int(t) for t in req.prompt] if not err else [], time.perf_counter())
+        result.max_new_tokens = seq.budget
+        self.by_id[rid] = seq
+        if err:
+            self._finish(seq, "error", err)
+        else:
+            self.waiting.append(seq)
+        return rid
+
+    def abort(self, rid) -> bool:
+        """End a request at any stage (waiting, prefilling, decoding); False if it had ended.
+        Rows already planned for it still run; their output is discarded."""
+        seq = self.by_id.get(rid)
+        if seq is None or seq.done:
+            return False
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, "abort")
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.done = True
+        seq.result.finish_reason, seq.result.error = reason, error
+        if seq.slot is not None:
+            # steps up to the newest planned one may still read or write these pages
+            self.pages.free(seq.pages, last_step=self.last_planned)
+            self.slots.release(seq.slot)
+            seq.slot, seq.pages = None, []
+            self.running.remove(seq)
+        self.outbox.append(FinishEvent(seq.rid, seq.result))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.in_flight)
+
+    def drain(self) -> list[Event]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_requests and self.slots.available:
+            seq = self.waiting[0]
+            need = self.pages_needed(seq.req)
+            if self.pages.available < need:
+                break                                # FCFS: nobody overtakes the head
+            self.waiting.popleft()
+            seq.slot = self.slots.acquire(seq.rid)
+            seq.pages = self.pages.allocate(need)
+            self.running.append(seq)
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's spans (decodes first, then prefill chunks), or None if nothing runs."""
+        self._admit()
+        spans = []
+        decoding = [s for s in self.running if not s.prefilling and s.planned_emits < s.budget]
+        for seq in decoding:
+            spans.append(PlannedSpan(seq, seq.planned, 1, True, seq.planned >= len(seq.tokens)))
+        room = min(self.prefill_chunk, self.max_tokens - len(spans))
+        for seq in (s for s in self.running if s.prefilling):
+            n = min(room, seq.prompt_len - seq.planned)
+            if n <= 0 or len(spans) >= self.max_requests:
+                break
+            spans.append(PlannedSpan(seq, seq.planned, n, seq.planned + n == seq.prompt_len, False))
+            room -= n
+        if not spans:
+            return None
+        for sp in spans:
+            sp.seq.planned += sp.length
+            sp.seq.planned_emits += sp.emits
+        self.last_planned += 1
+        plan = StepPlan(self.last_planned, tuple(spans))
+        self.in_flight[plan.step_id] = plan
+        return plan
+
+    # ---- results -------------------------------------------------------------------------------
+    def update(self, res: StepResult) -> list[Event]:
+        """Apply one step's results (steps in order) -> the events since the last call."""
+        plan = self.in_flight.pop(res.step_id)
+        now = time.perf_counter()
+        for b, sp in enumerate(plan.spans):
+            seq = sp.seq
+            if seq.done:
+                continue                             # aborted or finished: a dead row
+            found = int(res.found[b])
+            if found != sp.position:
+                err = StaleStateError(f"request {seq.rid!r}: slot {sp.slot} needs state at {sp.position}, "
+                                      f"found {found}")
+                self._finish(seq, "error", str(err))
+                continue
+            if not sp.emits:
+                continue
+            tok = int(res.tokens[b])
+            seq.tokens.append(tok)
+            r = seq.result
+            r.tokens.append(tok)
+            r.token_times.append(now)
+            if r.ttft_s is None:
+                r.ttft_s = now - seq.submitted
+            lp = None
+            if seq.req.logprobs:
+                lp = (float(res.logprobs[b]),)
+                r.logprobs.append(lp[0])
+            self.outbox.append(TokenEvent(seq.rid, (tok,), lp))
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                self._finish(seq, reason)
+        self.pages.retire(completed_step=res.step_id)
+        return self.drain()
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str:
+        if tok == self.eos_id and not seq.req.ignore_eos:
+            return "eos"
+        if tok in seq.req.stop_ids:
+            return "stop"
+        if len(seq.result.tokens) >= seq.budget:
+            return "length"
+        return ""
+
+    # ---- invariants (tests) ----------------------------------------------------------------
+    def check_invariants(self, num_pages: int, slots: int) -> None:
+        """No page in two requests, every page exactly one of free / quarantined / owned, every
+        slot free or owned by one running request; raises AssertionError."""
+        owned = [p for s in self.running for p in s.pages]
+        assert len(owned) == len(set(owned)), "a page is held by two requests"
+        free = list(self.pages._free)
+        quarantined = [p for _, ps in self.pages._quarantine for p in ps]
+        every = owned + free + quarantined
+        assert sorted(every) == list(range(1, num_pages)), "pages lost or duplicated"
+        held = [s.slot for s in self.running]
+        assert len(held) == len(set(held)) and None not in held, "a slot is held twice or not at all"
+        assert sorted(held + list(self.slots._free)) == list(range(slots)), "slots lost or duplicated"
+        assert all(not s.done for s in self.running) and all(s.slot is None for s in self.waiting)
+
