@@ -1,6 +1,6 @@
 """Lightning-indexer scores straight from the paged index plane, and the top-k on top of them.
 
-docs/MODEL.md §3.7, docs/CACHE.md §3; jnp reference: `v41_jax.model.indexer`.
+docs/MODEL.md §3.7, docs/CACHE.md §3; jnp reference: `kernels_pallas.reference` (index_scores, select_topk).
 
 Cache-side input layout
 -----------------------
@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
+from kernels_pallas import reference as ref
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
-from v41_jax.model import indexer as ref
-from v41_jax.model.numerics import HIGHEST, Numerics, top_k
+from v41_jax.numerics import HIGHEST, Numerics, top_k
 
 # two-stage top-k tile for the Pallas backend (rows no longer than a tile use one lax.top_k);
 # H200: 1.08 -> 0.45 ms at 32 x 131072, 0.24 -> 0.16 ms at 32 x 32768 (BENCHMARKS.md)
@@ -151,7 +151,7 @@ def candidate_rows(candidates: jax.Array, block_size: int) -> jax.Array:
 
 def index_scores_paged_xla(q, w, key_pages, block_table, visible, *, numerics: Numerics,
                            candidates=None, block_size: int = 8):
-    """The XLA path: gather the keys, then the model's `index_scores`."""
+    """The XLA path: gather the keys, then the reference's `index_scores`."""
     keys = _gather_keys_xla(key_pages, block_table, candidates, block_size)
     if candidates is None:
         return ref.index_scores(q, keys, w, visible, numerics)
@@ -228,7 +228,7 @@ def index_topk_paged(q, w, key_pages, block_table, visible, k: int, *, numerics:
                      topk_tile: int | None = TOPK_TILE, **kernel_kw):
     """Selected row ids [B, S, min(k, N)] ascending, -1 padded (a FULL or REINDEX layer's pick).
     Returns (ids, scores); a candidate source (FULL layer 20) feeds the scores to
-    `v41_jax.model.indexer.candidate_blocks`. The XLA backend selects with the model's
+    `v41_jax.model.indexer.candidate_blocks`. The XLA backend selects with the reference's
     `select_topk`; the Pallas backend with `topk_ids(tile=topk_tile)` (same picks)."""
     scores = index_scores_paged(q, w, key_pages, block_table, visible, numerics=numerics,
                                 candidates=candidates, block_size=block_size, backend=backend,

@@ -1,6 +1,6 @@
 """Routed-expert SwiGLU FFN as a grouped GEMM over expert-sorted (token, expert) pairs.
 
-docs/MODEL.md §3.10; jnp reference: `v41_jax.model.moe.routed_experts` (same signature here,
+docs/MODEL.md §3.10; jnp reference: `kernels_pallas.reference.routed_experts` (same signature here,
 plus `backend=` / `impl=`).
 
 Steps (one call):
@@ -42,7 +42,7 @@ at 2K tokens, 1.13-1.16x at 8K, slower at 512 (H200).
 Alternatives measured by scripts/bench_kernels.py (impl=): "ragged_dot" (jax.lax.ragged_dot_general
 on the sorted pairs), "dense" (every expert on every token, unrouted pairs weighted 0),
 "capacity" (each expert's pairs in C rows of an [E, C, D] block, batched dense GEMMs, overflow
-rounds), and the model's per-token loop (backend "xla"). All are exact (same rounding points;
+rounds), and the reference's per-token loop (backend "xla"). All are exact (same rounding points;
 only fp32 summation order differs); `choose_impl` picks per step from the H200 measurements.
 """
 
@@ -56,13 +56,13 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
 from kernels_pallas import moe_mgpu
+from kernels_pallas import reference as ref
 from kernels_pallas._compat import compiler_params, load, store
-from v41_jax.model import moe as ref
-from v41_jax.model.numerics import HIGHEST, Numerics
+from v41_jax.linear import K_BLOCK as _K_BLOCK  # A8 fake-quant group
+from v41_jax.numerics import HIGHEST, Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp8_act_qdq, held
 
 IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "capacity", "mgpu")
-_K_BLOCK = 32  # A8 fake-quant group
 
 
 def _act_in(x: jax.Array, numerics: Numerics) -> jax.Array:
@@ -576,7 +576,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     (each bf16 / fp32, `Fp8RowWeight` or `Fp4Weight`) -> fp32 [T, D]: Σ over each token's experts
     (ascending id) of the SwiGLU expert output.
 
-    backend "xla" (or numerics.block_gemm) -> the model's reference loop; "pallas" -> `impl`
+    backend "xla" (or numerics.block_gemm) -> the reference's per-token loop; "pallas" -> `impl`
     ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity" | "mgpu"; None = `choose_impl`, the fastest exact
     one measured on the H200). Launch parameters default to `launch_config(block_m)`; for
     "capacity", block_m is the rows per expert and round (default `capacity_rows`)."""

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from v41_jax.model import moe as ref
+from kernels_pallas import reference as ref
 
 try:   # the Mosaic GPU dialect ships with jaxlib; lowering works without a GPU (jax.export)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -63,7 +63,7 @@ def _swizzled(cols: int, dtype) -> tuple:
 
 def _silu_glu(g, u, wt, limit: float):
     """fp32 g, u (GEMM outputs), wt (routing weight per row) -> bf16 a, as `moe._swiglu_epilogue`:
-    g and u rounded to bf16 first, then the model's `swiglu` in fp32."""
+    g and u rounded to bf16 first, then the reference's `swiglu` in fp32."""
     g, u = (v.astype(jnp.bfloat16).astype(jnp.float32) for v in (g, u))
     return ref.swiglu(g, u, limit, wt).astype(jnp.bfloat16)
 

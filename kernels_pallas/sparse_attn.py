@@ -1,6 +1,6 @@
 """Sparse latent attention with a per-head sink, reading K = V rows straight from cache row views.
 
-docs/MODEL.md §3.5; jnp reference: `v41_jax.model.sparse_attn`.
+docs/MODEL.md §3.5; jnp reference: `kernels_pallas.reference.sparse_attn`.
 
 Cache-side input layout (what the step feeds; docs/CACHE.md §1.7, §2.4)
 --------------------------------------------------------------------
@@ -38,11 +38,8 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
-from v41_jax.model.numerics import Numerics
-
-CHUNK = 64  # ids per online-softmax step, the reference kernel's block
-_NO_MAX = -1e30  # finite running-max start: an all-skip row ends as acc 0 / exp(sink + 1e30) = 0
-_HI = jax.lax.Precision.HIGHEST
+from kernels_pallas.reference import CHUNK, NO_MAX, sparse_attn
+from v41_jax.numerics import HIGHEST, Numerics
 
 Source = tuple[jax.Array, jax.Array]  # (rows [R, D], idx [..., K])
 
@@ -79,7 +76,7 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
             rows = load(kv_ref.at[jnp.maximum(ids, 0)[:, None], lanes[None, :]],
                         mask=valid[:, None], other=0)                  # [C, D]
             rows = rows.astype(q.dtype)                                # fp32 policy: bf16 pool -> fp32
-            logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=_HI,
+            logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                          preferred_element_type=jnp.float32)          # [H, C]
             logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
             new_max = jnp.maximum(run_max, logits.max(axis=1))
@@ -92,11 +89,11 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
                 pv = p.astype(jnp.bfloat16).astype(jnp.float32) if bf16_probs else p
                 vals = rows.astype(jnp.float32)
             acc = acc * rescale[:, None] + jax.lax.dot_general(
-                pv, vals, (((1,), (0,)), ((), ())), precision=_HI, preferred_element_type=jnp.float32)
+                pv, vals, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
             return new_max, denom, acc
         return body
 
-    carry = (jnp.full((h,), _NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
+    carry = (jnp.full((h,), NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
              jnp.zeros((h, d), jnp.float32))
     base = 0
     for idx_ref, kv_ref, n in zip(idx_refs, kv_refs, n_chunks):
@@ -202,9 +199,7 @@ def _flatten(q: jax.Array, sources: Sequence[Source]):
 def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float,
                           *, numerics: Numerics) -> jax.Array:
     """The XLA path and the kernel's reference: gather each token's rows, concatenate the sources
-    in order, and run the model's sparse attention core on the gathered list."""
-    from v41_jax.model.sparse_attn import sparse_attn
-
+    in order, and run the reference's sparse attention core on the gathered list."""
     lead, q2, rows, idx = _flatten(q, sources)
     gathered, local, offset = [], [], 0
     for r, i in zip(rows, idx):

@@ -12,13 +12,11 @@ API (B batch, T queries, N key rows, Hi/Di indexer heads/width)
   index_query(p, cfg, c_q, positions, numerics) -> [B, T, Hi, Di]
       Lin8(c_q, wq_b) -> RoPE at p -> fp4 QDQ (group 32, ue8m0).
   index_weights(p, cfg, h, numerics) -> [B, T, Hi]     LinBF(h, weights_proj) * Di^-0.5 * Hi^-0.5
-  index_scores(q, keys, weights, visible, numerics) -> [B, T, N]
-      sum_h w_h * ReLU(q_h . k) in the score dtype (bf16 in the reference: the dot, the weighting
-      and the head sum each round once); -inf at rows j >= visible.
+  index_scores, select_topk, ascending   the indexer scores and the top-k: the kernels' jnp
+      references, defined (and documented) in `kernels_pallas.reference`; re-exported here.
   candidate_blocks(scores, visible, topk_blocks, block_size) -> int32 [B, T, min(topk_blocks, nb)]
       block ids kept by the candidate source, ascending, -1 for dropped (-inf) picks.
   candidate_mask(blocks, n_rows, block_size) -> bool [B, T, N]   rows inside the kept blocks
-  select_topk(scores, visible, k) -> int32 [B, T, min(k, N)]     ascending row ids, -1 past visible
 """
 
 from __future__ import annotations
@@ -26,10 +24,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.reference import ascending, index_scores, select_topk
 from v41_jax.config import ModelConfig
 from v41_jax.model.linear import lin8, lin_bf
 from v41_jax.model.norm import rms_norm
-from v41_jax.model.numerics import HIGHEST, Numerics, top_k
+from v41_jax.model.numerics import Numerics, top_k
 from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.quant import fp4_qdq_ue8m0
 
@@ -65,26 +64,6 @@ def index_weights(p: dict, cfg: ModelConfig, h: jax.Array, numerics: Numerics) -
     return numerics.act(w.astype(jnp.float32) * scale)
 
 
-def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, visible: jax.Array,
-                 numerics: Numerics) -> jax.Array:
-    """q [B, T, Hi, Di], keys [B, N, Di], weights [B, T, Hi], visible [B, T] -> [B, T, N]."""
-    dt = numerics.index_score_dtype
-    dots = jnp.einsum("bthd,bnd->bthn", q, keys, precision=HIGHEST,
-                      preferred_element_type=jnp.float32).astype(dt)
-    # each product rounds to the score dtype once; the head sum accumulates in fp32, rounds once
-    terms = (jnp.maximum(dots, 0).astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).astype(dt)
-    scores = terms.astype(jnp.float32).sum(axis=2).astype(dt)
-    rows = jnp.arange(keys.shape[1])
-    return jnp.where(rows < visible[..., None], scores, -jnp.inf)
-
-
-def ascending(ids: jax.Array, keep: jax.Array) -> jax.Array:
-    """Kept ids sorted ascending, -1 after them."""
-    big = jnp.iinfo(jnp.int32).max
-    ids = jnp.sort(jnp.where(keep, ids, big), axis=-1)
-    return jnp.where(ids == big, -1, ids).astype(jnp.int32)
-
-
 def candidate_blocks(scores: jax.Array, visible: jax.Array, topk_blocks: int, block_size: int) -> jax.Array:
     """Level one of the two-level top-k: each block scored by its best visible row."""
     n = scores.shape[-1]
@@ -106,10 +85,3 @@ def candidate_mask(blocks: jax.Array, n_rows: int, block_size: int) -> jax.Array
     # dropped picks (-1) land in a spare column that is cut off
     kept = jax.vmap(lambda b: jnp.zeros(n_blocks + 1, bool).at[jnp.where(b < 0, n_blocks, b)].set(True))(flat)
     return jnp.repeat(kept[:, :n_blocks], block_size, axis=-1)[:, :n_rows].reshape(*lead, n_rows)
-
-
-def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
-    """The k best rows, re-sorted by position. As in the reference, validity is by position
-    (id < visible) only: when fewer than k rows score finite, -inf fillers below `visible` stay."""
-    _, ids = top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
-    return ascending(ids, ids < visible[..., None])

@@ -1,0 +1,171 @@
+"""The jnp references of the kernels: the math each kernel reproduces (bit for bit under
+`Numerics.reference()`, the rounding points everywhere) and what each kernel entry point runs on
+the XLA backend. The model runs these same functions: `v41_jax.model.sparse_attn`, `.indexer` and
+`.moe` import them from here. This module sits below both the model and the kernels: it imports
+`v41_jax.numerics`, `v41_jax.linear` and `v41_jax.quant` only (tests/test_layering.py).
+
+Sparse attention (docs/MODEL.md §3.5; kernel: `kernels_pallas.sparse_attn`)
+  Every query head attends over its own list of latent rows (K = V, one shared latent per row).
+  The reference kernel walks the list in chunks of 64 with an online softmax; the chunking is part
+  of the numerics, because the probabilities are rounded to bf16 relative to the *running* max
+  before they meet the values. `sparse_attn` reproduces that walk exactly.
+  sparse_attn(q [B, S, H, D], kv [B, N, D], sink [H], idx [B, S, K], scale, *, numerics)
+      -> [B, S, H, D] act dtype
+
+Lightning indexer (docs/MODEL.md §3.7; kernel: `kernels_pallas.indexer`)
+  index_scores(q, keys, weights, visible, numerics) -> [B, T, N]
+      sum_h w_h * ReLU(q_h . k) in the score dtype (bf16 in the reference: the dot, the weighting
+      and the head sum each round once); -inf at rows j >= visible.
+  ascending(ids, keep) -> int32   kept ids sorted ascending, -1 after them
+  select_topk(scores, visible, k) -> int32 [B, T, min(k, N)]     ascending row ids, -1 past visible
+
+Routed experts (docs/MODEL.md §3.10; kernels: `kernels_pallas.moe`, `kernels_pallas.moe_mgpu`)
+  swiglu(gate, up, limit, weight=None) -> fp32   the SwiGLU activation of fp32 GEMM outputs
+  swiglu_ffn(x, w1, w3, w2, numerics, limit, weight=None) -> act dtype
+      up clamped to [-limit, limit], gate to <= limit (limit 0 = no clamp); the routing weight
+      multiplies the fp32 activation before its rounding to the activation dtype.
+  routed_experts(x [T, D], idx [T, k], w [T, k], w1 [E, F, D], w3 [E, F, D], w2 [E, D, F],
+                 numerics, swiglu_limit) -> fp32 [T, D]
+      each token's k expert outputs (act dtype) summed in fp32 in ascending expert id, the order
+      the reference's expert loop adds them. The expert weights are bf16 arrays or
+      `quant.Fp4Weight`s (held as published, dequantized per pick).
+  add_slots(pairs [T, k, D]) -> fp32 [T, D]   that sum
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from v41_jax.linear import lin4
+from v41_jax.numerics import HIGHEST, Numerics, top_k
+from v41_jax.quant import held
+
+
+# ---- sparse attention ---------------------------------------------------------------------------
+
+CHUNK = 64  # indices per online-softmax step, as the reference kernel
+NO_MAX = -1e30  # finite start of the running max: an all-skip row ends with exp(sink + 1e30) = inf -> 0
+
+
+def _gather_rows(kv: jax.Array, idx: jax.Array) -> jax.Array:
+    """kv [B, N, D], idx [B, S, C] (>= 0) -> [B, S, C, D]."""
+    return jax.vmap(lambda rows, i: rows[i])(kv, idx)
+
+
+def _chunked(idx: jax.Array) -> jax.Array:
+    """[B, S, K] -> [n_chunks, B, S, CHUNK], padded with -1 (a skipped index changes nothing)."""
+    b, s, k = idx.shape
+    idx = jnp.pad(idx, ((0, 0), (0, 0), (0, -k % CHUNK)), constant_values=-1)
+    return jnp.moveaxis(idx.reshape(b, s, -1, CHUNK), 2, 0)
+
+
+def sparse_attn(q: jax.Array, kv: jax.Array, sink: jax.Array, idx: jax.Array, scale: float,
+                *, numerics: Numerics) -> jax.Array:
+    """Attention of each query row over the latent rows its index list names.
+
+    q [B, S, H, D], kv [B, N, D], sink [H] fp32 (an unscaled logit, denominator only),
+    idx [B, S, K] int32 (any negative = skip; duplicates count twice), scale: softmax scale of q.k.
+    Returns [B, S, H, D] in the activation dtype; a row with no valid index gives 0.
+
+    numerics.attn_probs_bf16 is the reference kernel: the unnormalised probabilities are rounded to
+    bf16 before P.V while the denominator keeps them in fp32. Scores and sums are fp32 either way.
+    """
+    qf = q.astype(jnp.float32)
+    kvf = kv.astype(jnp.float32)
+    b, s, h, d = q.shape
+
+    def step(carry, idx_c):
+        run_max, denom, acc = carry                                   # [B,S,H], [B,S,H], [B,S,H,D]
+        valid = idx_c >= 0                                            # [B,S,C]
+        # where, not multiply: an unused row (e.g. an unwritten cache page) may hold NaN
+        rows = jnp.where(valid[..., None], _gather_rows(kvf, jnp.maximum(idx_c, 0)), 0.0)
+        logits = jnp.einsum("bshd,bscd->bshc", qf, rows, precision=HIGHEST)
+        logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf) * scale
+        new_max = jnp.maximum(run_max, logits.max(-1))
+        rescale = jnp.exp(run_max - new_max)
+        p = jnp.exp(logits - new_max[..., None])                      # [B,S,H,C]
+        denom = denom * rescale + p.sum(-1)
+        pv = p.astype(jnp.bfloat16).astype(jnp.float32) if numerics.attn_probs_bf16 else p
+        acc = acc * rescale[..., None] + jnp.einsum("bshc,bscd->bshd", pv, rows, precision=HIGHEST)
+        return (new_max, denom, acc), None
+
+    init = (jnp.full((b, s, h), NO_MAX, jnp.float32), jnp.zeros((b, s, h), jnp.float32),
+            jnp.zeros((b, s, h, d), jnp.float32))
+    (run_max, denom, acc), _ = jax.lax.scan(step, init, _chunked(idx))
+    denom = denom + jnp.exp(sink.astype(jnp.float32) - run_max)
+    return numerics.act(acc / denom[..., None])
+
+
+# ---- lightning indexer --------------------------------------------------------------------------
+
+def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, visible: jax.Array,
+                 numerics: Numerics) -> jax.Array:
+    """q [B, T, Hi, Di], keys [B, N, Di], weights [B, T, Hi], visible [B, T] -> [B, T, N]."""
+    dt = numerics.index_score_dtype
+    dots = jnp.einsum("bthd,bnd->bthn", q, keys, precision=HIGHEST,
+                      preferred_element_type=jnp.float32).astype(dt)
+    # each product rounds to the score dtype once; the head sum accumulates in fp32, rounds once
+    terms = (jnp.maximum(dots, 0).astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).astype(dt)
+    scores = terms.astype(jnp.float32).sum(axis=2).astype(dt)
+    rows = jnp.arange(keys.shape[1])
+    return jnp.where(rows < visible[..., None], scores, -jnp.inf)
+
+
+def ascending(ids: jax.Array, keep: jax.Array) -> jax.Array:
+    """Kept ids sorted ascending, -1 after them."""
+    big = jnp.iinfo(jnp.int32).max
+    ids = jnp.sort(jnp.where(keep, ids, big), axis=-1)
+    return jnp.where(ids == big, -1, ids).astype(jnp.int32)
+
+
+def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
+    """The k best rows, re-sorted by position. As in the reference, validity is by position
+    (id < visible) only: when fewer than k rows score finite, -inf fillers below `visible` stay."""
+    _, ids = top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
+    return ascending(ids, ids < visible[..., None])
+
+
+# ---- routed experts -----------------------------------------------------------------------------
+
+def silu(x: jax.Array) -> jax.Array:
+    return x / (1 + jnp.exp(-x))
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float, weight: jax.Array | None = None) -> jax.Array:
+    """fp32 gate / up GEMM outputs -> weight * silu(min(gate, limit)) * clip(up, ±limit): the clamp
+    is asymmetric (gate from above only); limit 0 = no clamp; the routing weight before any cast."""
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    h = silu(gate) * up
+    return h if weight is None else weight * h
+
+
+def swiglu_ffn(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, numerics: Numerics,
+               limit: float, weight: jax.Array | None = None) -> jax.Array:
+    gate = lin4(x, w1, numerics).astype(jnp.float32)
+    up = lin4(x, w3, numerics).astype(jnp.float32)
+    return lin4(numerics.act(swiglu(gate, up, limit, weight)), w2, numerics)
+
+
+def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
+                   w2: jax.Array, numerics: Numerics, swiglu_limit: float) -> jax.Array:
+    order = jnp.argsort(idx, axis=-1)
+    idx = jnp.take_along_axis(idx, order, axis=-1)
+    w = jnp.take_along_axis(w, order, axis=-1)
+
+    def one_token(xt, e, wt):  # [D], expert id, routing weight -> [D]
+        return swiglu_ffn(xt[None], held(w1[e]), held(w3[e]), held(w2[e]), numerics, swiglu_limit,
+                          wt)[0]
+
+    return add_slots(jnp.stack([jax.vmap(one_token)(x, idx[:, j], w[:, j]) for j in range(idx.shape[-1])], 1))
+
+
+def add_slots(pairs: jax.Array) -> jax.Array:
+    """[T, k, D] expert outputs, slots in ascending expert id -> fp32 [T, D], added slot by slot
+    (the reference's expert loop)."""
+    out = jnp.zeros(pairs[:, 0].shape, jnp.float32)
+    for j in range(pairs.shape[1]):
+        out = out + pairs[:, j].astype(jnp.float32)
+    return out

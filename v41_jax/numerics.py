@@ -1,0 +1,135 @@
+"""Numerics policy: where the forward rounds, quantizes and how it accumulates.
+
+API
+  Numerics(act_dtype, fake_quant, block_gemm, index_score_bf16, attn_probs_bf16)
+      frozen, hashable: pass it as a static argument under jit.
+  Numerics.reference()  bit-level policy of the official reference (docs/MODEL.md §4):
+      bf16 activations, fp8/fp4 fake-quant at the reference's points, FP8/FP4 GEMMs summed per
+      32-wide K block in fp32 in K order, bf16 index scores, bf16 attention probabilities.
+  Numerics.fast()       same rounding points, but GEMMs are one fp32-accumulating dot (the order
+      of the fp32 sum is the backend's). For serving.
+  Numerics.fp32()       same graph with fp32 activations and no fake-quant / bf16 rounding; used to
+      compare the cache path with the full forward without rounding noise.
+  numerics.act(x)       cast to the activation dtype (the reference's bf16 rounding points).
+  HIGHEST               the dot precision for every fp32 product (no TF32 / bf16 passes on GPU).
+  exact_div(a, b)       a / b correctly rounded. XLA rewrites a division by a constant or by a
+                        broadcast operand into a multiplication by its (inexact) reciprocal; the
+                        reference divides. Use it wherever b is broadcast and not a power of two.
+  rounded(p)            the product p rounded to fp32 on its own: XLA:CPU contracts a*b+c into an FMA
+                        (no flag stops it, nor an optimization_barrier), torch's eager ops round the
+                        product first. Wrap the products of such sums where the reference has them.
+  top_k(x, k) -> (values, ids)   lax.top_k with -0.0 and +0.0 equal, so that ties go to the lower
+                        index as with IEEE comparisons (torch.topk; the fixtures' lowest-index run):
+                        lax.top_k orders floats totally and ranks +0.0 above -0.0, and -0.0 is
+                        common here (a negative weight times a ReLU zero).
+  cascade_sum(x) -> [...]   fp32 sum over the last axis in the exact order of torch's CPU sum
+                        kernel (8-lane vectors, 4 interleaved accumulators, 4-level cascade, then
+                        the scalar tail and the lanes in order): the reference's `.sum(-1)` /
+                        `.mean(-1)` bit for bit. XLA's reduce order is unspecified.
+
+Fields
+  act_dtype        dtype of everything the reference holds in bf16: residual streams, sublayer
+                   inputs/outputs, linear outputs, KV rows. fp32-by-design quantities (mHC
+                   coefficients, router, logits, Engram gate) are fp32 in every policy.
+  fake_quant       fp8 (per 32, ue8m0) QDQ of every FP8/FP4 linear input and of window/draft KV rows,
+                   fp4 QDQ of compressed KV rows (group 16, e4m3 scale) and index q/k (group 32, ue8m0).
+  block_gemm       FP8/FP4 linears reproduce the reference kernels' accumulation: each 32-wide K
+                   block summed exactly in fp32, block partials added in fp32 in K order.
+  index_score_bf16 indexer einsum -> ReLU -> weighted head sum in bf16 (the reference), else fp32.
+  attn_probs_bf16  sparse attention rounds unnormalised probabilities to bf16 before P.V.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def exact_div(a: jax.Array, b: jax.Array | float) -> jax.Array:
+    # a full-shape divisor behind an optimization barrier is neither a constant nor a broadcast
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), shape))
+
+
+def rounded(p: jax.Array) -> jax.Array:
+    # p != p only for NaN, where p + 1 is NaN as well: no value changes, but LLVM cannot fold the
+    # select, so the product p keeps its own fp32 rounding instead of fusing into an FMA
+    return jnp.where(p != p, p + 1, p)
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    return jax.lax.top_k(jnp.where(x == 0, jnp.zeros_like(x), x), k)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    act_dtype: np.dtype
+    fake_quant: bool
+    block_gemm: bool
+    index_score_bf16: bool
+    attn_probs_bf16: bool
+
+    @classmethod
+    def reference(cls) -> "Numerics":
+        return cls(np.dtype(jnp.bfloat16), True, True, True, True)
+
+    @classmethod
+    def fast(cls) -> "Numerics":
+        return cls(np.dtype(jnp.bfloat16), True, False, True, True)
+
+    @classmethod
+    def fp32(cls) -> "Numerics":
+        return cls(np.dtype(jnp.float32), False, False, False, False)
+
+    def act(self, x: jax.Array) -> jax.Array:
+        return x.astype(self.act_dtype)
+
+    @property
+    def index_score_dtype(self) -> np.dtype:
+        return np.dtype(jnp.bfloat16) if self.index_score_bf16 else np.dtype(jnp.float32)
+
+
+_LANES, _ILP, _LEVELS = 8, 4, 4  # torch's Vectorized<float> on its (AVX2) reduce kernels; SumKernel.cpp
+
+
+def _in_order(parts: list, zero: jax.Array) -> jax.Array:
+    """0 + p0 + p1 + ... left to right (the first add is exact, so start from p0)."""
+    return functools.reduce(operator.add, parts) if parts else zero
+
+
+def _cascade(rows: jax.Array) -> jax.Array:
+    """torch's multi_row_sum over axis -3 of [..., size, 4, 8]: running sums of `step` rows, their
+    running sums carried up a level every `step` chunks, 4 levels, added back down at the end."""
+    size = rows.shape[-3]
+    zero = jnp.zeros(rows.shape[:-3] + rows.shape[-2:], rows.dtype)
+    step = 1 << max(4, (size - 1).bit_length() // _LEVELS)
+    n_full = size // step
+    take = lambda a, i: a[..., i, :, :]
+    acc = [_in_order([take(rows, i) for i in range(n_full * step, size)], zero)]  # open level-0 chunk
+    done = [_in_order([take(rows, c * step + i) for i in range(step)], zero) for c in range(n_full)]
+    for level in range(1, _LEVELS):
+        cap = len(done) if level == _LEVELS - 1 else len(done) // step * step
+        acc.append(_in_order(done[cap:], zero))
+        done = [_in_order(done[g:g + step], zero) for g in range(0, cap, step)]
+    return _in_order(acc, zero)
+
+
+def cascade_sum(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    n = x.shape[-1]
+    n_vec = n // _LANES
+    n_rows = n_vec // _ILP
+    lead = x.shape[:-1]
+    vec = lambda i: x[..., i * _LANES:(i + 1) * _LANES]
+    part = _cascade(x[..., : n_rows * _ILP * _LANES].reshape(*lead, n_rows, _ILP, _LANES))  # [..., 4, 8]
+    first = _in_order([part[..., 0, :]] + [vec(i) for i in range(n_rows * _ILP, n_vec)], None)
+    lanes = _in_order([first] + [part[..., k, :] for k in range(1, _ILP)], None)          # [..., 8]
+    tail = [x[..., i] for i in range(n_vec * _LANES, n)]
+    return _in_order(tail + [lanes[..., k] for k in range(_LANES)], None)
