@@ -130,7 +130,7 @@ def test_generate_script(model, tmp_path, capsys):
         "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6",
         "--numerics", "fp32", "--buckets", "80x4x80", "--chunk", "16", "--page-tokens", str(s.page_tokens),
         "--pages", str(s.num_pages), "--slots", str(s.slots), "--max-context", str(s.max_context),
-        "--xla-cache", "", "--quiet"])
+        "--compile-cache", "", "--quiet"])
     assert rc == 0
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "b", "bad"]
@@ -163,7 +163,7 @@ def test_pallas_kernels_generate_what_the_xla_path_does(model, tmp_path):
                 "--checkpoint", str(path), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "10",
                 "--numerics", "fp32", "--buckets", "32x4x32,4x4x4", "--chunk", "16",
                 "--page-tokens", str(s.page_tokens), "--pages", str(s.num_pages), "--slots", str(s.slots),
-                "--max-context", str(s.max_context), "--xla-cache", "", "--quiet"]) == 0
+                "--max-context", str(s.max_context), "--compile-cache", "", "--quiet"]) == 0
         tokens[name] = [json.loads(l)["tokens"] for l in out.read_text().splitlines()]
     assert all(len(t) == 10 for t in tokens["xla"])
     assert tokens["pallas"] == tokens["xla"]

@@ -17,7 +17,7 @@ A request is a JSON object with the fields
     seed            integer in [0, 2**32)
     stop_ids        list of token ids (may be empty)
     ignore_eos      boolean
-    logprobs        boolean (only where Request has that field)
+    logprobs        boolean: return each sampled token's log-probability
 
 Absent fields take the `RequestDefaults` (the CLI flags). Types are strict: a JSON boolean is not a
 number, 1.0 is not a token id, "5" is not an integer, a string is not a list, null is not "absent".
@@ -43,11 +43,7 @@ from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams
 
 FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-          "stop_ids", "ignore_eos")
-# "logprobs" (boolean) is a field where Request has one (the engine returns each token's log-probability)
-_HAS_LOGPROBS = "logprobs" in Request.__dataclass_fields__
-if _HAS_LOGPROBS:
-    FIELDS += ("logprobs",)
+          "stop_ids", "ignore_eos", "logprobs")
 
 MAX_NEW_TOKENS_LIMIT = 2 ** 31      # what the engine's int32 arrays hold
 TOP_K_LIMIT = 2 ** 31
@@ -273,9 +269,8 @@ def parse_request(obj: Any, *, vocab_size: int, defaults: RequestDefaults = Requ
             stop = _ids("stop_ids", defaults.stop_ids, vocab_size, what="the default ")
         sampling = SamplingParams(temperature=_temperature(get("temperature")), top_k=_top_k(get("top_k")),
                                   top_p=_top_p(get("top_p")), seed=_seed(get("seed")))
-        extra = {"logprobs": _bool("logprobs", get("logprobs"))} if _HAS_LOGPROBS else {}
         return Request(prompt, _max_new_tokens(get("max_new_tokens")), sampling, tuple(stop),
-                       _ignore_eos(get("ignore_eos")), rid, **extra)
+                       _ignore_eos(get("ignore_eos")), rid, _bool("logprobs", get("logprobs")))
     except RequestError as e:
         e.request_id = rid
         raise
