@@ -27,11 +27,23 @@ API (B batch, S sequence from position 0, D model width, H x Dh heads, K = min(i
       a draft stage's attention: every block row sees the context rows (anchor - window, anchor]
       and all block rows.
   (cos, sin come from rope.rope_cos_sin at the rows' positions, the layer's table.)
+
+The compressed-branch rules, shared with the cached step (`runtime.step`), which differs only in
+where keys come from and where rows go (cache pages instead of the context):
+  compressed_entries(p, cfg, ratio, latent, row_ids, numerics) -> (rows, keys)
+      what a FULL layer publishes for compressed latents [..., G, Dh] at row ids [..., G]: the
+      stored KV rows and their index keys.
+  index_select(p, cfg, topo, h, c_q, positions, visible, score, candidates, numerics)
+      -> (selected [..., Q, K], scores [..., Q, N], candidates)
+      an index source's rule: its query and head weights, score(q, w) over the kv owner's keys
+      (the caller's key source, -inf past `visible` [..., Q]), the candidate source's blocks
+      published into `candidates` (a dict by source layer), a consumer's scores masked to them,
+      then the top-k.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,40 +112,56 @@ def _publish(table: dict, layer: int, value: jax.Array) -> dict:
     return {**table, layer: value}
 
 
-def _compress(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
-              numerics: Numerics) -> AttnContext:
-    """FULL: the rows of every complete group, and their index keys from the pre-RoPE latent."""
-    b, s, _ = h.shape
-    r = topo.ratio
-    state = None if r == 1 else init_state(b, r, cfg.head_dim)
-    latent, row_ids, _ = compress(p["compressor"], cfg, r, h, state, jnp.zeros(b, jnp.int32), numerics)
-    latent, row_ids = latent[:, : s // r], row_ids[:, : s // r]
-    return ctx._replace(rows=_publish(ctx.rows, topo.layer, stored_rows(cfg, r, latent, row_ids, numerics)),
-                        keys=_publish(ctx.keys, topo.layer,
-                                      index_keys(p["indexer"], cfg, latent, row_ids, r, numerics)))
+def compressed_entries(p: dict, cfg: ModelConfig, ratio: int, latent: jax.Array, row_ids: jax.Array,
+                       numerics: Numerics) -> tuple[jax.Array, jax.Array]:
+    """A FULL layer's compressed latents -> (stored KV rows, index keys), both from the pre-RoPE
+    latent at the group's row id."""
+    return (stored_rows(cfg, ratio, latent, row_ids, numerics),
+            index_keys(p["indexer"], cfg, latent, row_ids, ratio, numerics))
 
 
-def _select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: jax.Array,
-            positions: jax.Array, ctx: AttnContext, numerics: Numerics) -> tuple[AttnContext, jax.Array]:
+def index_select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: jax.Array,
+                 positions: jax.Array, visible: jax.Array, score: Callable[[jax.Array, jax.Array], jax.Array],
+                 candidates: dict, numerics: Numerics) -> tuple[jax.Array, jax.Array, dict]:
     """FULL / REINDEX: own indexer over the kv owner's keys; the candidate source publishes its
-    blocks from the unrestricted scores, later scorers keep only rows inside them. Also returns
-    the scores the selection was taken from."""
-    visible = jnp.broadcast_to(visible_rows(positions, topo.ratio), h.shape[:2])
-    keys = ctx.keys[topo.kv_owner]
-    scores = index_scores(index_query(p["indexer"], cfg, c_q, positions, numerics), keys,
-                          index_weights(p["indexer"], cfg, h, numerics), visible, numerics)
+    blocks from the unrestricted scores, later scorers keep only rows inside them.
+    -> (the top-k, the scores it was taken from, candidates)."""
+    scores = score(index_query(p["indexer"], cfg, c_q, positions, numerics),
+                   index_weights(p["indexer"], cfg, h, numerics))
     if topo.candidates is Candidates.PRODUCE:
         blocks = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
-        ctx = ctx._replace(candidates=_publish(ctx.candidates, topo.layer, blocks))
+        candidates = _publish(candidates, topo.layer, blocks)
     elif topo.candidates is Candidates.CONSUME:
-        keep = candidate_mask(ctx.candidates[cfg.candidate_source_layer], keys.shape[1],
-                              cfg.candidate_block_size)
+        # the reference's rule: mask the full scan to the kept blocks (not a compacted scorer,
+        # whose picks differ when fewer than k kept rows are visible)
+        keep = candidate_mask(candidates[cfg.candidate_source_layer], scores.shape[-1], cfg.candidate_block_size)
         scores = jnp.where(keep, scores, -jnp.inf)
     # one materialised copy feeds the top-k and the recorded scores: XLA would otherwise recompute
     # the scores inside two fusions whose fp contraction can differ in the last bit
     scores = jax.lax.optimization_barrier(scores)
-    sel = select_topk(scores, visible, cfg.index_topk)
-    return ctx._replace(selected=_publish(ctx.selected, topo.layer, sel)), scores
+    return select_topk(scores, visible, cfg.index_topk), scores, candidates
+
+
+def _compress(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
+              numerics: Numerics) -> AttnContext:
+    """FULL: the rows of every complete group, and their index keys."""
+    b, s, _ = h.shape
+    r = topo.ratio
+    state = None if r == 1 else init_state(b, r, cfg.head_dim)
+    latent, row_ids, _ = compress(p["compressor"], cfg, r, h, state, jnp.zeros(b, jnp.int32), numerics)
+    rows, keys = compressed_entries(p, cfg, r, latent[:, : s // r], row_ids[:, : s // r], numerics)
+    return ctx._replace(rows=_publish(ctx.rows, topo.layer, rows), keys=_publish(ctx.keys, topo.layer, keys))
+
+
+def _select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c_q: jax.Array,
+            positions: jax.Array, ctx: AttnContext, numerics: Numerics) -> tuple[AttnContext, jax.Array]:
+    """`index_select` over the context's keys of the kv owner -> (ctx, the scores selected from)."""
+    visible = jnp.broadcast_to(visible_rows(positions, topo.ratio), h.shape[:2])
+    keys = ctx.keys[topo.kv_owner]
+    sel, scores, candidates = index_select(p, cfg, topo, h, c_q, positions, visible,
+                                           lambda q, w: index_scores(q, keys, w, visible, numerics),
+                                           ctx.candidates, numerics)
+    return ctx._replace(selected=_publish(ctx.selected, topo.layer, sel), candidates=candidates), scores
 
 
 def _record(topo: LayerTopology, ctx: AttnContext, scores: jax.Array | None) -> dict:

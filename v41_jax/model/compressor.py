@@ -16,6 +16,10 @@ API
                                    the pre-RoPE latent (post-norm, act dtype): ratio 1 is
                                    norm(LinBF(h)); ratio > 1 pools fp32 projections, rounds to the
                                    act dtype, then norms. It feeds the index keys and `stored_rows`.
+  projections(p, h) -> (kv, score) fp32 [..., C]   the raw wkv / wgate projections (ratio > 1)
+  group_latent(p, cfg, pooled, numerics) -> [..., C]  a pooled group -> its latent (act round, norm)
+                                   compress = projections -> pool_groups -> group_latent; the cache
+                                   path pools groups gathered from its ring between the two.
   stored_rows(cfg, ratio, latent, row_ids, numerics) -> [B, G, Dh]
                                    RoPE (global table) at the group's first position r*j, then the
                                    fp4 QDQ (group 16, e4m3 scale): the compressed KV cache rows.
@@ -87,12 +91,19 @@ def compress(p: dict, cfg: ModelConfig, ratio: int, h: jax.Array, state: Compres
     if ratio == 1:  # one token per group: no gate, no fp32 promotion
         latent = rms_norm(lin_bf(h, p["wkv"]["weight"], numerics), p["norm"]["weight"], cfg.norm_eps)
         return latent, (start[:, None] + jnp.arange(t)).astype(jnp.int32), state
+    pooled, row_ids, state = pool_groups(*projections(p, h), state, start, ratio)
+    return group_latent(p, cfg, pooled, numerics), row_ids, state
+
+
+def projections(p: dict, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The fp32 inputs of the pooling: raw wkv (the values) and wgate (the pooling scores)."""
     x = h.astype(jnp.float32)
-    pooled, row_ids, state = pool_groups(lin_f32(x, p["wkv"]["weight"]), lin_f32(x, p["wgate"]["weight"]),
-                                         state, start, ratio)
+    return lin_f32(x, p["wkv"]["weight"]), lin_f32(x, p["wgate"]["weight"])
+
+
+def group_latent(p: dict, cfg: ModelConfig, pooled: jax.Array, numerics: Numerics) -> jax.Array:
     # the pooled sum is rounded to the activation dtype before the norm, as the reference does
-    latent = rms_norm(numerics.act(pooled), p["norm"]["weight"], cfg.norm_eps)
-    return latent, row_ids, state
+    return rms_norm(numerics.act(pooled), p["norm"]["weight"], cfg.norm_eps)
 
 
 def stored_rows(cfg: ModelConfig, ratio: int, latent: jax.Array, row_ids: jax.Array,

@@ -11,6 +11,8 @@ API
       "gate_topk": {l: [B, S, k]}} (any subset; ids as the official fixtures record them). The
       forced picks are attended / routed; the intermediates still report the model's own picks.
       jit with cfg, numerics and return_intermediates static.
+  force_picks(candidates, selected, layer, forced) -> (candidates, selected)
+      the forcing rule on a layer's published picks, shared with the cached step.
   intermediates (dicts keyed by layer id):
       block_out [L, B, S, N, D]   each block's output streams
       next_pre [L, B, S, N]       the pre-mix each block hands on
@@ -38,7 +40,7 @@ from v41_jax.model.engram import engram
 from v41_jax.model.head import final_hidden, lm_head
 from v41_jax.model.mhc import one_hot_pre, stream_mean
 from v41_jax.model.numerics import Numerics
-from v41_jax.topology import Candidates, LayerTopology, Mode, resolve_topology
+from v41_jax.topology import LayerTopology, Mode, resolve_topology
 
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
@@ -58,17 +60,16 @@ def fit_ids(ids: jax.Array, width: int) -> jax.Array:
     return jnp.where(ids == big, -1, ids[..., :width])
 
 
-def _force(ctx: AttnContext, topo: LayerTopology, forced: dict) -> AttnContext:
-    """Replace this layer's published picks with the forced ones (where it published any)."""
-    layer = topo.layer
-    if topo.candidates is Candidates.PRODUCE and layer in forced.get("candidate_blocks", {}):
-        own = ctx.candidates[layer]
-        ctx = ctx._replace(candidates={**ctx.candidates,
-                                       layer: fit_ids(forced["candidate_blocks"][layer], own.shape[-1])})
-    if layer in forced.get("index_topk", {}):
-        own = ctx.selected[layer]
-        ctx = ctx._replace(selected={**ctx.selected, layer: fit_ids(forced["index_topk"][layer], own.shape[-1])})
-    return ctx
+def force_picks(candidates: dict, selected: dict, layer: int, forced: dict) -> tuple[dict, dict]:
+    """Teacher forcing, for the forward and the cached step alike: the picks `layer` published
+    (candidate blocks by source layer, top-k by owner) -> the forced ones where `forced` has them,
+    fitted to the published width and shape (the step keeps a unit query axis the forced lack)."""
+    def fit(table: dict, kind: str) -> dict:
+        if layer not in table or layer not in forced.get(kind, {}):
+            return table
+        own = table[layer]
+        return {**table, layer: fit_ids(forced[kind][layer], own.shape[-1]).reshape(own.shape)}
+    return fit(candidates, "candidate_blocks"), fit(selected, "index_topk")
 
 
 def _attend(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: AttnContext,
@@ -78,8 +79,9 @@ def _attend(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: A
     if forced is None or topo.layer not in ctx.selected:
         return out, (ctx, own)
     # attend again with the forced picks: as a REUSE layer of itself, reading what it published
+    candidates, selected = force_picks(ctx.candidates, ctx.selected, topo.layer, forced)
     out, ctx, _ = full_attention(p, cfg, dataclasses.replace(topo, mode=Mode.REUSE), h,
-                                 _force(ctx, topo, forced), numerics)
+                                 ctx._replace(candidates=candidates, selected=selected), numerics)
     return out, (ctx, own)
 
 
