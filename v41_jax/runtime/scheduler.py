@@ -185,7 +185,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.in_flight)
+        # an undelivered event is work too: an abort or a rejection in an idle engine leaves only
+        # its FinishEvent, which `while has_work: step()` must still deliver
+        return bool(self.waiting or self.running or self.in_flight or self.outbox)
 
     def drain(self) -> list[Event]:
         out, self.outbox = self.outbox, []
