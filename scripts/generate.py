@@ -7,16 +7,20 @@ Input, one JSON object per line:
     {"id": "a", "prompt": "text"}              text prompt (needs a tokenizer: tokenizer.json in the
                                                checkpoint folder, or --tokenizer)
     {"id": "b", "prompt_ids": [5, 6, 7]}       token ids in [0, vocab)
-    optional per line: max_new_tokens (int >= 1), temperature (>= 0, 0 = greedy), top_k (int >= 0,
+    optional per line: id (string or int; default: the line's index among the non-blank lines),
+    max_new_tokens (int >= 1), temperature (>= 0, 0 = greedy), top_k (int >= 0,
     0 = off), top_p (0 < p <= 1), seed (int in [0, 2**32)), stop_ids (list of ids), ignore_eos
-    (bool), logprobs (bool); absent fields take the flags below. Unknown fields are refused.
+    (bool), logprobs (bool); absent fields take the flags below. Unknown fields and an id used by
+    an earlier line are refused. Example line:
+    {"id": "q1", "prompt_ids": [5, 6, 7], "max_new_tokens": 16, "temperature": 0.7, "seed": 1}
 
 Output, one JSON object per request in input order (to --out, else stdout): id, prompt_len,
 tokens, text (with a tokenizer), finish_reason (eos | stop | length | error), error, logprobs.
 A bad line gets its own error line (file, line number and field) and the others run. Arguments
 and the prompts file are checked before the checkpoint loads; a file without one valid request
 compiles nothing. The summary (stderr) gives tokens/s, TTFT and inter-token latency p50/p95 and
-compile vs run time. Exit code 2 for a usage error (one line, no traceback).
+compile vs run time. --stream prints `[id] <tokens or text>` per token event and `[id] <reason>` at
+the end of each request (stderr). Exit code 2 for a usage error (one line, no traceback).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def _positive(name: str, allow_zero: bool = False):
     return parse
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m scripts.generate", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__[__doc__.index("Input,"):], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="published-format checkpoint folder (config.json, shards)")
@@ -85,7 +89,11 @@ def parse_args(argv=None):
                     help=f"persistent compilation cache folder ('' disables; default ${compile_cache.ENV} "
                          f"or {compile_cache.DEFAULT})")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def _validate(args):
@@ -99,6 +107,8 @@ def _validate(args):
         raise UsageError(f"{ckpt}: not a checkpoint folder (no config.json)")
     if not Path(args.prompts).is_file() and args.prompts != "-":
         raise UsageError(f"{args.prompts}: prompts file not found")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise UsageError(f"--out {args.out}: its folder does not exist")
     if args.buckets:
         try:
             parse_buckets(args.buckets)
@@ -137,13 +147,6 @@ def main(argv=None) -> int:
         return 2
     from v41_jax.runtime.request_parse import RequestError
 
-    seen = set()
-    for i, p in enumerate(parsed):
-        if not isinstance(p, RequestError):
-            if p.request_id in seen:
-                parsed[i] = RequestError("id", f"{p.request_id!r} is used by an earlier line",
-                                         where=args.prompts, request_id=p.request_id)
-            seen.add(p.request_id)
     requests = [p for p in parsed if not isinstance(p, RequestError)]
     for err in (p for p in parsed if isinstance(p, RequestError)):
         print(f"error: {err}", file=sys.stderr)
@@ -171,9 +174,12 @@ def main(argv=None) -> int:
     finally:
         if args.out:
             out.close()
+    for r in results.values():
+        if r.error is not None:                      # refused by the engine (e.g. the context limit)
+            print(f"error: request {r.request_id!r}: {r.error}", file=sys.stderr)
     refused = sum(isinstance(p, RequestError) for p in parsed) + sum(r.error is not None for r in results.values())
     if stats is None:
-        print(f"summary: {len(parsed)} requests ({refused} refused), nothing to run; compiled nothing",
+        print(f"summary: {len(parsed)} requests ({refused} refused), nothing to run: loaded and compiled nothing",
               file=sys.stderr)
         return 0
     ttft = [r.ttft_s for r in results.values() if r.ttft_s is not None]
@@ -200,13 +206,15 @@ def _run(args, tokenizer, requests):
                                     max_context=args.max_context, compile_cache_dir=args.compile_cache,
                                     tokenizer=args.tokenizer, progress=not args.quiet)
     stats = Stats()
-    for req in requests:
+    runnable = [r for r in requests if engine.check_request(r) is None]    # the others end at once
+    for req in runnable:
         budget = engine.scheduler.budget(req)
-        if 0 < budget < req.max_new_tokens:
-            print(f"note: request {req.request_id!r}: max_new_tokens {req.max_new_tokens} capped to {budget} "
-                  f"by the context limit {engine.geom.max_context}", file=sys.stderr)
+        if budget < req.max_new_tokens:
+            print(f"note: request {req.request_id!r}: max_new_tokens {req.max_new_tokens} capped to {budget}: "
+                  f"prompt {len(req.prompt)} + {budget} = the context limit {engine.geom.max_context}",
+                  file=sys.stderr)
     stats.compile_s = engine.warmup()                    # every bucket compiled before the clock runs
-    total = sum(engine.scheduler.budget(r) for r in requests)
+    total = sum(engine.scheduler.budget(r) for r in runnable)
     with tqdm(total=total, unit="tok", disable=args.quiet or args.stream, file=sys.stderr) as bar:
         def on_event(e):
             if isinstance(e, TokenEvent):

@@ -46,7 +46,10 @@ def default_buckets(max_requests: int, chunk: int) -> BucketSet:
 def parse_buckets(spec: str) -> BucketSet:
     """"TxRxO,..." (tokens x requests x logits rows) -> BucketSet."""
     try:
-        return BucketSet(tuple(Bucket(*map(int, b.split("x"))) for b in spec.split(",")))
+        buckets = BucketSet(tuple(Bucket(*map(int, b.split("x"))) for b in spec.split(",")))
+        if min(min(b.tokens, b.requests, b.logits) for b in buckets.buckets) < 1:
+            raise ValueError
+        return buckets
     except (TypeError, ValueError):
         raise ValueError(f"buckets: {spec!r} is not TxRxO[,TxRxO...] with positive integers") from None
 

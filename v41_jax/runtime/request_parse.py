@@ -21,8 +21,8 @@ A request is a JSON object with the fields
 
 Absent fields take the `RequestDefaults` (the CLI flags). Types are strict: a JSON boolean is not a
 number, 1.0 is not a token id, "5" is not an integer, a string is not a list, null is not "absent".
-Unknown fields are refused. Every refusal is a `RequestError` (a ValueError) naming the field:
-`prompt_ids: must be a list of integers in [0, 512), item 3 is 1.5`; from a file it is prefixed
+Unknown fields are refused; in a file, ids are unique. Every refusal is a `RequestError` (a
+ValueError) naming the field: `prompt_ids: must be a list of integers in [0, 512), item 3 is 1.5`; from a file it is prefixed
 `<path>:<line>: `. A bad line never stops the others.
 
 The reader is bounded: it reads in fixed-size chunks, so a huge line (or /dev/zero) costs one error
@@ -417,15 +417,23 @@ def parse_file(source: str | os.PathLike | BinaryIO, *, vocab_size: int,
                max_line_bytes: int = 1 << 20) -> list[Request | RequestError]:
     """One Request or RequestError per non-blank line, in order. An error's str() is
     `<path>:<line>: <field>: <message>`; its request_id is the line's id when readable, else its index
-    (the 0-based count of non-blank lines before it, which is also the default id). OSError from
-    opening the file propagates."""
+    (the 0-based count of non-blank lines before it, which is also the default id). Ids are unique
+    in a file: a line reusing an earlier request's id (explicit or default) is refused (field "id").
+    OSError from opening the file propagates."""
     name = os.fspath(source) if not hasattr(source, "read") else getattr(source, "name", "<input>")
     out: list[Request | RequestError] = []
+    seen: set = set()
     for index, (line, value) in enumerate(read_jsonl(source, max_line_bytes=max_line_bytes)):
         if not isinstance(value, RequestError):
             try:
-                out.append(parse_request(value, vocab_size=vocab_size, defaults=defaults,
-                                         tokenizer=tokenizer, index=index))
+                req = parse_request(value, vocab_size=vocab_size, defaults=defaults, tokenizer=tokenizer,
+                                    index=index)
+                if req.request_id in seen:
+                    raise RequestError("id", f"{_show(req.request_id)} is the id of an earlier line"
+                                       + ("" if "id" in value else " (this line's default id, its index)"),
+                                       request_id=req.request_id)
+                seen.add(req.request_id)
+                out.append(req)
                 continue
             except RequestError as e:
                 value = e
