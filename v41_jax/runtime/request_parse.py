@@ -22,8 +22,8 @@ A request is a JSON object with the fields
 Absent fields take the `RequestDefaults` (the CLI flags). Types are strict: a JSON boolean is not a
 number, 1.0 is not a token id, "5" is not an integer, a string is not a list, null is not "absent".
 Unknown fields are refused; in a file, ids are unique. Every refusal is a `RequestError` (a
-ValueError) naming the field: `prompt_ids: must be a list of integers in [0, 512), item 3 is 1.5`; from a file it is prefixed
-`<path>:<line>: `. A bad line never stops the others.
+ValueError) naming the field: `prompt_ids: must be a list of integers in [0, 512), item 3 is 1.5`;
+from a file it is prefixed `<path>:<line>: `. A bad line never stops the others.
 
 The reader is bounded: it reads in fixed-size chunks, so a huge line (or /dev/zero) costs one error
 for that line and at most `max_line_bytes` of memory, never a MemoryError.
