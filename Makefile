@@ -23,4 +23,4 @@ generate: $(TINY)/config.json
 	$(VPY) -m scripts.generate --checkpoint $(TINY) --prompts scripts/example_prompts.jsonl --max-new-tokens 32
 
 test: $(VENV)/.installed
-	$(VPY) -m pytest tests -q
+	$(VPY) -m pytest tests

@@ -1,15 +1,27 @@
-"""Compile once: jax's persistent compilation cache, and a meter of what compiled.
+"""Compile once: jax's persistent compilation cache, the step's serialized executables, and a
+meter of what compiled.
 
-The one place that turns the cache on. Default folder: `$V41_COMPILE_CACHE` if set, else
+The one place that turns the caches on. Default folder: `$V41_COMPILE_CACHE` if set, else
 `~/.cache/v41-jax/xla`; `''` or `off` (flag or variable) disables it. Every executable is cached,
 however fast it compiled (jax's default skips those under a second, so a second start would still
 compile the small ones), which is what makes a second start of the same config and buckets run no
 XLA compilation at all.
+
+jax's cache is keyed by the lowered program, so a hit still traces and lowers the step (seconds on
+a deep model). The step's own executables are therefore also kept, serialized
+(`jax.experimental.serialize_executable`), under `<folder>/executables/<key>`: the key covers
+everything the program depends on (this package's source, jax and jaxlib, the devices, the config,
+geometry, numerics, bucket, the params' and cache's shapes and dtypes, and the V41_* / XLA_* /
+JAX_* environment), so a start whose key matches loads the executable without tracing anything,
+and any change compiles afresh. Only bytes are stored (no pickle); a file that fails to load is
+ignored and rewritten.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import jax
 
@@ -27,15 +39,72 @@ def resolve(path: str | None = None) -> str | None:
     return None if value in ("", "off") else os.path.abspath(os.path.expanduser(value))
 
 
+_enabled: str | None = None
+
+
 def enable(path: str | None = None) -> str | None:
     """Turn the persistent cache on at `resolve(path)` (or leave it off) -> the folder used."""
-    folder = resolve(path)
+    global _enabled
+    folder = _enabled = resolve(path)
     if folder is not None:
         os.makedirs(folder, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", folder)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+def _source_digest() -> str:
+    """sha256 of every .py file of the packages a step's program comes from."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for pkg in ("v41_jax", "kernels_pallas"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def executable_key(*parts) -> str:
+    """A key for a serialized executable: `parts` (reprs of what the program depends on) plus the
+    source, versions, devices and environment."""
+    import jaxlib
+
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("V41_", "XLA_", "JAX_")))
+    devices = [(d.platform, d.device_kind) for d in jax.devices()]
+    h = hashlib.sha256(repr((_source_digest(), jax.__version__, jaxlib.__version__, devices, env,
+                             parts)).encode())
+    return h.hexdigest()[:32]
+
+
+def _executable_path(key: str) -> Path | None:
+    return None if _enabled is None else Path(_enabled) / "executables" / key
+
+
+def load_executable(key: str, in_tree, out_tree):
+    """The executable saved under `key` (a `jax.stages.Compiled`), or None."""
+    from jax.experimental import serialize_executable
+
+    path = _executable_path(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        return serialize_executable.deserialize_and_load(path.read_bytes(), in_tree, out_tree)
+    except Exception:  # noqa: BLE001 - a stale or truncated file: compile afresh and overwrite it
+        return None
+
+
+def save_executable(key: str, compiled) -> None:
+    from jax.experimental import serialize_executable
+
+    path = _executable_path(key)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload, _, _ = serialize_executable.serialize(compiled)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(payload)
+    tmp.replace(path)                                  # atomic: a reader never sees half a file
 
 
 class CompileMeter:

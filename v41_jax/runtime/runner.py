@@ -31,6 +31,7 @@ from v41_jax.checkpoint.load import ENGRAM_KEY
 from v41_jax.config import ModelConfig
 from v41_jax.engram_hash import EngramCursor, EngramHasher
 from v41_jax.model.numerics import Numerics
+from v41_jax.runtime import compile_cache
 from v41_jax.runtime.metadata import Bucket, BucketSet, BuiltStep, Span, build_step
 from v41_jax.runtime.sampling import SamplingParams
 from v41_jax.runtime.scheduler import StepPlan, StepResult
@@ -74,6 +75,7 @@ class Runner:
         self.params, self.cfg, self.geom, self.numerics, self.buckets = params, cfg, geom, numerics, buckets
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
         self.tables = params.get(ENGRAM_KEY)
+        self.record = record
         self.step_fn = make_step(cfg, geom, numerics, record)
         self.compiled: dict[Bucket, Any] = {}
         self.cache = allocate(geom)
@@ -201,16 +203,40 @@ class Runner:
         return np.asarray(self.cache.cursor)
 
     def warmup(self, concurrent: bool = True) -> None:
-        """Compile every bucket's step (concurrently: XLA compiles outside the GIL) and the
-        slot reset; the persistent compilation cache serves a second start."""
+        """Compile every bucket's step (concurrently: XLA compiles outside the GIL) and the slot
+        reset. A second start loads the serialized executables (`compile_cache`), tracing nothing."""
         batches = [(b, build_step(self.geom, self.cfg, b, []).batch) for b in self.buckets.buckets]
+        missing = []
+        for bucket, batch in batches:
+            key, in_tree, out_tree = self._executable_id(bucket, batch)
+            loaded = compile_cache.load_executable(key, in_tree, out_tree) if key else None
+            if loaded is None:
+                missing.append((bucket, batch, key))
+            else:
+                self.compiled[bucket] = loaded
 
         def compile_one(item):
-            bucket, batch = item
-            return bucket, self.step_fn.lower(self.params, self.cache, batch).compile()
+            bucket, batch, key = item
+            compiled = self.step_fn.lower(self.params, self.cache, batch).compile()
+            if key:
+                compile_cache.save_executable(key, compiled)
+            return bucket, compiled
 
-        workers = len(batches) if concurrent else 1
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            self.compiled.update(pool.map(compile_one, batches))
+        if missing:
+            with ThreadPoolExecutor(max_workers=len(missing) if concurrent else 1) as pool:
+                self.compiled.update(pool.map(compile_one, missing))
         self.cache = reset_slots(self.cache, np.zeros(self.geom.settings.slots, bool))
         jax.block_until_ready(self.cache)
+
+    def _executable_id(self, bucket: Bucket, batch) -> tuple[str | None, Any, Any]:
+        """(key, input tree, output tree) of a bucket's step; no key for a recording step (its
+        output tree is only known by tracing)."""
+        if self.record:
+            return None, None, None
+        shapes = lambda tree: jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
+        args = (self.params, self.cache, batch)
+        key = compile_cache.executable_key("step", repr(self.cfg), repr(self.geom.settings), repr(self.numerics),
+                                           bucket, repr(shapes(args)), repr(jax.tree_util.tree_structure(args)))
+        zero = np.zeros((), np.int32)
+        out_tree = jax.tree_util.tree_structure(StepOutput(self.cache, zero, zero, zero, zero, None))
+        return key, jax.tree_util.tree_structure((args, {})), out_tree
