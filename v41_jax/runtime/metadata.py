@@ -25,6 +25,10 @@ and an all-null block-table row; plan tails are -1 sentinel rows.
   logit_rows [O] token rows whose logits the step returns (0 pad)
   temperature, top_p [O] f32; top_k [O] int32; seed [O] uint32: each logits row's sampler
       (greedy for padding rows); the position sampled for is the row's position + 1
+  pending [T] bool: a decode row whose token is the one the previous step sampled for its slot
+      (read on the device from the cache's `sampled`); pending_req [R] bool: its request rows
+  engram_history [T, L_engram, N-1, 2] uint32: a pending row's Engram history hash halves
+      (`EngramHasher.decode_history`); its ids are finished on the device
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class Span:
 @partial(jax.tree_util.register_dataclass, data_fields=[
     "tokens", "positions", "token_req", "req_pos", "req_len", "req_offset", "slots",
     "block_tables", "visible", "compress_plans", "window_writes", "ring_writes", "cursor_rows",
-    "engram_codes", "engram_scales", "logit_rows", "temperature", "top_k", "top_p", "seed"],
+    "engram_codes", "engram_scales", "logit_rows", "temperature", "top_k", "top_p", "seed", "pending", "pending_req",
+    "engram_history"],
     meta_fields=[])
 @dataclass(frozen=True)
 class StepBatch:
@@ -95,6 +100,9 @@ class StepBatch:
     top_k: Any
     top_p: Any
     seed: Any
+    pending: Any
+    pending_req: Any
+    engram_history: Any
 
 
 @dataclass(frozen=True)
@@ -211,8 +219,16 @@ def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Seq
         ring_writes=_pad_rows(ring_writes, plan_capacity(bucket, geom.comp_ring), 3),
         cursor_rows=cursor_rows, engram_codes=engram_codes, engram_scales=engram_scales,
         logit_rows=np.pad(np.asarray(logit_rows, np.int32), (0, bucket.logits - len(logit_rows))),
-        **_sampler_rows(samplers, bucket.logits))
+        **_sampler_rows(samplers, bucket.logits), **no_pending(cfg, t_cap, r_cap))
     return BuiltStep(batch, bucket, tuple(logit_owner))
+
+
+def no_pending(cfg: ModelConfig, t_cap: int, r_cap: int) -> dict:
+    """The pending-decode fields of a step whose every token is on the host (the Runner sets
+    them for decode rows whose token the previous step samples on the device)."""
+    return {"pending": np.zeros(t_cap, bool), "pending_req": np.zeros(r_cap, bool),
+            "engram_history": np.zeros((t_cap, len(cfg.engram_layer_ids), cfg.engram_max_ngram_size - 1, 2),
+                                       np.uint32)}
 
 
 def _sampler_rows(samplers: list[SamplingParams], n: int) -> dict:
