@@ -279,7 +279,7 @@ def _randomize(cache: Cache, key, cursor) -> Cache:
         out.append(x)
     cache = jax.tree_util.tree_unflatten(treedef, out)
     return Cache(main=cache.main, index=cache.index, window=cache.window, comp_kv=cache.comp_kv,
-                 comp_score=cache.comp_score, cursor=cursor.astype(cache.cursor.dtype))
+                 comp_score=cache.comp_score, cursor=cursor.astype(cache.cursor.dtype), sampled=cache.sampled)
 
 
 @dataclass

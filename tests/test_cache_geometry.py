@@ -77,11 +77,12 @@ def test_array_specs_sum_to_accounted_bytes(released):
     g = _geom(released, page_tokens=16, num_pages=8, slots=2)
     specs = g.array_specs()
     leaves = [*specs["main"], *specs["index"], specs["window"], specs["comp_kv"],
-              specs["comp_score"], specs["cursor"]]
+              specs["comp_score"], specs["cursor"], specs["sampled"]]
     arrays = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in leaves)
-    # For these widths every region is already aligned except the 16-byte cursor at the end of
-    # each slot, which is padded to the 1024-byte alignment: nothing else is unaccounted for.
-    assert g.total_bytes - arrays == 2 * (g.alignment - 16)
+    # For these widths every region is already aligned except the 16-byte cursor and the 4-byte
+    # sampled token after it at the end of each slot, padded together to the 1024-byte alignment:
+    # nothing else is unaccounted for.
+    assert g.total_bytes - arrays == 2 * (g.alignment - 16 - 4)
 
 
 def test_image_addresses_match_arrays():
@@ -115,7 +116,7 @@ def test_image_addresses_match_arrays():
     assert at(g.cursor_address(2), cache["cursor"][2])
 
     back = g.from_image(img)
-    for k in ("window", "comp_kv", "comp_score", "cursor"):
+    for k in ("window", "comp_kv", "comp_score", "cursor", "sampled"):
         assert np.array_equal(back[k].view(np.uint8), cache[k].view(np.uint8))
     for k in ("main", "index"):
         for a, b in zip(back[k], cache[k]):

@@ -20,8 +20,11 @@ def model(request, tmp_path_factory):
     return request.param, build_model(tmp_path_factory.mktemp(request.param), request.param, seed=0)
 
 
-@pytest.mark.parametrize("scenario", ["chunk16", "chunk7_2buckets", "oneshot"])
-def test_tokens_equal_the_previous_engine(model, scenario):
+@pytest.mark.parametrize("scenario,device_engram", [("chunk16", None), ("chunk7_2buckets", None), ("oneshot", None),
+                                                    ("chunk7_2buckets", False)])
+def test_tokens_equal_the_previous_engine(model, scenario, device_engram):
+    """device_engram None: the tables fit, decode tokens are fed back on the device; False: the
+    host hand-off the released model's host-resident tables take."""
     config, (cfg, params, token_map) = model
     case = GOLDEN[f"{config}/{scenario}"]
     kw = {}
@@ -29,7 +32,8 @@ def test_tokens_equal_the_previous_engine(model, scenario):
         kw["prefill_chunk"] = case["kw"]["prefill_chunk"]
     if case["kw"]["two_buckets"]:
         kw["buckets"] = BucketSet((BUCKETS.buckets[-1], Bucket(4, 4, 4)))
-    engine = make_engine(cfg, params, token_map, **kw)
+    engine = make_engine(cfg, params, token_map, device_engram=device_engram, **kw)
+    assert engine.runner.device_feedback is (device_engram is None)
     reqs = [Request(r["prompt"], r["max_new_tokens"], SamplingParams(**r["sampling"]), ignore_eos=True,
                     request_id=r["request_id"]) for r in case["requests"]]
     got = engine.generate(reqs)

@@ -211,3 +211,30 @@ def test_deepseek_v4_tokenizer_map(released):
     assert hashlib.sha256(token_map.astype("<i8").tobytes()).hexdigest() == FULL_MAP_SHA256
     subset = json.loads((FIX / "engram_token_map" / "deepseek_v4_subset.json").read_text())
     assert all(token_map[int(k)] == v for k, v in subset.items())
+
+
+@pytest.mark.parametrize("config", ["tiny", "deepseek_v41_flash"])
+def test_device_decode_ids_equal_hash_ids(config):
+    """A decode token hashed on the device (history halves from the host, uint32 modular
+    arithmetic) gives exactly the host's ids, at the sequence start, after DEAD entries and with
+    the released config's primes (~1.6e7, near the 2^24 bound)."""
+    import jax.numpy as jnp
+
+    from v41_jax.engram_hash import EngramCursor, EngramHasher, device_decode_ids
+
+    cfg = ModelConfig.from_file(f"v41_jax/configs/{config}.config.json")
+    rng = np.random.default_rng(0)
+    h = EngramHasher(cfg, rng.integers(0, cfg.engram_compressed_vocab_size, cfg.vocab_size))
+    consts = h.device_constants()
+    k = 60
+    pos = rng.integers(0, 6, k)
+    pos[::3] += 100
+    hist = rng.integers(0, cfg.engram_compressed_vocab_size, (k, h.max_ngram_size - 1))
+    hist[pos < 3] = -1
+    hist[::7, 1] = -1
+    rows = np.concatenate([pos[:, None], hist], axis=1)
+    toks = rng.integers(0, cfg.vocab_size, k)
+    want = np.stack([h.hash_ids(EngramCursor.from_row(r), np.asarray([t]))[0][0] for r, t in zip(rows, toks)])
+    got = device_decode_ids({n: jnp.asarray(v) for n, v in consts.items()}, jnp.asarray(toks),
+                            jnp.asarray(h.decode_history(rows)), cfg.engram_n_heads)
+    np.testing.assert_array_equal(np.asarray(got), want)

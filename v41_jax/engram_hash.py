@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:  # config.py imports this module for validation
@@ -259,6 +260,35 @@ class EngramHasher:
         end = self.prefix_cursor_rows(cursor, compressed)[-1:]
         return ids, (EngramCursor.from_row(end[0]) if len(end) else cursor)
 
+    # ---- a decode token hashed on the device --------------------------------------------------
+    # The pipelined loop launches step N+1 before step N's sampled tokens reach the host, so a
+    # decode row's own token is only known on the device. Everything else of its hash is known on
+    # the host: with the token in lookback slot 0 (never blocked), the n-gram hash ending at it is
+    # (token_map[tok] * m_0) XOR H_n, H_n the XOR of the latched history products of slots 1..n-1.
+    # The host sends H_n as two uint32 halves and the device finishes (`device_decode_ids`).
+    def decode_history(self, cursor_rows: np.ndarray) -> np.ndarray:
+        """Cursor rows [K, 1 + H] (before each request's next token) -> H_n as uint32 halves
+        [K, L, N-1, 2] (hi, lo) for n-gram sizes 2..N."""
+        rows = np.asarray(cursor_rows, np.int64).reshape(-1, self.max_ngram_size)
+        source = np.concatenate([np.zeros((len(rows), 1), np.int64), rows[:, 1:][:, ::-1]], axis=1)
+        latched = self._latch(source, rows[:, 0])                                # slot 0 unblocked
+        products = latched[:, None, 1:] * self.multipliers[None, :, 1:]            # [K, L, N-1]
+        h = np.bitwise_xor.accumulate(products, axis=-1)
+        return np.stack([h >> 32, h & 0xFFFFFFFF], axis=-1).astype(np.uint32)
+
+    def device_constants(self) -> dict[str, np.ndarray]:
+        """What `device_decode_ids` needs, per Engram layer L and column (n-gram size, head):
+        token products p = token_map * m_0 as uint32 halves [L, V, 2], token_map int32 [V],
+        primes, 2^32 mod prime and offsets [L, cols]. Needs every prime below 2^24 (the uint32
+        modular product); None otherwise."""
+        primes = self.primes.reshape(self.primes.shape[0], -1)                        # [L, cols]
+        if primes.max() >= 1 << 24:
+            return None
+        p = self.token_map[None, :] * self.multipliers[:, :1]                         # [L, V]
+        return {"p": np.stack([p >> 32, p & 0xFFFFFFFF], axis=-1).astype(np.uint32),
+                "token_map": self.token_map.astype(np.int32), "primes": primes.astype(np.uint32),
+                "two32": ((1 << 32) % primes).astype(np.uint32), "offsets": self.offsets.astype(np.int32)}
+
     def prefix_cursor_rows(self, cursor: EngramCursor, compressed: np.ndarray) -> np.ndarray:
         """Cursor rows after each prefix of the span -> int64 [T, 1 + H]; row j = the cursor once
         compressed[:j + 1] is committed. A verify step commits the row of its accepted length,
@@ -268,3 +298,23 @@ class EngramHasher:
         ends = np.arange(1, len(compressed) + 1)
         history = context[ends[:, None] + np.arange(h)[None, :]]                     # [T, H]
         return np.concatenate([(cursor.position + ends)[:, None], history], axis=1)
+
+
+def _mulmod(a, b, p):
+    """a * b mod p for uint32 a, b < p < 2^24, in uint32: Horner over b's three bytes."""
+    r = jnp.zeros_like(a)
+    for shift in (16, 8, 0):
+        byte = (b >> shift) & 0xFF
+        r = ((r << 8) % p + (a * byte) % p) % p
+    return r
+
+
+def device_decode_ids(consts: dict, tokens, history, heads: int):
+    """Row ids [T, L, cols] (int32, offsets included) of tokens [T] on the device whose history
+    halves [T, L, N-1, 2] came from `EngramHasher.decode_history`; equals `hash_ids`."""
+    prod = jnp.moveaxis(consts["p"][:, tokens], 0, 1)                          # [T, L, 2]
+    h = prod[:, :, None, :] ^ history                                          # [T, L, N-1, 2]
+    h = jnp.repeat(h, heads, axis=2)                                           # [T, L, cols, 2]
+    p, two32 = consts["primes"], consts["two32"]
+    x = (_mulmod(h[..., 0] % p, two32, p) + h[..., 1] % p) % p
+    return x.astype(jnp.int32) + consts["offsets"]

@@ -10,6 +10,7 @@ row. Layout (bf16 / f32 rows; packed rows are uint8 of the packed row width):
   comp_kv     [N, n_ring, max_r+S, D]  fp32 raw compressor projections of the ratio > 1 owners
   comp_score  [N, n_ring, max_r+S, D]  fp32 gate scores, same addressing
   cursor      [N, H+1] int32           Engram cursor: committed position, last H compressed ids
+  sampled     [N] int32                the token last sampled for the slot (a pending decode's input)
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ DEAD = -1  # cursor history entry for a missing token (before the start, or an i
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["main", "index", "window", "comp_kv", "comp_score", "cursor"], meta_fields=[])
+         data_fields=["main", "index", "window", "comp_kv", "comp_score", "cursor", "sampled"],
+         meta_fields=[])
 @dataclass(frozen=True)
 class Cache:
     main: tuple[jax.Array, ...]
@@ -35,6 +37,7 @@ class Cache:
     comp_kv: jax.Array
     comp_score: jax.Array
     cursor: jax.Array
+    sampled: jax.Array
 
     def __getitem__(self, name: str):
         """Mapping-style access, so `CacheGeometry.to_image` reads a Cache and a dict alike."""
@@ -55,7 +58,7 @@ def allocate(geom: CacheGeometry) -> Cache:
         cursor = jnp.full(specs["cursor"].shape, DEAD, specs["cursor"].dtype).at[:, 0].set(0)
         return Cache(main=tuple(map(z, specs["main"])), index=tuple(map(z, specs["index"])),
                      window=z(specs["window"]), comp_kv=z(specs["comp_kv"]),
-                     comp_score=z(specs["comp_score"]), cursor=cursor)
+                     comp_score=z(specs["comp_score"]), cursor=cursor, sampled=z(specs["sampled"]))
 
     return zeros()
 
@@ -75,4 +78,5 @@ def reset_slots(cache: Cache, fresh: jax.Array) -> Cache:
     fresh_cursor = jnp.full(cache.cursor.shape[1:], DEAD, cache.cursor.dtype).at[0].set(0)
     return Cache(main=cache.main, index=cache.index, window=zero(cache.window),
                  comp_kv=zero(cache.comp_kv), comp_score=zero(cache.comp_score),
-                 cursor=jnp.where(fresh[:, None], fresh_cursor, cache.cursor))
+                 cursor=jnp.where(fresh[:, None], fresh_cursor, cache.cursor),
+                 sampled=jnp.where(fresh, jnp.zeros((), cache.sampled.dtype), cache.sampled))

@@ -11,7 +11,9 @@ The cache has two currencies (docs/CACHE.md §1):
   order, each aligned: the window rings of every layer (`[L_win, W + S, row]`; draft stages
   included when speculating, S = draft slack), the fp32 compressor rings of the owners that pool
   more than one token (`[n_ring_owners, max_ratio + S, head_dim]`, raw projections then gate
-  scores), and the Engram cursor (`[H + 1]` = committed position, last H compressed ids).
+  scores), the Engram cursor (`[H + 1]` = committed position, last H compressed ids), and the
+  token last sampled for the slot (int32: a decode step launched before that token reached the
+  host reads its input token there).
 
 Field set: ATOM's "v2" (rings, not tails; docs/CACHE.md §1.5) with one deliberate difference:
 only the ratio > 1 owners get compressor rings; a ratio-1 owner's group is always complete inside
@@ -166,10 +168,12 @@ class CacheGeometry:
             "comp_kv": len(ring_owners) * comp_ring * d * _F32.itemsize,
             "comp_score": len(ring_owners) * comp_ring * d * _F32.itemsize,
             "cursor": (cfg.engram_max_ngram_size - 1 + 1) * _CURSOR_DTYPE.itemsize,
+            "sampled": _CURSOR_DTYPE.itemsize,
         }
         state_fields, off = {}, 0
         for name, size in sizes.items():
-            off = _align(off, field_align)
+            # the sampled token shares the cursor's aligned block (it is read and written with it)
+            off = _align(off, _CURSOR_DTYPE.itemsize if name == "sampled" else field_align)
             state_fields[name] = off
             off += size
         return cls(
@@ -248,6 +252,7 @@ class CacheGeometry:
             "comp_kv": sds((s.slots, len(self.ring_owners), self.comp_ring, d), _F32),
             "comp_score": sds((s.slots, len(self.ring_owners), self.comp_ring, d), _F32),
             "cursor": sds((s.slots, self.history + 1), _CURSOR_DTYPE),
+            "sampled": sds((s.slots,), _CURSOR_DTYPE),
         }
 
     # ---- flat byte addresses (docs/CACHE.md §1.7) --------------------------------------------
@@ -299,7 +304,7 @@ class CacheGeometry:
             n = s.num_pages * o.rows_per_page * self.index_row_bytes
             yield img[self.index_planes[k]: self.index_planes[k] + n], _get(cache, "index")[k]
         slots = img[self.boundary:].reshape(s.slots, self.state_bytes)
-        for name in ("window", "comp_kv", "comp_score", "cursor"):
+        for name in ("window", "comp_kv", "comp_score", "cursor", "sampled"):
             arr = _get(cache, name)
             n = int(np.prod(arr.shape[1:])) * np.dtype(arr.dtype).itemsize
             yield slots[:, self.state_fields[name]: self.state_fields[name] + n], arr

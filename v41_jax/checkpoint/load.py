@@ -70,6 +70,7 @@ def held_bytes(held: str, shape) -> int:
         return n + 4 * (n // shape[-1])                               # codes + fp32 per row
     return n * jnp.dtype(HELD_DTYPES[held]).itemsize
 ENGRAM_KEY = "engram_tables"
+ENGRAM_DEVICE_KEY = "engram_device"   # the Runner's device copy of the tables (decode rows hashed on device)
 
 
 @jax.tree_util.register_static

@@ -81,15 +81,23 @@ def _executable_path(key: str) -> Path | None:
     return None if _enabled is None else Path(_enabled) / "executables" / key
 
 
+_loaded: dict[str, object] = {}
+
+
 def load_executable(key: str, in_tree, out_tree):
-    """The executable saved under `key` (a `jax.stages.Compiled`), or None."""
+    """The executable saved under `key` (a `jax.stages.Compiled`), or None. One this process has
+    already compiled or loaded is reused as it is: XLA:CPU cannot load a second copy of an
+    executable it holds (its functions clash by name and the copy fails at run time)."""
     from jax.experimental import serialize_executable
 
+    if key in _loaded:
+        return _loaded[key]
     path = _executable_path(key)
     if path is None or not path.is_file():
         return None
     try:
-        return serialize_executable.deserialize_and_load(path.read_bytes(), in_tree, out_tree)
+        _loaded[key] = serialize_executable.deserialize_and_load(path.read_bytes(), in_tree, out_tree)
+        return _loaded[key]
     except Exception:  # noqa: BLE001 - a stale or truncated file: compile afresh and overwrite it
         return None
 
@@ -97,6 +105,7 @@ def load_executable(key: str, in_tree, out_tree):
 def save_executable(key: str, compiled) -> None:
     from jax.experimental import serialize_executable
 
+    _loaded[key] = compiled
     path = _executable_path(key)
     if path is None:
         return

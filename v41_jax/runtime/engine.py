@@ -4,11 +4,14 @@
     results = engine.generate(["def fib(n):"], SamplingParams(temperature=0.7), max_new_tokens=32)
     for event in engine.stream(Request(prompt_ids, max_new_tokens=64)): ...
 
-Each `step()` plans step N+1 and builds its metadata while step N is still on the device, then
-waits for N's tokens (copied to the host asynchronously as soon as N was launched), fills the
-pending decode tokens into N+1, launches it, and only then applies N's results (tokens, finishes,
-the stale-state verdict) and returns their events. The device waits for the host only for the
-short hand-off of the sampled tokens; everything else overlaps the running step.
+Each `step()` plans step N+1 and builds its metadata while step N is still on the device, launches
+N+1 behind N (a decode row whose token N samples reads it on the device, from the cache's
+`sampled`; its Engram ids are finished there from the tables' device copy), and only then waits
+for N's outputs (copied to the host asynchronously as soon as N was launched) and applies them:
+tokens, finishes, the stale-state verdict, and returns their events. So the device always has the
+next step queued and host work overlaps it. When the Engram tables are too large for the device
+(the released model), N+1's decode tokens and Engram rows are filled in on the host from N's
+output before N+1 is launched: the device then waits for that short hand-off.
 
 Servers use `add` / `abort` / `step`; `generate` and `stream` are loops over `step`.
 """
@@ -71,14 +74,15 @@ class Stats:
 class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, *, settings: EngineSettings, buckets: BucketSet,
                  numerics: Numerics, token_map: np.ndarray | None = None, prefill_chunk: int | None = None,
-                 eos_id: int | None = None, record: bool = False, tokenizer=None):
+                 eos_id: int | None = None, record: bool = False, tokenizer=None,
+                 device_engram: bool | None = None):
         geom = CacheGeometry.build(cfg, settings)
         if buckets.max_requests > settings.slots:
             raise ValueError(f"buckets: {buckets.max_requests} requests per step exceed {settings.slots} slots")
         self.cfg, self.numerics, self.buckets, self.tokenizer = cfg, numerics, buckets, tokenizer
         self.eos_id = cfg.eos_token_id if eos_id is None else eos_id
         self.prefill_chunk = prefill_chunk or buckets.max_tokens
-        self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record)
+        self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record, device_engram)
         self.reset()
 
     @classmethod
@@ -212,21 +216,30 @@ class Engine:
         results -> the events they produced."""
         plan = self.scheduler.schedule()
         prepared = self.runner.prepare(plan) if plan is not None else None
-        res, feedback = None, {}
-        if self._flight is not None:
-            res = self.runner.collect(self._flight)
-            feedback = {sp.rid: int(res.tokens[b]) for b, sp in enumerate(self._flight_plan.spans) if sp.emits}
-        flight = None
-        if prepared is not None:
-            flight = self.runner.dispatch(prepared, feedback)
-            self.steps += 1
-            bucket = prepared.built.bucket
-            self.bucket_steps[bucket] += 1
+        res, flight = None, None
+        if self.runner.device_feedback:
+            # step N+1 is queued behind N before the host waits for N's tokens
+            flight = self._launch(prepared)
+            res = self.runner.collect(self._flight) if self._flight is not None else None
+        else:
+            # the host fills in N+1's decode tokens (and their Engram rows) from N's output first
+            feedback = {}
+            if self._flight is not None:
+                res = self.runner.collect(self._flight)
+                feedback = {sp.rid: int(res.tokens[b]) for b, sp in enumerate(self._flight_plan.spans) if sp.emits}
+            flight = self._launch(prepared, feedback)
         events = self.scheduler.update(res) if res is not None else self.scheduler.drain()
         self._flight, self._flight_plan = flight, plan
         if flight is None and res is None and self.scheduler.running:
             raise RuntimeError("running requests but nothing to schedule")
         return events
+
+    def _launch(self, prepared, feedback=None) -> InFlight | None:
+        if prepared is None:
+            return None
+        self.steps += 1
+        self.bucket_steps[prepared.built.bucket] += 1
+        return self.runner.dispatch(prepared, feedback)
 
     def stream(self, request: Request | Sequence[int] | str, sampling: SamplingParams | None = None,
                **kw) -> Iterator[Event]:

@@ -18,6 +18,7 @@ from a probe of the cache: the cache's cursor is what the step checks (`StepOutp
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -27,7 +28,7 @@ import numpy as np
 from v41_jax.cache.bookkeeping import check_cursor
 from v41_jax.cache.buffer import DEAD, allocate, reset_slots
 from v41_jax.cache.geometry import CacheGeometry
-from v41_jax.checkpoint.load import ENGRAM_KEY
+from v41_jax.checkpoint.load import ENGRAM_DEVICE_KEY, ENGRAM_KEY
 from v41_jax.config import ModelConfig
 from v41_jax.engram_hash import EngramCursor, EngramHasher
 from v41_jax.model.numerics import Numerics
@@ -38,9 +39,15 @@ from v41_jax.runtime.scheduler import StepPlan, StepResult
 from v41_jax.runtime.step import StepOutput, make_step
 
 
+# Engram tables up to this size are copied to the device so that decode rows need no host hand-off
+# (the released model's ~183 GiB stay on the host and take the hand-off instead).
+DEVICE_ENGRAM_BYTES = 4 << 30
+
+
 class Prepared(NamedTuple):
     plan: StepPlan
     built: BuiltStep
+    device_batch: Any              # built.batch already on the device (sent while the previous step runs)
     pending_rows: np.ndarray       # int [K] token rows whose token the previous step samples
     pending_reqs: np.ndarray       # int [K] their request rows
     pending_ids: tuple             # [K] their request ids
@@ -71,15 +78,33 @@ class Ran(NamedTuple):
 
 class Runner:
     def __init__(self, params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics,
-                 buckets: BucketSet, token_map: np.ndarray | None = None, record: bool = False):
+                 buckets: BucketSet, token_map: np.ndarray | None = None, record: bool = False,
+                 device_engram: bool | None = None):
         self.params, self.cfg, self.geom, self.numerics, self.buckets = params, cfg, geom, numerics, buckets
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
         self.tables = params.get(ENGRAM_KEY)
+        self.device_feedback = self.hasher is None or self._device_engram(device_engram)
+        if self.hasher is not None and self.device_feedback:
+            t = self.tables
+            params = {**params, ENGRAM_DEVICE_KEY: {
+                "consts": {k: jax.device_put(v) for k, v in self.hasher.device_constants().items()},
+                "weight": tuple(jax.device_put(t.weight[l].view(np.uint8)) for l in cfg.engram_layer_ids),
+                "scale": tuple(jax.device_put(t.scale[l].view(np.uint8)) for l in cfg.engram_layer_ids)}}
+            self.params = params
         self.record = record
         self.step_fn = make_step(cfg, geom, numerics, record)
         self.compiled: dict[Bucket, Any] = {}
         self.cache = allocate(geom)
         self.steps = 0                               # steps dispatched
+
+    def _device_engram(self, want: bool | None) -> bool:
+        """Whether pending decode rows are hashed and gathered on the device (tables copied there):
+        asked for, or (None) when the tables take at most DEVICE_ENGRAM_BYTES; never when a prime
+        is too large for the device's uint32 modular product."""
+        if want is False or self.hasher.device_constants() is None:
+            return False
+        size = sum(self.tables.weight[l].nbytes + self.tables.scale[l].nbytes for l in self.cfg.engram_layer_ids)
+        return True if want else size <= DEVICE_ENGRAM_BYTES
 
     # ---- Engram rows from the host's tokens ----------------------------------------------------
     def cursor_row(self, tokens: Sequence[int], position: int) -> np.ndarray:
@@ -132,12 +157,29 @@ class Runner:
         bucket = self.buckets.pick(len(spans), sum(s.length for s in plan.spans), len(spans))
         built = build_step(self.geom, self.cfg, bucket, spans)
         reqs = np.asarray([b for b, _ in pending], np.int32)
+        if self.device_feedback and pending:
+            self._mark_pending(built.batch, reqs, np.stack([c for _, c in pending]))
         fresh = np.zeros(self.geom.settings.slots, bool)
         fresh[[sp.slot for sp in plan.spans if sp.position == 0]] = True
-        return Prepared(plan, built, built.batch.req_offset[reqs], reqs,
+        return Prepared(plan, built, jax.device_put(built.batch), built.batch.req_offset[reqs], reqs,
                         tuple(plan.spans[b].rid for b in reqs),
                         np.stack([c for _, c in pending]) if pending else np.zeros((0, self.geom.history + 1)),
                         fresh, any(sp.seq.req.logprobs for sp in plan.spans))
+
+    def _mark_pending(self, batch, reqs: np.ndarray, cursors: np.ndarray) -> None:
+        """Device feedback: the pending rows read their token (and finish their Engram ids and
+        cursor) on the device; the host gives the history halves and the cursor's other entries."""
+        rows = batch.req_offset[reqs]
+        if rows.max() >= batch.slots.shape[0]:
+            raise AssertionError("pending decode rows must come first in the step")
+        batch.pending[rows] = True
+        nxt = cursors.copy()
+        nxt[:, 0] += 1
+        if self.hasher is not None:
+            batch.pending_req[reqs] = True
+            batch.engram_history[rows] = self.hasher.decode_history(cursors)
+            nxt[:, 1:-1] = cursors[:, 2:]
+        batch.cursor_rows[reqs] = nxt
 
     def _zero_engram(self, n: int) -> tuple[tuple, tuple]:
         cols, hd = self.cfg.engram_hash_cols, self.cfg.engram_head_dim
@@ -145,11 +187,12 @@ class Runner:
         return (tuple(np.zeros((n, cols, hd), np.uint8) for _ in range(k)),
                 tuple(np.zeros((n, cols, hd // 32), np.uint8) for _ in range(k)))
 
-    def dispatch(self, prep: Prepared, feedback: Mapping[Any, int]) -> InFlight:
-        """Fill in the pending tokens (feedback: request id -> the token the previous step sampled
-        for it), launch the step and start copying its outputs to the host."""
-        batch = prep.built.batch
-        if len(prep.pending_rows):
+    def dispatch(self, prep: Prepared, feedback: Mapping[Any, int] | None = None) -> InFlight:
+        """Launch the step and start copying its outputs to the host. Without device feedback the
+        pending tokens are filled in first (feedback: request id -> the token the previous step
+        sampled for it, so the previous step must have been collected)."""
+        batch, device_batch = prep.built.batch, prep.device_batch
+        if len(prep.pending_rows) and not self.device_feedback:
             toks = np.asarray([feedback[rid] for rid in prep.pending_ids], np.int32)
             batch.tokens[prep.pending_rows] = toks
             if self.hasher is None:
@@ -162,21 +205,25 @@ class Runner:
                     batch.engram_codes[i][prep.pending_rows] = codes.view(np.uint8)
                     batch.engram_scales[i][prep.pending_rows] = scales.view(np.uint8)
             batch.cursor_rows[prep.pending_reqs] = nxt
-        out = self._launch(prep.built, prep.fresh)
+            # only what the tokens change crosses to the device now, in one transfer
+            late = jax.device_put((batch.tokens, batch.cursor_rows, batch.engram_codes, batch.engram_scales))
+            device_batch = dataclasses.replace(device_batch, tokens=late[0], cursor_rows=late[1],
+                                               engram_codes=late[2], engram_scales=late[3])
+        out = self._launch(prep.built.bucket, device_batch, prep.fresh)
         out.tokens.copy_to_host_async()
         out.found.copy_to_host_async()
         if prep.logprobs:
             out.logprobs.copy_to_host_async()
         return InFlight(prep.plan.step_id, out, prep.logprobs)
 
-    def _launch(self, built: BuiltStep, fresh: np.ndarray, forced: dict | None = None) -> StepOutput:
+    def _launch(self, bucket: Bucket, batch, fresh: np.ndarray, forced: dict | None = None) -> StepOutput:
         if fresh.any():
             self.cache = reset_slots(self.cache, fresh)
-        fn = self.compiled.get(built.bucket) if forced is None else None
+        fn = self.compiled.get(bucket) if forced is None else None
         if fn is None:
-            out = self.step_fn(self.params, self.cache, built.batch, forced)
+            out = self.step_fn(self.params, self.cache, batch, forced)
         else:
-            out = fn(self.params, self.cache, built.batch)
+            out = fn(self.params, self.cache, batch)
         self.cache = out.cache
         self.steps += 1
         return out
@@ -196,7 +243,7 @@ class Runner:
         built = build_step(self.geom, self.cfg, bucket, spans)
         fresh = np.zeros(self.geom.settings.slots, bool)
         fresh[[s.slot for s in spans if s.position == 0]] = True
-        return Ran(self._launch(built, fresh, forced), built)
+        return Ran(self._launch(bucket, built.batch, fresh, forced), built)
 
     def cursors(self) -> np.ndarray:
         """Every slot's Engram cursor, read from the cache (a blocking probe: tools only)."""
@@ -236,7 +283,9 @@ class Runner:
         shapes = lambda tree: jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
         args = (self.params, self.cache, batch)
         key = compile_cache.executable_key("step", repr(self.cfg), repr(self.geom.settings), repr(self.numerics),
-                                           bucket, repr(shapes(args)), repr(jax.tree_util.tree_structure(args)))
+                                           bucket, repr(shapes(args)), repr(jax.tree_util.tree_structure(args)),
+                                           # the tables are static: a Compiled object only takes the same ones
+                                           repr(getattr(self.tables, "source", None)))
         zero = np.zeros((), np.int32)
         out_tree = jax.tree_util.tree_structure(StepOutput(self.cache, zero, zero, zero, zero, None))
         return key, jax.tree_util.tree_structure((args, {})), out_tree

@@ -42,8 +42,10 @@ from kernels_pallas import backend as kernel_backend
 from kernels_pallas.indexer import index_scores_paged
 from kernels_pallas.sparse_attn import sparse_attn_paged
 from v41_jax.cache.buffer import Cache
+from v41_jax.checkpoint.load import ENGRAM_DEVICE_KEY
 from v41_jax.cache.geometry import CacheGeometry, typed_format
 from v41_jax.config import ModelConfig
+from v41_jax.engram_hash import device_decode_ids
 from v41_jax.model.attention import compressed_entries, index_select, output_proj, query, window_kv
 from v41_jax.model.compressor import compress, group_latent, init_state, pool_groups, projections
 from v41_jax.model.forward import embed, force_picks, run_layers
@@ -247,6 +249,31 @@ class StepOutput(NamedTuple):
     inter: dict | None       # per-token-row intermediates (record=True), else None
 
 
+def _pending_inputs(params: dict, cfg: ModelConfig, cache: Cache, batch: StepBatch):
+    """(tokens [T], Engram codes / scales per layer, cursor rows [R, H+1]) with the pending decode
+    rows filled in on the device: each one's token is its slot's `sampled`, its Engram ids are
+    finished from the host's history halves and gathered from the device tables, and its request's
+    cursor ends with that token's compressed id. Pending rows are decode rows, which the scheduler
+    puts first: they lie in the first R token rows, so only those are hashed and gathered."""
+    r = batch.slots.shape[0]
+    fed = jnp.take(cache.sampled, batch.slots, mode="fill", fill_value=0)          # [R] per request row
+    req = jnp.maximum(batch.token_req, 0)
+    tokens = jnp.where(batch.pending, fed[req], batch.tokens)
+    dev = params.get(ENGRAM_DEVICE_KEY)
+    if dev is None or not cfg.engram_layer_ids:
+        return tokens, batch.engram_codes, batch.engram_scales, batch.cursor_rows
+    head = slice(0, min(r, tokens.shape[0]))
+    ids = device_decode_ids(dev["consts"], tokens[head], batch.engram_history[head], cfg.engram_n_heads)
+    pend = batch.pending[head][:, None, None]
+    codes = tuple(c.at[head].set(jnp.where(pend, w[ids[:, i]], c[head]))
+                  for i, (w, c) in enumerate(zip(dev["weight"], batch.engram_codes)))
+    scales = tuple(c.at[head].set(jnp.where(pend, w[ids[:, i]], c[head]))
+                   for i, (w, c) in enumerate(zip(dev["scale"], batch.engram_scales)))
+    newest = dev["consts"]["token_map"][fed]
+    cursor = batch.cursor_rows.at[:, -1].set(jnp.where(batch.pending_req, newest, batch.cursor_rows[:, -1]))
+    return tokens, codes, scales, cursor
+
+
 def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = None, *, cfg: ModelConfig,
          geom: CacheGeometry, numerics: Numerics, record: bool = False) -> StepOutput:
     """One forward over the batch, the cache read and written in place, and the next token of every
@@ -265,29 +292,34 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     """
     forced = forced or {}
     found = jnp.take(cache.cursor[:, 0], batch.slots, mode="fill", fill_value=-1)
-    x = embed(params, batch.tokens[None], cfg.hc_mult, numerics)                   # [1, T, N, D]
-    pre = one_hot_pre((1, batch.tokens.shape[0]), cfg.hc_mult)
+    tokens, engram_codes, engram_scales, cursor_rows = _pending_inputs(params, cfg, cache, batch)
+    x = embed(params, tokens[None], cfg.hc_mult, numerics)                         # [1, T, N, D]
+    pre = one_hot_pre((1, tokens.shape[0]), cfg.hc_mult)
     rows = {layer: dequant_fp8_rows(codes, scales)[None]
-            for layer, codes, scales in zip(cfg.engram_layer_ids, batch.engram_codes, batch.engram_scales)}
+            for layer, codes, scales in zip(cfg.engram_layer_ids, engram_codes, engram_scales)}
     attend = lambda p, topo, h, state: cached_attention(p, cfg, geom, topo, h, batch, state, numerics, forced)
     x, pre, state, inter = run_layers(params, cfg, x, pre, StepState(cache, {}, {}), attend, numerics,
                                       engram_rows=rows,
                                       forced_gates={l: g[None] for l, g in forced.get("gate_topk", {}).items()})
     collapsed, normed = final_hidden(params, cfg, x, pre)
     logits = lm_head(params["head"]["weight"], normed[0, batch.logit_rows])
-    tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
-                    batch.positions[batch.logit_rows] + 1)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    sampled = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
+                     batch.positions[batch.logit_rows] + 1)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), sampled[:, None], axis=-1)[:, 0]
     cache = state.cache
     slot = _drop(batch.req_len > 0, batch.slots, cache.cursor.shape[0])
-    cache = replace(cache, cursor=cache.cursor.at[slot].set(batch.cursor_rows, mode="drop"))
+    # each request's token from its last row's logits (the first logits row naming that row)
+    last = batch.req_offset + batch.req_len - 1
+    at = jnp.argmax(batch.logit_rows[None, :] == last[:, None], axis=1)
+    cache = replace(cache, cursor=cache.cursor.at[slot].set(cursor_rows, mode="drop"),
+                    sampled=cache.sampled.at[slot].set(sampled[at], mode="drop"))
     if record:
         # per token row: drop the batch axis of one
         inter = {k: ({l: a[0] for l, a in v.items()} if isinstance(v, dict) else v) for k, v in inter.items()}
         inter.update(block_out=inter["block_out"][:, 0], next_pre=inter["next_pre"][:, 0],
                      main_hidden=None if inter["main_hidden"] is None else inter["main_hidden"][0],
                      final_collapsed=collapsed[0], final_normed=normed[0])
-    return StepOutput(cache, tokens, logprobs, found, logits, inter if record else None)
+    return StepOutput(cache, sampled, logprobs, found, logits, inter if record else None)
 
 
 def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
