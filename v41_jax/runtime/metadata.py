@@ -119,27 +119,75 @@ def plan_capacity(bucket: Bucket, per_request: int, ratio: int = 1) -> int:
     return min(bucket.tokens, groups, bucket.requests * per_request)
 
 
-def _pad_rows(parts: list, cap: int, width: int) -> np.ndarray:
-    """Concatenate per-request plan rows [n, width] and fill the tail with -1 sentinels."""
-    out = np.full((cap, width), -1, np.int32)
-    rows = np.concatenate(parts) if parts else np.zeros((0, width), np.int32)
+def _padded(values, size: int, fill, dtype) -> np.ndarray:
+    """[size] array of `dtype`: `values` first, then `fill`."""
+    out = np.full(size, fill, dtype)
+    out[: len(values)] = values
+    return out
+
+
+def _pad_rows(rows: np.ndarray, cap: int) -> np.ndarray:
+    """A plan's rows [n, width] (all requests, in row order) with a tail of -1 sentinels up to cap."""
+    out = np.full((cap, rows.shape[1]), -1, np.int32)
     out[: len(rows)] = rows
     return out
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The spans' per-span scalars and their flattened token and page rows, gathered once."""
+    lens: np.ndarray           # [n] int64 tokens per span
+    positions: np.ndarray      # [n] int64 first position of each span
+    all_logits: np.ndarray     # [n] bool
+    n_pages: np.ndarray        # [n] int64 pages per span
+    tokens: np.ndarray         # [sum lens] every span's tokens, span after span
+    token_span: np.ndarray     # [sum lens] int64 the span of each token
+    pages: np.ndarray          # [sum n_pages] every span's pages, span after span
+    page_span: np.ndarray      # [sum n_pages] int64 the span of each page
+
+    @classmethod
+    def of(cls, spans: Sequence[Span]) -> "_Columns":
+        n = len(spans)
+        lens = np.array([len(s.tokens) for s in spans], np.int64)
+        n_pages = np.array([len(s.pages) for s in spans], np.int64)
+        flat = (lambda parts: np.concatenate(parts) if n else np.zeros(0, np.int64))
+        return cls(lens=lens, positions=np.array([s.position for s in spans], np.int64),
+                   all_logits=np.array([bool(s.all_logits) for s in spans], bool), n_pages=n_pages,
+                   tokens=flat([s.tokens for s in spans]), token_span=np.repeat(np.arange(n), lens),
+                   pages=flat([s.pages for s in spans]), page_span=np.repeat(np.arange(n), n_pages))
+
+
+def _any_per_span(flags: np.ndarray, span_of: np.ndarray, n: int) -> np.ndarray:
+    """[n] bool: whether any flagged row belongs to each span."""
+    return np.bincount(span_of[flags], minlength=n) > 0
+
+
 def validate_spans(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Sequence[Span]) -> None:
     """The begin_step rules (docs/CACHE.md §2.5): every violation is an error before any work."""
+    _validate(geom, cfg, bucket, spans, _Columns.of(spans))
+
+
+def _validate(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Sequence[Span], col: _Columns) -> None:
     n_slots, n_pages, b = geom.settings.slots, geom.settings.num_pages, geom.settings.page_tokens
     if len(spans) > bucket.requests:
         raise ValueError(f"{len(spans)} spans exceed the bucket's {bucket.requests} requests")
-    if sum(len(s.tokens) for s in spans) > bucket.tokens:
-        raise ValueError(f"{sum(len(s.tokens) for s in spans)} tokens exceed the bucket's {bucket.tokens}")
-    if sum(len(s.tokens) if s.all_logits else 1 for s in spans) > bucket.logits:
+    if col.lens.sum() > bucket.tokens:
+        raise ValueError(f"{int(col.lens.sum())} tokens exceed the bucket's {bucket.tokens}")
+    if np.where(col.all_logits, col.lens, 1).sum() > bucket.logits:
         raise ValueError(f"logits rows exceed the bucket's {bucket.logits}")
     slots = [s.slot for s in spans]
     if len(set(slots)) != len(slots) or any(not 0 <= x < n_slots for x in slots):
         raise ValueError(f"slots must be distinct and in [0, {n_slots}): {slots}")
-    for s in spans:
+    # The per-span rules at once: which spans break any of them.
+    n, ends = len(spans), col.positions + col.lens
+    bad = ((col.lens == 0) | (col.positions < 0) | (ends > geom.max_context)
+           | _any_per_span((col.tokens < 0) | (col.tokens >= cfg.vocab_size), col.token_span, n)
+           | (col.n_pages < -(-ends // b)) | (col.n_pages > geom.max_pages)
+           | _any_per_span((col.pages == NULL_PAGE) | (col.pages < 0) | (col.pages >= n_pages), col.page_span, n))
+    if not bad.any():
+        return
+    # The first bad span's first broken rule gives the message, as the rules read one span at a time.
+    for s in spans[int(bad.argmax()):]:
         if len(s.tokens) == 0 or s.position < 0:
             raise ValueError(f"request {s.request_id!r}: empty span or negative position")
         if s.end > geom.max_context:
@@ -155,72 +203,83 @@ def validate_spans(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans:
 
 
 def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Sequence[Span]) -> BuiltStep:
-    validate_spans(geom, cfg, bucket, spans)
+    """The step's metadata (module docstring), built for all spans at once: per-span scalars and
+    flat token / page rows, then per-token index arrays and boolean masks, no loop over spans (the
+    engine loop pays this host time every step, at up to R one-token decode spans)."""
+    col = _Columns.of(spans)
+    _validate(geom, cfg, bucket, spans, col)
     t_cap, r_cap = bucket.tokens, bucket.requests
-    n_slots = geom.settings.slots
-    h1 = geom.history + 1
+    n, n_tok = len(spans), len(col.tokens)
 
-    tokens = np.zeros(t_cap, np.int32)
-    positions = np.zeros(t_cap, np.int32)
-    token_req = np.full(t_cap, -1, np.int32)
-    req_pos = np.zeros(r_cap, np.int32)
-    req_len = np.zeros(r_cap, np.int32)
-    req_offset = np.full(r_cap, t_cap, np.int32)
-    slots = np.full(r_cap, n_slots, np.int32)
+    # Per span: first token row, slot. Per token row (the first n_tok): its request row, position,
+    # and its span's first position and end.
+    offset = np.cumsum(col.lens) - col.lens
+    span_slot = np.array([s.slot for s in spans], np.int64)
+    rows, req = np.arange(n_tok), col.token_span
+    start = col.positions[req]
+    pos = start + rows - offset[req]
+    end = (col.positions + col.lens)[req]
+
+    # Token and request rows, padded (docs: padding tokens row -1 / position 0, padding requests slot N).
+    tokens = _padded(col.tokens, t_cap, 0, np.int32)
+    positions = _padded(pos, t_cap, 0, np.int32)
+    token_req = _padded(req, t_cap, -1, np.int32)
+    req_pos = _padded(col.positions, r_cap, 0, np.int32)
+    req_len = _padded(col.lens, r_cap, 0, np.int32)
+    req_offset = _padded(offset, r_cap, t_cap, np.int32)
+    slots = _padded(span_slot, r_cap, geom.settings.slots, np.int32)
+
+    # Block tables: span b's j-th page at [b, j]; the rest null.
     block_tables = np.full((r_cap, geom.max_pages), NULL_PAGE, np.int32)
-    cursor_rows = np.zeros((r_cap, h1), np.int32)
-    compress = {r: [] for r in geom.ratios}
-    window_writes, ring_writes = [], []
-    logit_rows, logit_owner = [], []
-    samplers = []
+    page_col = np.arange(len(col.pages)) - (np.cumsum(col.n_pages) - col.n_pages)[col.page_span]
+    block_tables[col.page_span, page_col] = col.pages
+
+    # Cursors and Engram rows, copied span after span (zeros for padding).
+    cursor_rows = np.zeros((r_cap, geom.history + 1), np.int32)
     n_engram = len(cfg.engram_layer_ids)
     cols, hd = cfg.engram_hash_cols, cfg.engram_head_dim
     engram_codes = tuple(np.zeros((t_cap, cols, hd), np.uint8) for _ in range(n_engram))
     engram_scales = tuple(np.zeros((t_cap, cols, hd // 32), np.uint8) for _ in range(n_engram))
-
-    off = 0
-    for b, s in enumerate(spans):
-        n = len(s.tokens)
-        pos = s.position + np.arange(n)
-        rows = off + np.arange(n)
-        tokens[rows], positions[rows], token_req[rows] = s.tokens, pos, b
-        req_pos[b], req_len[b], req_offset[b], slots[b] = s.position, n, off, s.slot
-        block_tables[b, : len(s.pages)] = s.pages
-        cursor_rows[b] = s.next_cursor
+    if spans:
+        cursor_rows[:n] = [s.next_cursor for s in spans]
         for i in range(n_engram):
-            engram_codes[i][rows] = s.engram_codes[i]
-            engram_scales[i][rows] = s.engram_scales[i]
-        for r in geom.ratios:
-            last = (pos + 1) % r == 0                        # the group's last token is here
-            x = pos[last]
-            compress[r].append(np.stack([rows[last], np.full_like(x, b), x,
-                                         np.maximum(0, s.position - (x - r + 1))], axis=1))
-        keep = pos >= s.end - geom.ring_slots
-        window_writes.append(np.stack([rows[keep], np.full(keep.sum(), s.slot),
-                                       pos[keep] % geom.ring_slots], axis=1))
-        if geom.comp_ring:
-            keep = pos >= s.end - geom.comp_ring
-            ring_writes.append(np.stack([rows[keep], np.full(keep.sum(), s.slot),
-                                         pos[keep] % geom.comp_ring], axis=1))
-        kept = rows if s.all_logits else rows[-1:]
-        logit_rows += list(kept)
-        logit_owner += [(s.request_id, int(positions[t])) for t in kept]
-        samplers += [s.sampling] * len(kept)
-        off += n
+            np.concatenate([s.engram_codes[i] for s in spans], out=engram_codes[i][:n_tok], casting="unsafe")
+            np.concatenate([s.engram_scales[i] for s in spans], out=engram_scales[i][:n_tok], casting="unsafe")
+
+    # Compress plans: a row per token ending a group of r, in token-row order; a group that began
+    # before its span reads its leading inputs from the compressor ring.
+    def compress_plan(r: int) -> np.ndarray:
+        last = (pos + 1) % r == 0
+        x = pos[last]
+        plan = np.stack([rows[last], req[last], x, np.maximum(0, start[last] - (x - r + 1))], axis=1)
+        return _pad_rows(plan, plan_capacity(bucket, t_cap, r))
+
+    # Window (ring = W + S) and compressor-ring writes: each request's last `ring` rows,
+    # (token row, slot, ring row); no compressor ring, no rows.
+    def ring_plan(ring: int) -> np.ndarray:
+        if not ring:
+            return _pad_rows(np.zeros((0, 3), np.int32), plan_capacity(bucket, ring))
+        keep = pos >= end - ring
+        return _pad_rows(np.stack([rows[keep], span_slot[req[keep]], pos[keep] % ring], axis=1),
+                         plan_capacity(bucket, ring))
+
+    # Logits rows: every row of an all_logits span, else its last; each row's owner and sampler.
+    wanted = col.all_logits[req] | (rows == (offset + col.lens - 1)[req])
+    owner = req[wanted]
+    ids = [s.request_id for s in spans]
+    logit_owner = tuple(zip([ids[b] for b in owner.tolist()], pos[wanted].tolist()))
 
     batch = StepBatch(
         tokens=tokens, positions=positions, token_req=token_req, req_pos=req_pos, req_len=req_len,
         req_offset=req_offset, slots=slots, block_tables=block_tables,
         visible=tuple(np.where(token_req >= 0, (positions + 1) // r, 0).astype(np.int32)
                       for r in geom.ratios),
-        compress_plans=tuple(_pad_rows(compress[r], plan_capacity(bucket, t_cap, r), 4)
-                             for r in geom.ratios),
-        window_writes=_pad_rows(window_writes, plan_capacity(bucket, geom.ring_slots), 3),
-        ring_writes=_pad_rows(ring_writes, plan_capacity(bucket, geom.comp_ring), 3),
+        compress_plans=tuple(compress_plan(r) for r in geom.ratios),
+        window_writes=ring_plan(geom.ring_slots), ring_writes=ring_plan(geom.comp_ring),
         cursor_rows=cursor_rows, engram_codes=engram_codes, engram_scales=engram_scales,
-        logit_rows=np.pad(np.asarray(logit_rows, np.int32), (0, bucket.logits - len(logit_rows))),
-        **_sampler_rows(samplers, bucket.logits), **no_pending(cfg, t_cap, r_cap))
-    return BuiltStep(batch, bucket, tuple(logit_owner))
+        logit_rows=_padded(rows[wanted], bucket.logits, 0, np.int32),
+        **_sampler_rows([s.sampling for s in spans], owner, bucket.logits), **no_pending(cfg, t_cap, r_cap))
+    return BuiltStep(batch, bucket, logit_owner)
 
 
 def no_pending(cfg: ModelConfig, t_cap: int, r_cap: int) -> dict:
@@ -231,13 +290,13 @@ def no_pending(cfg: ModelConfig, t_cap: int, r_cap: int) -> dict:
                                        np.uint32)}
 
 
-def _sampler_rows(samplers: list[SamplingParams], n: int) -> dict:
-    """Per logits row sampling arrays, padded with greedy rows."""
-    rows = samplers + [SamplingParams()] * (n - len(samplers))
-    return {"temperature": np.array([s.temperature for s in rows], np.float32),
-            "top_k": np.array([s.top_k for s in rows], np.int32),
-            "top_p": np.array([s.top_p for s in rows], np.float32),
-            "seed": np.array([s.seed for s in rows], np.uint32)}
+def _sampler_rows(samplers: list[SamplingParams], owner: np.ndarray, n: int) -> dict:
+    """Per logits row sampling arrays (row j samples as samplers[owner[j]]), padded with greedy rows."""
+    greedy, out = SamplingParams(), {}
+    for name, dtype in (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("seed", np.uint32)):
+        per_span = np.array([getattr(s, name) for s in samplers], dtype)
+        out[name] = _padded(per_span[owner], n, getattr(greedy, name), dtype)
+    return out
 
 
 @dataclass(frozen=True)
