@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
 
 from v41_jax.runtime.request import Request
-from v41_jax.runtime.sampling import SamplingParams
+from v41_jax.runtime.sampling import SamplingParams, finite as _finite
 
 FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
           "stop_ids", "ignore_eos", "logprobs")
@@ -84,13 +84,6 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _finite(v) -> bool:
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:                                       # an int beyond float range
-        return False
 
 
 def _show(v) -> str:

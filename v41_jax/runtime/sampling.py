@@ -27,7 +27,7 @@ class SamplingParams:
         """Strict: bools and non-numbers refused, NaN/inf refused, top_k and seed integers (numpy scalars
         accepted); the values are stored as Python float/int."""
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
-        if not _real(t) or not _finite(t) or t < 0:
+        if not _real(t) or not finite(t) or t < 0:
             raise ValueError(f"SamplingParams.temperature: must be a finite number >= 0, got {_brief(t)}")
         if not _integral(k) or not 0 <= k < 2 ** 31:
             raise ValueError(f"SamplingParams.top_k: must be an integer in [0, 2**31), got {_brief(k)}")
@@ -47,7 +47,8 @@ def _integral(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
-def _finite(v) -> bool:
+def finite(v) -> bool:
+    """A real number that is finite (an int too large for a float is not)."""
     try:
         return math.isfinite(float(v))
     except OverflowError:                                       # an int beyond float range
