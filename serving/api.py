@@ -1,0 +1,185 @@
+"""What both protocols share: the server's limits, a request's checks, its streamed text, the chat
+template.
+
+`Api.build(fields, rid)` turns a request's fields (request_parse's names, plus "stop" and
+"speculative") into a `Job` or raises `Refused`. The field rules are request_parse's (one
+validation for files and servers); this module adds only what a server adds: its limits, stop
+strings, the speculative switch and the "can it ever fit" check (Engine.check_request, which reads
+only the cache geometry, so any thread may call it). Protocols rename fields (OpenAI's max_tokens
+is max_new_tokens): `names` maps request_parse's name to the one the client used, so a refusal
+names the client's field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from serving.loop import Refused
+from v41_jax.runtime.request import Request
+from v41_jax.runtime.request_parse import RequestDefaults, RequestError, parse_request
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    """max_prompt_tokens / max_new_tokens: the most a request may ask for (0: the context limit);
+    default_max_new_tokens: what a request that does not say gets; max_message_bytes: a request
+    body or gRPC message; max_open: requests held at once (queued + running); max_streams:
+    concurrent gRPC calls and HTTP connections; request_timeout_s: a request still running after
+    this is aborted (0: never; a gRPC call's own deadline applies as well)."""
+    max_prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    default_max_new_tokens: int = 256
+    max_message_bytes: int = 1 << 20
+    max_open: int = 1024
+    max_streams: int = 256
+    request_timeout_s: float = 0.0
+
+    def resolved(self, max_context: int) -> "Limits":
+        """Zeros replaced by what the context allows; a request must leave room for one new token."""
+        cap = max_context - 1
+        prompt = min(self.max_prompt_tokens or cap, cap)
+        new = min(self.max_new_tokens or cap, cap)
+        return dataclasses.replace(self, max_prompt_tokens=prompt, max_new_tokens=new,
+                                   default_max_new_tokens=min(self.default_max_new_tokens, new))
+
+
+@dataclass(frozen=True)
+class Job:
+    request: Request
+    stop: tuple[str, ...] = ()
+
+
+class Api:
+    def __init__(self, engine, limits: Limits, model_name: str):
+        self.vocab_size, self.tokenizer, self.eos_id = engine.cfg.vocab_size, engine.tokenizer, engine.eos_id
+        self.max_context = engine.geom.max_context
+        self.limits = limits.resolved(self.max_context)
+        self.model_name = model_name
+        self._fits = engine.check_request
+        self._defaults = RequestDefaults(max_new_tokens=self.limits.default_max_new_tokens)
+
+    def build(self, fields: Mapping[str, Any], rid, names: Mapping[str, str] | None = None) -> Job:
+        names = names or {}
+        name = lambda f: names.get(f, f)
+        fields = dict(fields)
+        speculative = fields.pop("speculative", False)
+        if not isinstance(speculative, bool):
+            raise Refused("invalid", f"must be true or false, got {speculative!r}", name("speculative"))
+        if speculative:
+            raise Refused("invalid", "this engine has no speculative decoding (DSpark) yet; leave it off",
+                          name("speculative"))
+        stop = self._stop(fields.pop("stop", ()), name("stop"))
+        try:
+            req = parse_request(fields, vocab_size=self.vocab_size, defaults=self._defaults,
+                                tokenizer=self.tokenizer)
+        except RequestError as err:
+            raise Refused("invalid", err.message, name(err.field)) from None
+        lim = self.limits
+        if len(req.prompt) > lim.max_prompt_tokens:
+            field = "prompt_ids" if "prompt_ids" in fields else "prompt"
+            raise Refused("invalid", f"{len(req.prompt)} tokens, over the limit of {lim.max_prompt_tokens}",
+                          name(field))
+        if req.max_new_tokens > lim.max_new_tokens:
+            raise Refused("invalid", f"{req.max_new_tokens} is over the limit of {lim.max_new_tokens}",
+                          name("max_new_tokens"))
+        req = dataclasses.replace(req, request_id=rid)
+        why = self._fits(req)
+        if why is not None:
+            raise Refused("exhausted", f"this request can never run here: {why}")
+        return Job(req, stop)
+
+    def _stop(self, value, field: str) -> tuple[str, ...]:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
+            raise Refused("invalid", "must be a non-empty string or a list of them", field)
+        if len(value) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in value):
+            raise Refused("invalid", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                                     "characters", field)
+        if value and self.tokenizer is None:
+            raise Refused("invalid", "stop strings need a tokenizer (this checkpoint has none); use stop ids",
+                          field)
+        return tuple(value)
+
+    def text(self, stop: Sequence[str] = ()) -> "TextStream":
+        return TextStream(self.tokenizer, stop)
+
+
+class TextStream:
+    """A request's text as its tokens come: each push returns the new text that is final. Text is
+    held back while it ends in an incomplete character (U+FFFD from a split UTF-8 sequence) or in
+    what may be the start of a stop string. On a stop string `stopped` turns true and the text ends
+    before it (the request is then aborted by the caller). Without a tokenizer all text is ""."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.ids: list[int] = []
+        self.sent = 0                 # characters of the decoded text already returned
+        self.stopped = False
+
+    def push(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None or self.stopped:
+            return ""
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids)
+        if self.stop:
+            reach = max(map(len, self.stop))
+            start = max(0, self.sent - reach + 1)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                out, self.sent = text[self.sent: min(hits)], min(hits)
+                return out
+        end = len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+        end = max(self.sent, end - hold)
+        out, self.sent = text[self.sent: end], end
+        return out
+
+    def flush(self) -> str:
+        """The held-back rest, once the request has finished."""
+        if self.tokenizer is None or self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids)
+        out, self.sent = text[self.sent:], len(text)
+        return out
+
+
+# ---- chat -----------------------------------------------------------------------------------------
+# Our own template (the demo model is trained with it): one block per message, "<|role|>\n" then the
+# content and a newline, and the assistant's open block last. The model ends its turn with EOS.
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_prompt(messages) -> str:
+    """OpenAI-style messages -> the prompt text; Refused naming messages[i].<field>."""
+    if not isinstance(messages, list) or not messages:
+        raise Refused("invalid", "must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise Refused("invalid", "must be an object with role and content", where)
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise Refused("invalid", "unknown field (known: role, content, name)", f"{where}.{extra[0]}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise Refused("invalid", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):                 # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise Refused("invalid", "only text parts ({type: text, text}) are supported", f"{where}.content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise Refused("invalid", "must be a string or a list of text parts", f"{where}.content")
+        out.append(f"<|{role}|>\n{content}\n")
+    return "".join(out) + "<|assistant|>\n"

@@ -1,0 +1,388 @@
+"""The OpenAI-compatible HTTP front end (stdlib `http.server`, a thread per connection):
+
+    POST /v1/completions        prompt: a string or a list of token ids
+    POST /v1/chat/completions   messages, rendered with our chat template (serving/api.py)
+    GET  /v1/models, /health (200 serving / 503 otherwise), /metrics (Prometheus)
+
+`"stream": true` answers with server-sent events (chunked transfer encoding), ending with
+`data: [DONE]`. Each choice also carries `token_ids` (the tokens of that text; an extension, so a
+client can compare tokens exactly). Extensions to the request: top_k, stop_token_ids, ignore_eos,
+speculative. A refusal is `{"error": {"message", "type", "param", "code"}}` with param naming the
+field: 400 for a bad field or a request that can never fit, 401 without the key, 413 for a body
+over the limit, 429 when the server is full, 503 while not serving.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import select
+import socket
+import threading
+import time
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from serving.api import Api, chat_prompt
+from serving.loop import EngineLoop, Refused, State
+from v41_jax.runtime.request_parse import RequestError, decode_json
+from v41_jax.runtime.scheduler import FinishEvent
+
+log = logging.getLogger("v41.serve.http")
+
+STATUS = {"invalid": 400, "exhausted": 400, "busy": 429, "unavailable": 503}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+          "user", "top_k", "stop_token_ids", "ignore_eos", "speculative")
+KNOWN = {"completions": COMMON + ("prompt",), "chat": COMMON + ("messages", "max_completion_tokens")}
+# OpenAI's name -> request_parse's (and back, for refusals)
+RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop_token_ids": "stop_ids"}
+PASS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop", "speculative")
+SOCKET_TIMEOUT_S = 60.0              # a client that stalls a read or a write this long is dropped
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+        super().__init__(message)
+
+
+def _refusal(err: Refused) -> HttpError:
+    return HttpError(STATUS[err.kind], str(err), err.field, err.kind)
+
+
+class HttpFrontend:
+    def __init__(self, loop: EngineLoop, api: Api, metrics, host: str, port: int, api_key: str | None = None):
+        self.loop, self.api, self.metrics = loop, api, metrics
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.created = int(time.time())
+        handler = type("Handler", (_Handler,), {"front": self})
+        self.server = _Server((host, port), handler, api.limits.max_streams)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting, wait up to `timeout` for the open connections' handlers, close."""
+        self.server.shutdown()
+        self.server.wait_idle(timeout)
+        self.server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address, handler, max_connections: int):
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._active = 0
+        self._idle = threading.Condition()
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            # over the connection limit: answer without a thread and close
+            try:
+                body = json.dumps({"error": {"message": "too many connections", "type": "rate_limit_error",
+                                             "param": None, "code": "busy"}}).encode()
+                request.sendall(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        with self._idle:
+            self._active += 1
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+            with self._idle:
+                self._active -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._active == 0, timeout)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "v41-serve"
+    timeout = SOCKET_TIMEOUT_S
+    front: HttpFrontend
+
+    def log_message(self, fmt, *args):
+        log.debug("%s %s", self.address_string(), fmt % args)
+
+    # ---- routing -------------------------------------------------------------------------------
+    def do_GET(self):
+        self._route({"/health": self._health, "/v1/models": self._models, "/metrics": self._metrics}, "GET")
+
+    def do_POST(self):
+        self._route({"/v1/completions": lambda: self._generate(chat=False),
+                     "/v1/chat/completions": lambda: self._generate(chat=True)}, "POST")
+
+    def _route(self, routes, method):
+        path = self.path.split("?", 1)[0]
+        try:
+            if path != "/health" and not self._authorized():
+                self.front.metrics.refused.labels("unauthenticated").inc()
+                self.close_connection = True            # its body (if any) is never read
+                raise HttpError(401, "a valid 'Authorization: Bearer <key>' header is required")
+            if path not in routes:
+                self.close_connection = True
+                other = "POST" if method == "GET" else "GET"
+                raise HttpError(404, f"no {method} {path} (this server has: {', '.join(sorted(routes))} by "
+                                     f"{method}, and others by {other})")
+            routes[path]()
+        except HttpError as err:
+            self._error(err)
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
+        except Exception:                                  # noqa: BLE001 - a bug answers 500, never kills
+            log.exception("HTTP %s %s failed", method, path)
+            self.close_connection = True
+            try:
+                self._error(HttpError(500, "internal error (logged by the server)"))
+            except OSError:
+                pass
+
+    def _authorized(self) -> bool:
+        want = self.front.key
+        return want is None or hmac.compare_digest(self.headers.get("Authorization", "").encode(), want)
+
+    # ---- responses -----------------------------------------------------------------------------
+    def _send(self, status: int, body: bytes, ctype: str = "application/json", headers=()):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in headers:
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj) -> None:
+        self._send(status, json.dumps(obj).encode())
+
+    def _error(self, err: HttpError) -> None:
+        headers = [("WWW-Authenticate", "Bearer")] if err.status == 401 else []
+        body = {"error": {"message": err.message, "type": ERROR_TYPE.get(err.status, "invalid_request_error"),
+                          "param": err.param, "code": err.code}}
+        self._send(err.status, json.dumps(body).encode(), headers=headers)
+
+    def _health(self):
+        state = self.front.loop.state
+        self._json(200 if state == State.SERVING else 503, {"status": state.value})
+
+    def _models(self):
+        f = self.front
+        self._json(200, {"object": "list", "data": [{"id": f.api.model_name, "object": "model",
+                                                     "created": f.created, "owned_by": "v41-jax"}]})
+
+    def _metrics(self):
+        self._send(200, self.front.metrics.render(), CONTENT_TYPE_LATEST)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _body(self) -> dict:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise HttpError(400, "a request body needs a Content-Length (chunked bodies are not taken)",
+                            "Content-Length")
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise HttpError(400, "a request body needs a valid Content-Length", "Content-Length") from None
+        limit = self.front.api.limits.max_message_bytes
+        if length > limit:
+            self.close_connection = True                # the body is not read
+            raise HttpError(413, f"the body is {length} bytes, over the limit of {limit}", "Content-Length")
+        data = self.rfile.read(length)
+        if len(data) < length:
+            self.close_connection = True
+            raise HttpError(400, "the body ended before its Content-Length", "Content-Length")
+        ctype = self.headers.get("Content-Type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            raise HttpError(400, f"must be application/json, got {ctype!r}", "Content-Type")
+        try:
+            obj = decode_json(data)
+        except RequestError as err:
+            raise HttpError(400, err.message, err.field) from None
+        if not isinstance(obj, dict):
+            raise HttpError(400, "the body must be a JSON object", "body")
+        return obj
+
+    def _fields(self, body: dict, chat: bool) -> tuple[dict, dict, bool, bool]:
+        """An OpenAI body -> (request_parse fields, names for refusals, stream, include_usage)."""
+        known = KNOWN["chat" if chat else "completions"]
+        for k in body:
+            if k not in known:
+                raise Refused("invalid", f"unknown or unsupported field (known: {', '.join(known)})", k)
+        api = self.front.api
+        if "model" in body and body["model"] != api.model_name:
+            raise HttpError(404, f"this server serves {api.model_name!r}, not {body['model']!r}", "model",
+                            "model_not_found")
+        if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+            raise Refused("invalid", "only n = 1 is served", "n")
+        if "user" in body and not isinstance(body["user"], str):
+            raise Refused("invalid", "must be a string", "user")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise Refused("invalid", "must be true or false", "stream")
+        opts = body.get("stream_options", {})
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"} \
+                or not isinstance(opts.get("include_usage", False), bool):
+            raise Refused("invalid", "must be {\"include_usage\": true|false}", "stream_options")
+        if "max_tokens" in body and "max_completion_tokens" in body:
+            raise Refused("invalid", "give one of max_tokens and max_completion_tokens", "max_completion_tokens")
+        fields = {RENAME.get(k, k): v for k, v in body.items() if k in PASS or k in RENAME}
+        names = {RENAME[k]: k for k in body if k in RENAME}
+        if chat:
+            fields["prompt"] = chat_prompt(body.get("messages"))
+            names["prompt"] = "messages"
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and all(isinstance(t, str) for t in prompt) and prompt:
+                raise Refused("invalid", "one prompt per request (a string or a list of token ids)", "prompt")
+            if "prompt" in body:
+                fields["prompt_ids" if isinstance(prompt, list) else "prompt"] = prompt
+            names["prompt_ids"] = "prompt"
+        return fields, names, stream, bool(opts.get("include_usage", False))
+
+    def _generate(self, chat: bool):
+        front = self.front
+        body = self._body()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            fields, names, stream_mode, usage = self._fields(body, chat)
+            job = front.api.build(fields, rid, names)
+            stream = front.loop.submit(job.request, timeout_s=front.api.limits.request_timeout_s or None)
+        except Refused as err:
+            front.metrics.refused.labels(err.kind).inc()
+            raise _refusal(err) from None
+        except HttpError:
+            front.metrics.refused.labels("invalid").inc()
+            raise
+        try:
+            if stream_mode:
+                self._stream(stream, job, rid, chat, usage)
+            else:
+                self._whole(stream, job, rid, chat)
+        except BaseException:
+            stream.cancel("client disconnected")       # a failed write: free the request now
+            raise
+
+    def _connected(self) -> bool:
+        """False once the client has closed its end (readable with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+        except (OSError, ValueError):
+            return False
+
+    def _envelope(self, rid, chat: bool, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.front.api.model_name}
+
+    @staticmethod
+    def _usage(prompt: int, completion: int) -> dict:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _whole(self, stream, job, rid, chat):
+        text = self.front.api.text(job.stop)
+        parts, ids, finish = [], [], None
+        for ev in stream.events(self._connected):
+            if isinstance(ev, FinishEvent):
+                finish = ev.result
+            elif not text.stopped:
+                ids += ev.tokens
+                parts.append(text.push(ev.tokens))
+                if text.stopped:
+                    stream.cancel("stop string")
+        if finish is None:                                 # the client left
+            self.close_connection = True
+            return
+        if finish.finish_reason == "error" and not text.stopped:
+            raise HttpError(500, f"the engine failed this request: {finish.error}", None, "engine_error")
+        parts.append(text.flush())
+        reason = "stop" if text.stopped else FINISH[finish.finish_reason]
+        content = "".join(parts)
+        choice = {"index": 0, "finish_reason": reason, "token_ids": ids}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice.update(text=content, logprobs=None)
+        out = self._envelope(rid, chat, chunk=False)
+        out.update(choices=[choice], usage=self._usage(stream.prompt_len, len(ids)))
+        self._json(200, out)
+
+    def _stream(self, stream, job, rid, chat, usage):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        text = self.front.api.text(job.stop)
+        n = 0
+
+        def send(obj) -> None:
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        def chunk(delta_text: str, ids, reason=None) -> dict:
+            choice = {"index": 0, "finish_reason": reason, "token_ids": list(ids)}
+            if chat:
+                choice["delta"] = {"content": delta_text} if delta_text or reason is None else {}
+            else:
+                choice.update(text=delta_text, logprobs=None)
+            out = self._envelope(rid, chat, chunk=True)
+            out["choices"] = [choice]
+            return out
+
+        if chat:
+            first = chunk("", ())
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            send(first)
+        for ev in stream.events(self._connected):
+            if isinstance(ev, FinishEvent):
+                res = ev.result
+                if res.finish_reason == "error" and not text.stopped:
+                    send({"error": {"message": f"the engine failed this request: {res.error}",
+                                    "type": "server_error", "param": None, "code": "engine_error"}})
+                else:
+                    send(chunk(text.flush(), (), "stop" if text.stopped else FINISH[res.finish_reason]))
+                    if usage:
+                        tail = self._envelope(rid, chat, chunk=True)
+                        tail.update(choices=[], usage=self._usage(stream.prompt_len, n))
+                        send(tail)
+                send(b"[DONE]")
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+                return
+            if text.stopped:
+                continue
+            delta = text.push(ev.tokens)
+            n += len(ev.tokens)
+            send(chunk(delta, ev.tokens))
+            if text.stopped:
+                stream.cancel("stop string")
+        self.close_connection = True                       # the client left mid-stream
