@@ -134,7 +134,7 @@ def main(argv=None) -> int:
 
         bucket = Bucket(b, b, b)
         fn = runner.compiled[bucket]
-        dev_batch = jax.device_put(build_step(engine.geom, cfg, bucket, spans()).batch)
+        dev_batch = runner.send(bucket, build_step(engine.geom, cfg, bucket, spans()).batch)
 
         for name in ("prepare", "collect", "dispatch", "_launch"):
             del runner.__dict__[name]                     # unwrap
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         fresh_calls = []
 
         def alone_fresh():                                # inputs transferred just before the call
-            batch = jax.device_put(host_batch)
+            batch = runner.send(bucket, host_batch)
             t = time.perf_counter()
             out = fn(engine.params, runner.cache, batch)
             fresh_calls.append(time.perf_counter() - t)
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         def sync():
             np.asarray(runner.cache.cursor)               # the blocking cursor probe
             built = build_step(engine.geom, cfg, bucket, spans())
-            out = fn(engine.params, runner.cache, built.batch)
+            out = fn(engine.params, runner.cache, runner.send(bucket, built.batch))
             runner.cache = out.cache
             np.asarray(out.tokens)                        # tokens on the host before the next step
         sync_s = _per_step(sync, args.iters)

@@ -518,7 +518,7 @@ def main(argv=None) -> int:
             spans = [engine.make_span("p0", 0, 0, tokens(c.tokens), prefill_pages, cursors[0])]
         built = build_step(geom, cfg, c.bucket, spans)
         c.host_build_ms = (time.perf_counter() - t0) * 1e3
-        c.device_batch = jax.device_put(built.batch)
+        c.device_batch = engine.runner.send(c.bucket, built.batch)      # packed, as the engine sends it
 
     # ---- lower each case (main thread), compile it in its own thread at once ----------------------
     sem = threading.Semaphore(args.compile_workers or len(cases))
@@ -538,7 +538,7 @@ def main(argv=None) -> int:
     for c in cases:
         t1 = time.perf_counter()
         try:
-            c.lowered = engine.step_fn.lower(params, engine.cache, c.device_batch)
+            c.lowered = engine.step_fn.lower(params, engine.cache, c.device_batch, layout=engine.runner.layout(c.bucket))
         except Exception as err:  # noqa: BLE001
             c.error = f"lower: {type(err).__name__}: {str(err)[:400]}"
             traceback.print_exc()

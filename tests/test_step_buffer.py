@@ -19,8 +19,9 @@ def model(tmp_path_factory):
 
 
 def _compiled(engine):
-    built = build_step(engine.geom, engine.cfg, BUCKETS.buckets[-1], [])
-    return engine.step_fn.lower(engine.params, engine.cache, built.batch).compile()
+    bucket = BUCKETS.buckets[-1]
+    packed = engine.runner.send(bucket, build_step(engine.geom, engine.cfg, bucket, []).batch)
+    return engine.step_fn.lower(engine.params, engine.cache, packed, layout=engine.runner.layout(bucket)).compile()
 
 
 def test_donated_cache_is_consumed(model):

@@ -5,11 +5,12 @@ A step goes through three calls, so the host never waits on the device except fo
 cannot know in advance (the previous step's sampled tokens):
 
 * `prepare(plan)` while the previous step runs: every span's metadata (positions, block tables,
-  plans, samplers) and the Engram rows of every token already on the host, in numpy;
-* `dispatch(prepared, feedback)` once the previous step's tokens are in: the pending decode tokens
-  are written into the batch, their Engram rows hashed (one vectorised call for all of them) and
-  gathered, fresh slots reset, the step launched, and its tokens / found cursors / logprobs
-  copied to the host asynchronously;
+  plans, samplers) and the Engram rows of every token already on the host, in numpy, packed into
+  two buffers (`runtime/packed.py`) and sent to the device;
+* `dispatch(prepared, feedback)`: fresh slots reset, the step launched, and its tokens / found
+  cursors / logprobs copied to the host asynchronously. Without device feedback it first takes
+  the previous step's tokens, writes the pending decode tokens into the batch, hashes and gathers
+  their Engram rows (one vectorised call for all of them) and only then sends the batch;
 * `collect(in_flight)` -> the host arrays (blocks only until that step's outputs have landed).
 
 The Engram history of every span comes from the host's own copy of the request's tokens, never
@@ -18,7 +19,6 @@ from a probe of the cache: the cache's cursor is what the step checks (`StepOutp
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -34,6 +34,7 @@ from v41_jax.engram_hash import EngramCursor, EngramHasher
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime import compile_cache
 from v41_jax.runtime.metadata import Bucket, BucketSet, BuiltStep, Span, build_step
+from v41_jax.runtime.packed import BatchLayout, PackedBatch
 from v41_jax.runtime.sampling import SamplingParams
 from v41_jax.runtime.scheduler import StepPlan, StepResult
 from v41_jax.runtime.step import StepOutput, make_step
@@ -47,7 +48,8 @@ DEVICE_ENGRAM_BYTES = 4 << 30
 class Prepared(NamedTuple):
     plan: StepPlan
     built: BuiltStep
-    device_batch: Any              # built.batch already on the device (sent while the previous step runs)
+    device_batch: PackedBatch | None   # built.batch packed and on the device (sent while the previous
+                                       # step runs); None while pending tokens come from the host
     pending_rows: np.ndarray       # int [K] token rows whose token the previous step samples
     pending_reqs: np.ndarray       # int [K] their request rows
     pending_ids: tuple             # [K] their request ids
@@ -94,6 +96,7 @@ class Runner:
         self.record = record
         self.step_fn = make_step(cfg, geom, numerics, record)
         self.compiled: dict[Bucket, Any] = {}
+        self.layouts: dict[Bucket, BatchLayout] = {}
         self.cache = allocate(geom)
         self.steps = 0                               # steps dispatched
 
@@ -161,7 +164,9 @@ class Runner:
             self._mark_pending(built.batch, reqs, np.stack([c for _, c in pending]))
         fresh = np.zeros(self.geom.settings.slots, bool)
         fresh[[sp.slot for sp in plan.spans if sp.position == 0]] = True
-        return Prepared(plan, built, jax.device_put(built.batch), built.batch.req_offset[reqs], reqs,
+        handoff = bool(len(reqs)) and not self.device_feedback     # the batch is complete only in dispatch
+        return Prepared(plan, built, None if handoff else self.send(bucket, built.batch),
+                        built.batch.req_offset[reqs], reqs,
                         tuple(plan.spans[b].rid for b in reqs),
                         np.stack([c for _, c in pending]) if pending else np.zeros((0, self.geom.history + 1)),
                         fresh, any(sp.seq.req.logprobs for sp in plan.spans))
@@ -205,10 +210,7 @@ class Runner:
                     batch.engram_codes[i][prep.pending_rows] = codes.view(np.uint8)
                     batch.engram_scales[i][prep.pending_rows] = scales.view(np.uint8)
             batch.cursor_rows[prep.pending_reqs] = nxt
-            # only what the tokens change crosses to the device now, in one transfer
-            late = jax.device_put((batch.tokens, batch.cursor_rows, batch.engram_codes, batch.engram_scales))
-            device_batch = dataclasses.replace(device_batch, tokens=late[0], cursor_rows=late[1],
-                                               engram_codes=late[2], engram_scales=late[3])
+            device_batch = self.send(prep.built.bucket, batch)
         out = self._launch(prep.built.bucket, device_batch, prep.fresh)
         out.tokens.copy_to_host_async()
         out.found.copy_to_host_async()
@@ -216,14 +218,25 @@ class Runner:
             out.logprobs.copy_to_host_async()
         return InFlight(prep.plan.step_id, out, prep.logprobs)
 
-    def _launch(self, bucket: Bucket, batch, fresh: np.ndarray, forced: dict | None = None) -> StepOutput:
+    def layout(self, bucket: Bucket) -> BatchLayout:
+        """How a batch of this bucket is packed (every bucket-shaped batch has the same)."""
+        if bucket not in self.layouts:
+            self.layouts[bucket] = BatchLayout.of(build_step(self.geom, self.cfg, bucket, []).batch)
+        return self.layouts[bucket]
+
+    def send(self, bucket: Bucket, batch) -> PackedBatch:
+        """A host batch packed and put on the device: two transfers (runtime/packed.py)."""
+        return jax.device_put(self.layout(bucket).pack(batch))
+
+    def _launch(self, bucket: Bucket, packed: PackedBatch, fresh: np.ndarray,
+                forced: dict | None = None) -> StepOutput:
         if fresh.any():
             self.cache = reset_slots(self.cache, fresh)
         fn = self.compiled.get(bucket) if forced is None else None
         if fn is None:
-            out = self.step_fn(self.params, self.cache, batch, forced)
+            out = self.step_fn(self.params, self.cache, packed, forced, layout=self.layout(bucket))
         else:
-            out = fn(self.params, self.cache, batch)
+            out = fn(self.params, self.cache, packed)
         self.cache = out.cache
         self.steps += 1
         return out
@@ -243,7 +256,7 @@ class Runner:
         built = build_step(self.geom, self.cfg, bucket, spans)
         fresh = np.zeros(self.geom.settings.slots, bool)
         fresh[[s.slot for s in spans if s.position == 0]] = True
-        return Ran(self._launch(bucket, built.batch, fresh, forced), built)
+        return Ran(self._launch(bucket, self.send(bucket, built.batch), fresh, forced), built)
 
     def cursors(self) -> np.ndarray:
         """Every slot's Engram cursor, read from the cache (a blocking probe: tools only)."""
@@ -252,7 +265,8 @@ class Runner:
     def warmup(self, concurrent: bool = True) -> None:
         """Compile every bucket's step (concurrently: XLA compiles outside the GIL) and the slot
         reset. A second start loads the serialized executables (`compile_cache`), tracing nothing."""
-        batches = [(b, build_step(self.geom, self.cfg, b, []).batch) for b in self.buckets.buckets]
+        batches = [(b, self.layout(b).pack(build_step(self.geom, self.cfg, b, []).batch))
+                   for b in self.buckets.buckets]
         missing = []
         for bucket, batch in batches:
             key, in_tree, out_tree = self._executable_id(bucket, batch)
@@ -264,7 +278,7 @@ class Runner:
 
         def compile_one(item):
             bucket, batch, key = item
-            compiled = self.step_fn.lower(self.params, self.cache, batch).compile()
+            compiled = self.step_fn.lower(self.params, self.cache, batch, layout=self.layout(bucket)).compile()
             if key:
                 compile_cache.save_executable(key, compiled)
             return bucket, compiled
@@ -275,7 +289,7 @@ class Runner:
         self.cache = reset_slots(self.cache, np.zeros(self.geom.settings.slots, bool))
         jax.block_until_ready(self.cache)
 
-    def _executable_id(self, bucket: Bucket, batch) -> tuple[str | None, Any, Any]:
+    def _executable_id(self, bucket: Bucket, batch: PackedBatch) -> tuple[str | None, Any, Any]:
         """(key, input tree, output tree) of a bucket's step; no key for a recording step (its
         output tree is only known by tracing)."""
         if self.record:
@@ -283,7 +297,8 @@ class Runner:
         shapes = lambda tree: jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
         args = (self.params, self.cache, batch)
         key = compile_cache.executable_key("step", repr(self.cfg), repr(self.geom.settings), repr(self.numerics),
-                                           bucket, repr(shapes(args)), repr(jax.tree_util.tree_structure(args)),
+                                           bucket, repr(self.layout(bucket)), repr(shapes(args)),
+                                           repr(jax.tree_util.tree_structure(args)),
                                            # the tables are static: a Compiled object only takes the same ones
                                            repr(getattr(self.tables, "source", None)))
         zero = np.zeros((), np.int32)

@@ -32,7 +32,6 @@ index (slot N, page P), never a negative one that would wrap onto a live row (do
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -56,6 +55,7 @@ from v41_jax.model.rope import rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.quant import dequant_fp8_rows
 from v41_jax.runtime.metadata import StepBatch
+from v41_jax.runtime.packed import BatchLayout, PackedBatch
 from v41_jax.runtime.sampling import sample
 from v41_jax.topology import Candidates, LayerTopology, Mode
 
@@ -331,6 +331,12 @@ def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
 
 
 def make_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, record: bool = False):
-    """The compiled step for one (config, geometry, numerics); one executable per bucket shape."""
+    """The jitted step for one (config, geometry, numerics), over a packed batch (runtime/packed.py):
+    fn(params, cache, packed, forced=None, *, layout) -> StepOutput, the cache donated; one
+    executable per bucket (the layout, static, follows from the bucket)."""
     check_cache_dtype(geom, numerics)
-    return jax.jit(partial(step, cfg=cfg, geom=geom, numerics=numerics, record=record), donate_argnums=(1,))
+
+    def packed_step(params, cache, packed: PackedBatch, forced=None, *, layout: BatchLayout) -> StepOutput:
+        return step(params, cache, layout.unpack(packed), forced, cfg=cfg, geom=geom, numerics=numerics,
+                    record=record)
+    return jax.jit(packed_step, donate_argnums=(1,), static_argnames=("layout",))
