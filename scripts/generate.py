@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from v41_jax.config import exit_2_on_refusal
 from v41_jax.runtime import compile_cache
 
 NUMERICS_CHOICES = ("fast", "fp32", "reference")
@@ -98,7 +99,8 @@ def parse_args(argv=None):
 
 def _validate(args):
     """Everything checkable without the weights -> (cfg, tokenizer, requests-or-errors)."""
-    from v41_jax.config import ModelConfig
+    from v41_jax.checkpoint.load import config_path
+    from v41_jax.config import CheckpointError, ModelConfig
     from v41_jax.runtime.engine import load_tokenizer, parse_buckets
     from v41_jax.runtime.request_parse import RequestDefaults, RequestError, parse_file
 
@@ -119,9 +121,9 @@ def _validate(args):
     except RequestError as err:
         raise UsageError(f"--{err.field.replace('_', '-')}: {err.message}") from None
     try:
-        cfg = ModelConfig.from_file(ckpt / "config.json")
-    except (ValueError, OSError) as err:
-        raise UsageError(f"{ckpt / 'config.json'}: {err}") from None
+        cfg = ModelConfig.from_file(config_path(str(ckpt)))
+    except CheckpointError as err:   # already `<file>: <field>: <rule>`
+        raise UsageError(str(err)) from None
     try:
         tokenizer = load_tokenizer(args.tokenizer, ckpt)
     except Exception as err:  # noqa: BLE001 - any tokenizer failure is a usage error
@@ -138,6 +140,7 @@ def _percentiles(values) -> str:
     return f"p50 {p50:.1f} ms, p95 {p95:.1f} ms"
 
 
+@exit_2_on_refusal   # a checkpoint refused while the engine loads it
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from v41_jax import quant
-from v41_jax.config import ModelConfig, to_hf_root, validate
+from v41_jax.config import CONFIG_MAX_BYTES, ModelConfig, exit_2_on_refusal, read_json, to_hf_root
 from v41_jax.checkpoint.safetensors_io import write_checkpoint
 from v41_jax.checkpoint.schema import SchemaOptions, TensorSpec, checkpoint_schema, parameter_aliases
 
@@ -103,10 +103,8 @@ def engram_token_map(cfg: ModelConfig) -> list[int]:
 def make_checkpoint(config_path: str, out_dir: str, seed: int, shards: int = 1,
                     opts: SchemaOptions = SchemaOptions()) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Write the checkpoint; returns the config and the fp32 weights it was quantized from."""
-    with open(config_path) as f:
-        raw = json.load(f)
-    cfg = ModelConfig.from_dict(raw)
-    validate(cfg)
+    raw = read_json(config_path, CONFIG_MAX_BYTES)
+    cfg = ModelConfig.from_dict(raw, config_path)
     schema = checkpoint_schema(cfg, opts)
     weights = random_weights(schema, seed)
     write_checkpoint(out_dir, encode(schema, weights), shards)
@@ -118,6 +116,7 @@ def make_checkpoint(config_path: str, out_dir: str, seed: int, shards: int = 1,
     return cfg, weights
 
 
+@exit_2_on_refusal
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="config JSON (HF root, flat HF text, or reference names)")

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from v41_jax.config import ModelConfig, validate
+from v41_jax.config import CheckpointError, ModelConfig, validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "v41_jax" / "configs"
@@ -175,5 +175,5 @@ def test_file_errors_name_the_file(tmp_path):
     raw["text_config"]["scoring_func"] = "softmax"
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=r"config\.json: score_func: "):
+    with pytest.raises(CheckpointError, match=r"config\.json: scoring_func: "):
         ModelConfig.from_file(path)

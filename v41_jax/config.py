@@ -6,17 +6,25 @@ Accepted inputs (see docs/MODEL.md §1.1):
   * the official reference's own `ModelArgs` field names (`dim`, `n_layers`, ...).
 
 Field names follow the official `inference/model.py` (`ModelArgs`), because the model code reads
-like the reference that way. `validate()` is fail-closed: every rule raises a ValueError that names
-the field and the rule. The per-layer attention topology is resolved once, in `topology.py`.
+like the reference that way. `validate()` is fail-closed: every rule raises a ConfigError that names
+the field and the rule, first the type and range of every field (sizes bounded, floats finite), then
+the rules between fields. The per-layer attention topology is resolved once, in `topology.py`.
+
+A config.json is untrusted input (docs/MODEL.md §2.3): `from_file` reads it with `read_json`
+(bounded size, UTF-8, strict JSON, no duplicate key) and every refusal is one line
+`<file>: <field>: <rule>`, a `CheckpointError`, the one error type of the checkpoint loader.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, NoReturn
+from typing import Any, Callable, Mapping, NoReturn
 
 from .engram_hash import engram_primes
 
@@ -59,6 +67,103 @@ _IGNORED_KEYS = {
     "vision_patch_size", "vision_rope_theta", "vision_downsample_ratio", "vision_max_n_token",
     "vision_min_pixels", "vision_max_wh_ratio", "image_token_id",
 }
+
+
+# ---- refusals of untrusted files -------------------------------------------------------------
+
+class CheckpointError(ValueError):
+    """An untrusted checkpoint file (config.json, the index, a shard) or a config breaks a rule.
+
+    One line `<file>: <what>: <rule>`, where `what` is the tensor or field (or the part of the file:
+    `file`, `header`, ...); `<what>: <rule>` alone for a config built in code. Defined here, below
+    the checkpoint reader, so that config.json's refusals share the type; `v41_jax.checkpoint`
+    re-exports it."""
+
+    def __init__(self, file: str | None, what: str, rule: str):
+        super().__init__(file, what, rule)
+        self.file, self.what, self.rule = file, what, rule
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.what}: {self.rule}" if self.file else f"{self.what}: {self.rule}"
+
+
+class ConfigError(CheckpointError):
+    """A config field breaks a rule (`validate`, `from_dict`, `from_file`)."""
+
+    def __init__(self, what: str, rule: str, file: str | None = None):
+        super().__init__(file, what, rule)
+
+
+def exit_2_on_refusal(main: Callable[..., int | None]) -> Callable[..., int | None]:
+    """A CLI's main: a CheckpointError prints as the one line `error: <file>: <what>: <rule>` on
+    stderr and main returns 2, without a traceback (a bad file is the user's input, not a bug)."""
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> int | None:
+        try:
+            return main(*args, **kwargs)
+        except CheckpointError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    return run
+
+
+CONFIG_NAME = "config.json"
+# config.json of the released model is 4 KB; 1 MiB leaves room for any layout and stops a stray
+# large file (or a device) from being read whole.
+CONFIG_MAX_BYTES = 1 << 20
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: Python's json keeps the last of two equal keys silently; refuse instead."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def parse_json(data: bytes, file: str, what: str) -> Any:
+    """Strict JSON of untrusted bytes: UTF-8 (no BOM), no key twice in one object. NaN, Infinity
+    and 1e999 parse as floats, so that the field holding one is refused by name where it is checked."""
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(file, what, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except _DuplicateKey as e:
+        raise CheckpointError(file, e.key, "given twice in one JSON object (the last would win "
+                                           "silently)") from None
+    except json.JSONDecodeError as e:
+        rule = "empty" if not data.strip() else f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        raise CheckpointError(file, what, rule) from None
+    except RecursionError:
+        raise CheckpointError(file, what, "not valid JSON (nested too deeply)") from None
+    except ValueError as e:   # an integer literal past Python's digit limit
+        raise CheckpointError(file, what, f"not valid JSON ({e})") from None
+
+
+def read_json(path: str, max_bytes: int) -> Any:
+    """A small JSON file (config.json, the index): a regular file of at most max_bytes, parsed by
+    `parse_json`. A UTF-8 byte order mark is accepted and skipped: editors on Windows write one and
+    it cannot change the meaning; any other encoding is refused."""
+    if not os.path.isfile(path):
+        rule = "is a directory, not a file" if os.path.isdir(path) else (
+            "not a regular file" if os.path.exists(path) else "does not exist")
+        raise CheckpointError(path, "file", rule)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise CheckpointError(path, "file", f"unreadable ({e.strerror})") from None
+    if len(data) > max_bytes:
+        raise CheckpointError(path, "file", f"larger than {max_bytes} bytes, too large for this file")
+    return parse_json(data.removeprefix(_UTF8_BOM), path, "file")
 
 
 @dataclass(frozen=True)
@@ -156,92 +261,228 @@ class ModelConfig:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
-        """Load the HF root layout, a flat HF text config, or reference ModelArgs names."""
-        cfg = cls(**_normalise(raw))
-        validate(cfg)
+    def from_dict(cls, raw: Any, source: str | None = None) -> "ModelConfig":
+        """Load the HF root layout, a flat HF text config, or reference ModelArgs names; a refusal
+        names the field as the file spells it, and `source` (the file) when given."""
+        try:
+            cfg = cls(**_normalise(raw))
+            validate(cfg)
+        except ConfigError as e:
+            raise ConfigError(_spelled(e.what, raw), e.rule, source) from None
         return cfg
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        """A config file, or a checkpoint folder's config.json (a folder named config.json is not a
+        checkpoint folder: it is refused as the file it should have been)."""
         path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            raw = json.load(f)
-        try:
-            return cls.from_dict(raw)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: {e}") from e
+        if os.path.isdir(path) and os.path.basename(os.path.normpath(path)) != CONFIG_NAME:
+            path = os.path.join(path, CONFIG_NAME)
+        return cls.from_dict(read_json(path, CONFIG_MAX_BYTES), path)
 
 
-def _normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Map any accepted layout onto ModelConfig field names; refuse unknown or missing fields."""
+# rope_scaling's keys (HF) -> ModelConfig fields; YaRN is the only scaling the model has
+_ROPE_SCALING = {"factor": "rope_factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow",
+                 "original_max_position_embeddings": "original_seq_len"}
+# model_type where a layout names one: the HF root, its text_config
+_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+
+
+def _spelled(field_name: str, raw: Any) -> str:
+    """A ModelConfig field as the file spells it (`rms_norm_eps`, `rope_scaling.factor`)."""
+    text = raw.get("text_config", raw) if isinstance(raw, Mapping) else {}
+    if not isinstance(text, Mapping):
+        return field_name
+    hf = {v: k for k, v in _HF_TO_REF.items()}.get(field_name)
+    if hf is not None and hf in text:
+        return hf
+    rope = {v: k for k, v in _ROPE_SCALING.items()}.get(field_name)
+    if rope is not None and isinstance(text.get("rope_scaling"), Mapping) and rope in text["rope_scaling"]:
+        return f"rope_scaling.{rope}"
+    return field_name
+
+
+def _object(field_name: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(field_name, f"must be a JSON object, got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    """A value in a refusal, cut short: a hostile file can hold a megabyte in one field."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _normalise(raw: Any) -> dict[str, Any]:
+    """Map any accepted layout onto ModelConfig field names; refuse unknown, doubled or missing
+    fields and values of the wrong JSON type (ranges are `validate`'s)."""
+    root = _object("config", raw)
+    text = _object("text_config", root["text_config"]) if "text_config" in root else root
     out: dict[str, Any] = {}
-    root = dict(raw)
-    text = dict(root.get("text_config", root))
-    quant = root.get("quantization_config")
-    if quant is not None:
-        if dict(quant) != PUBLISHED_QUANTIZATION:
-            raise ValueError(
-                f"quantization_config: must be exactly the published {PUBLISHED_QUANTIZATION}, "
-                f"got {dict(quant)}")
+    for where, obj in (("model_type", root), ("text_config.model_type", text)):
+        if "model_type" in obj and obj["model_type"] not in _MODEL_TYPES:
+            raise ConfigError(where, f"must be one of {list(_MODEL_TYPES)}, got {_show(obj['model_type'])}")
+    if "quantization_config" in root:
+        quant = root["quantization_config"]
+        if quant != PUBLISHED_QUANTIZATION:
+            raise ConfigError("quantization_config", f"must be exactly the published "
+                              f"{PUBLISHED_QUANTIZATION} (or absent), got {_show(quant)}")
         out["quantized"] = True
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if k in root:
             out[k] = root[k]
-    if "dtype" in text and text["dtype"] in ("bf16",):
+    if text.get("dtype") == "bf16":
         out["quantized"] = False
-    rs = text.get("rope_scaling")
-    if rs is not None:
-        if rs.get("rope_type", "yarn") != "yarn":
-            raise ValueError(f"rope_scaling.rope_type: only 'yarn' is supported, got {rs.get('rope_type')!r}")
-        out["rope_factor"] = rs["factor"]
-        out["beta_fast"] = rs["beta_fast"]
-        out["beta_slow"] = rs["beta_slow"]
-        out["original_seq_len"] = rs["original_max_position_embeddings"]
+    spelled: dict[str, str] = {}   # field -> the key that gave it
+    if "rope_scaling" in text:
+        out.update(_rope_scaling(_object("rope_scaling", text["rope_scaling"])))
+        spelled.update({name: f"rope_scaling.{k}" for k, name in _ROPE_SCALING.items()})
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     for k, v in text.items():
         name = _HF_TO_REF.get(k, k)
+        if name in spelled:
+            raise ConfigError(k, f"gives {name} a second time (also given as {spelled[name]})")
         if name in fields:
-            out[name] = v
+            out[name], spelled[name] = v, k
         elif k not in _IGNORED_KEYS:
-            raise ValueError(f"{k}: unknown config field")
-    if int(text.get("num_key_value_heads", 1)) != 1:
-        raise ValueError("num_key_value_heads: must be 1 (one shared K=V latent)")
+            raise ConfigError(k, "unknown config field")
+    if text.get("num_key_value_heads", 1) != 1 or isinstance(text.get("num_key_value_heads"), bool):
+        raise ConfigError("num_key_value_heads", "must be 1 (one shared K=V latent)")
     # ModelArgs defaults for fields the reference's own config.json leaves out.
-    out.setdefault("gate_temp", 1.0)
-    out.setdefault("norm_topk_prob", True)
-    out.setdefault("max_seq_len", 4096)
-    for k, default in (("candidate_source_layer", -1), ("candidate_topk_blocks", 0),
+    for k, default in (("gate_temp", 1.0), ("norm_topk_prob", True), ("max_seq_len", 4096),
+                       ("candidate_source_layer", -1), ("candidate_topk_blocks", 0),
                        ("candidate_block_size", 0), ("original_seq_len", 0),
                        ("dspark_n_routed_experts", 0), ("dspark_n_activated_experts", 0)):
         out.setdefault(k, default)
     missing = sorted(f for f in fields if f not in out and
                      ModelConfig.__dataclass_fields__[f].default is dataclasses.MISSING)
     if missing:
-        raise ValueError(f"{missing[0]}: missing config field (also missing: {missing[1:]})")
-    for k in ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids",
-              "engram_num_embeddings", "dspark_target_layer_ids"):
-        out[k] = tuple(int(x) for x in out[k])
+        raise ConfigError(missing[0], f"missing config field (also missing: {missing[1:]})")
+    for k in _TUPLE_FIELDS:
+        if not isinstance(out[k], list):
+            raise ConfigError(k, f"must be a list of integers, got {_show(out[k])}")
+        out[k] = tuple(out[k])   # element types are validate's
     return out
 
 
+def _rope_scaling(rs: Mapping[str, Any]) -> dict[str, Any]:
+    """The YaRN fields of HF's rope_scaling, every key present and none unknown (a key this model
+    does not implement, e.g. mscale, would be ignored silently otherwise)."""
+    if rs.get("rope_type", "yarn") != "yarn":
+        raise ConfigError("rope_scaling.rope_type", f"only 'yarn' is supported, got {_show(rs.get('rope_type'))}")
+    for k in rs:
+        if k not in _ROPE_SCALING and k != "rope_type":
+            raise ConfigError(f"rope_scaling.{k}", f"unknown key (known: {sorted(_ROPE_SCALING)} and rope_type)")
+    missing = [k for k in _ROPE_SCALING if k not in rs]
+    if missing:
+        raise ConfigError(f"rope_scaling.{missing[0]}", "missing")
+    return {name: rs[k] for k, name in _ROPE_SCALING.items()}
+
+
 # ---- validation ----------------------------------------------------------------------------
-# Fail-closed: every rule raises ValueError("<field>: <rule>"). The attention rules are those the
-# topology resolver relies on (docs/MODEL.md §1.2); the width rules are those the
-# published quantization needs (A8 activation scales per 32 lanes, FP4 weight scales per 32 inputs).
+# Fail-closed: every rule raises ConfigError("<field>: <rule>"). First each field's type and range
+# (`_check_fields`), so that no later rule compares a string or loops to a size from a hostile file;
+# then the attention rules the topology resolver relies on (docs/MODEL.md §1.2) and the width rules
+# the published quantization needs (A8 activation scales per 32 lanes, FP4 weight scales per 32 inputs).
+
+_TUPLE_FIELDS = ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids",
+                 "engram_num_embeddings", "dspark_target_layer_ids")
+
+# The size fields' values in the released model (configs/deepseek_v41_flash.config.json; a test
+# checks they agree). A size may be up to 8x its released value, rounded up to a power of two, and
+# never 2**31 or more: int32 is JAX's index type, which token ids, positions, table rows and expert
+# ids are on the device. Past that a value is a corrupt or hostile file whose loops and buffers
+# would hang the load or exhaust memory (n_routed_experts = 10**12 did, issue #19).
+RELEASED_SIZES = {
+    "vocab_size": 129280, "dim": 5120, "n_layers": 40, "n_heads": 64, "head_dim": 512,
+    "rope_head_dim": 64, "q_lora_rank": 1280, "o_groups": 8, "o_lora_rank": 1024, "window_size": 128,
+    "candidate_topk_blocks": 2048, "candidate_block_size": 8, "index_n_heads": 32,
+    "index_head_dim": 128, "index_topk": 512, "original_seq_len": 65536, "beta_fast": 32,
+    "beta_slow": 1, "max_seq_len": 1048576, "moe_inter_dim": 2304, "n_routed_experts": 384,
+    "n_shared_experts": 1, "n_activated_experts": 6, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "engram_num_embeddings": 384016682, "engram_max_ngram_size": 4, "engram_vocab_size": 16000000,
+    "engram_n_heads": 8, "engram_head_dim": 256, "engram_compressed_vocab_size": 99092,
+    "n_mtp_layers": 3, "dspark_block_size": 5, "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128, "dspark_n_activated_experts": 3,
+}
+INT32_MAX = 2**31 - 1
+
+
+def size_bound(released: int) -> int:
+    return min(1 << (8 * released - 1).bit_length(), INT32_MAX)
+
+
+# Engram's bucket moduli (Engram layers x (max_ngram_size - 1) x heads: 48 released) are each found
+# by a prime search when the config is validated: the same 8x rule bounds their count.
+ENGRAM_BUCKETS_BOUND = size_bound(2 * 3 * 8)
+
+# Float fields: finite, and inside the range their formula needs: (low, high, low included).
+_FLOAT_RANGES = {
+    "norm_eps": (0.0, 1.0, False),            # added to a mean square before rsqrt
+    "hc_eps": (0.0, 1.0, False),              # Sinkhorn's floor
+    "rope_theta": (1.0, math.inf, False),     # log(theta) divides in YaRN; theta <= 1 has no wavelengths
+    "compress_rope_theta": (1.0, math.inf, False),
+    "rope_factor": (1.0, math.inf, True),     # YaRN stretches the context: 1 = no stretch
+    "gate_temp": (0.0, math.inf, False),      # divides the router logits
+    "route_scale": (0.0, math.inf, False),
+    "swiglu_limit": (0.0, math.inf, True),    # 0 = no clamp
+}
+
 
 def validate(cfg: ModelConfig) -> None:
-    """Raise ValueError naming the first field that breaks a rule; return None if all hold."""
-    for check in (_check_layer_counts, _check_ratios, _check_kv_sources, _check_index_sources,
-                  _check_kv_owners, _check_candidates, _check_attention_shape, _check_moe,
-                  _check_engram, _check_dspark, _check_quantized_widths):
+    """Raise ConfigError naming the first field that breaks a rule; return None if all hold."""
+    for check in (_check_fields, _check_layer_counts, _check_ratios, _check_kv_sources,
+                  _check_index_sources, _check_kv_owners, _check_candidates, _check_attention_shape,
+                  _check_rope, _check_moe, _check_engram, _check_dspark, _check_token_ids,
+                  _check_quantized_widths):
         check(cfg)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_fields(cfg: ModelConfig) -> None:
+    """Every field's type (bool is not int, a string is not a number) and range: sizes in
+    [0, size_bound], floats finite and in `_FLOAT_RANGES`, id lists of integers."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.type == "int" and not _is_int(v):
+            _fail(f.name, f"must be an integer, got {_show(v)}")
+        if f.type == "bool" and not isinstance(v, bool):
+            _fail(f.name, f"must be true or false, got {_show(v)}")
+        if f.type == "str" and not isinstance(v, str):
+            _fail(f.name, f"must be a string, got {_show(v)}")
+        if f.type == "float":
+            _check_float(f.name, v)
+        if f.type == "tuple[int, ...]" and not (isinstance(v, tuple) and all(_is_int(x) for x in v)):
+            _fail(f.name, f"must be a list of integers, got {_show(v)}")
+        if f.name in RELEASED_SIZES:
+            bound = size_bound(RELEASED_SIZES[f.name])
+            for x in (v if isinstance(v, tuple) else (v,)):
+                if not 0 <= x <= bound:
+                    _fail(f.name, f"{x} is outside [0, {bound}] (8x the released model's "
+                          f"{RELEASED_SIZES[f.name]}, within int32)")
+        elif f.type in ("int", "tuple[int, ...]"):
+            # ids and ratios: their own rules bound them; int32 keeps the rules' arithmetic small
+            for x in (v if isinstance(v, tuple) else (v,)):
+                if not -INT32_MAX <= x <= INT32_MAX:
+                    _fail(f.name, f"{x} is outside the int32 range")
+
+
+def _check_float(field_name: str, v: Any) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        _fail(field_name, f"must be a number, got {_show(v)}")
+    if not math.isfinite(v):
+        _fail(field_name, f"must be finite, got {v}")
+    low, high, closed = _FLOAT_RANGES[field_name]
+    if not (low <= v if closed else low < v) or not v < high:
+        _fail(field_name, f"must be in {'[' if closed else '('}{low}, {high}), got {v}")
+
+
 def _fail(field_name: str, rule: str) -> NoReturn:
-    raise ValueError(f"{field_name}: {rule}")
+    raise ConfigError(field_name, rule)
 
 
 def _check_layer_ids(field_name: str, ids: tuple[int, ...], n_layers: int) -> None:
@@ -351,6 +592,20 @@ def _check_attention_shape(cfg: ModelConfig) -> None:
               f"= {cfg.index_head_dim}")
 
 
+def _check_rope(cfg: ModelConfig) -> None:
+    """YaRN (original_seq_len > 0) takes log(original_seq_len / (beta * 2 pi)): betas >= 1."""
+    if cfg.original_seq_len:
+        for name in ("beta_fast", "beta_slow"):
+            if getattr(cfg, name) < 1:
+                _fail(name, f"must be >= 1 with YaRN (original_seq_len > 0), got {getattr(cfg, name)}")
+
+
+def _check_token_ids(cfg: ModelConfig) -> None:
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if not 0 <= getattr(cfg, name) < cfg.vocab_size:
+            _fail(name, f"must be a token id in [0, {cfg.vocab_size}), got {getattr(cfg, name)}")
+
+
 def _check_moe(cfg: ModelConfig) -> None:
     if cfg.n_shared_experts != 1:
         _fail("n_shared_experts", f"must be exactly 1, got {cfg.n_shared_experts}")
@@ -387,6 +642,11 @@ def _check_engram(cfg: ModelConfig) -> None:
     if cfg.engram_compressed_vocab_size > cfg.vocab_size:
         _fail("engram_compressed_vocab_size", f"{cfg.engram_compressed_vocab_size} cannot exceed "
               f"vocab_size = {cfg.vocab_size}")
+    buckets = len(ids) * cfg.engram_hash_cols
+    if buckets > ENGRAM_BUCKETS_BOUND:
+        _fail("engram_n_heads", f"{len(ids)} Engram layers x (engram_max_ngram_size - 1) x "
+              f"engram_n_heads = {buckets} bucket moduli, more than {ENGRAM_BUCKETS_BOUND} "
+              "(8x the released model's 48)")
     rows = tuple(int(x) for x in engram_primes(len(ids), cfg.engram_max_ngram_size,
                                                 cfg.engram_n_heads, cfg.engram_vocab_size)
                  .sum(axis=(1, 2)))

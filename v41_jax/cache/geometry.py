@@ -37,7 +37,7 @@ from typing import Mapping
 import jax
 import numpy as np
 
-from v41_jax.config import ModelConfig
+from v41_jax.config import ModelConfig, exit_2_on_refusal
 from v41_jax.topology import Mode, resolve_topology
 
 # Row formats (docs/CACHE.md §1.3). "bf16"/"f32" rows are typed arrays; packed rows are uint8 bytes
@@ -330,7 +330,8 @@ def _get(cache, name):
     return cache[name] if isinstance(cache, Mapping) else getattr(cache, name)
 
 
-def main(argv=None) -> None:
+@exit_2_on_refusal
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="config.json (any accepted layout) or checkpoint dir")
     p.add_argument("--page-tokens", type=int, default=256)
@@ -345,7 +346,8 @@ def main(argv=None) -> None:
         page_tokens=a.page_tokens, num_pages=a.num_pages, slots=a.slots, draft_slack=a.draft_slack,
         kv_format=a.kv_format, index_format=a.index_format))
     print(geom.summary())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -20,8 +20,8 @@ import orbax.checkpoint as ocp
 
 from ..config import ModelConfig
 from ..quant import Fp4Weight, Fp8RowWeight
-from .load import ENGRAM_KEY, EngramTables, load_params, resolve_experts
-from .safetensors_io import INDEX_NAME, Checkpoint
+from .load import ENGRAM_KEY, EngramTables, config_path, load_params, resolve_experts
+from .safetensors_io import INDEX_NAME, Checkpoint, inside
 
 _SOURCE = "source.json"
 _PARAMS = "params"
@@ -33,12 +33,12 @@ def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> 
     Tensor bytes are not read (a shard rewritten in place with equal headers is not detected)."""
     ckpt_dir = os.fspath(ckpt_dir)
     h = hashlib.sha256(repr(cfg).encode() + b"\0experts=" + experts.encode())
+    ckpt = Checkpoint(ckpt_dir)   # checks that every file it names is inside the folder
     for fname in ("config.json", INDEX_NAME):
-        path = os.path.join(ckpt_dir, fname)
-        if os.path.exists(path):
-            with open(path, "rb") as f:
+        if os.path.lexists(os.path.join(ckpt_dir, fname)):
+            with open(inside(ckpt_dir, fname, ckpt_dir, fname), "rb") as f:
                 h.update(fname.encode() + b"\0" + f.read())
-    for shard in sorted(Checkpoint(ckpt_dir).files.values(), key=lambda f: f.path):
+    for shard in sorted(ckpt.files.values(), key=lambda f: f.path):
         h.update(os.path.basename(shard.path).encode() + b"\0" + str(os.path.getsize(shard.path)).encode())
         with open(shard.path, "rb") as f:
             h.update(f.read(shard.data_start))
@@ -91,7 +91,7 @@ def load_params_cached(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike
     """`load_params`, served from the orbax cache when it was made from this same checkpoint."""
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
-        cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))
+        cfg = ModelConfig.from_file(config_path(ckpt_dir))
     experts = resolve_experts(experts)
     source = fingerprint(ckpt_dir, cfg, experts)
     if cached_fingerprint(cache_dir) != source:

@@ -52,8 +52,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .. import quant
-from ..config import ModelConfig, validate
-from .safetensors_io import Checkpoint, CheckpointError
+from ..config import CONFIG_NAME, ModelConfig, validate
+from .safetensors_io import Checkpoint, CheckpointError, inside
 from .schema import TensorSpec, validate_checkpoint
 
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
@@ -165,8 +165,8 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
         codes = quant.as_u8(read(names))
         if (codes == 255).any():
             bad = next(n for n in names if (quant.as_u8(ckpt.get(n)) == 255).any())
-            raise CheckpointError(f"tensor {bad!r}: {int((codes == 255).sum())} E8M0 scale bytes are "
-                                  "255, the NaN code (a corrupt scale)")
+            raise CheckpointError(ckpt.info(bad).path, bad, f"{int((codes == 255).sum())} E8M0 scale "
+                                                            "bytes are 255, the NaN code (a corrupt scale)")
         return codes
 
     w = read(unit.names)
@@ -204,19 +204,76 @@ def nest(flat: Mapping[str, Any]) -> dict:
     return listify(tree)
 
 
+def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[str, TensorSpec],
+                  flat: Mapping[str, Any]) -> None:
+    """Refuse a device leaf holding NaN or Inf, naming the stored tensor it came from.
+
+    A published checkpoint never holds one: not in a BF16 or F32 tensor, not as an E4M3 NaN code
+    (0x7F / 0xFF), and no E8M0 scale makes a finite weight overflow. The check runs on the device
+    over the leaves the load has just made (one reduction each, one host sync for all), so it costs
+    no second pass over the files. Leaves held as FP4 / FP8 codes need none: every E2M1 code is
+    finite and their scales were checked for 255 when read."""
+    flags = {path: jnp.isfinite(leaf).all() for path, leaf in flat.items() if isinstance(leaf, jax.Array)}
+    if not flags:
+        return
+    ok = np.asarray(jnp.stack(list(flags.values())))
+    if ok.all():
+        return
+    unit = units[list(flags)[int(np.argmin(ok))]]
+    spec = schema[unit.names[0]]
+    # the one bad unit: convert its tensors one by one to name the first that is not finite
+    bad = next((n for n in unit.names
+                if not jnp.isfinite(_convert(ckpt, Unit((n,), False), spec, "bf16")).all()), unit.names[0])
+    rule = ("holds NaN or infinite values" if spec.dtype in ("BF16", "F32") else
+            "dequantizes to NaN or infinite values (an E4M3 NaN code, or a scale that overflows)")
+    raise CheckpointError(ckpt.info(bad).path, bad, f"{rule}; a published checkpoint never does")
+
+
+ENGRAM_VERIFY_ROWS = 1 << 18   # rows a verify step reads at once (64 MiB of released table)
+
+
+def verify_engram(tables: EngramTables) -> None:
+    """Refuse an Engram table holding an E4M3 NaN code (0x7F / 0xFF) or an E8M0 NaN scale (255),
+    naming the tensor. The tables stay on the host, unread at load (200 GB in the released model),
+    so this is a separate full pass over them: `load_params(..., verify=True)`."""
+    files = {name: file for name, file, _ in tables.source}
+    for layer in tables.weight:
+        # (table, its name, the bits that make a NaN, the NaN pattern): E4M3 S.1111.111, E8M0 255
+        for table, suffix, mask, nan in ((tables.weight[layer], "weight", 0x7F, 0x7F),
+                                         (tables.scale[layer], "scale", 0xFF, 0xFF)):
+            name = f"layers.{layer}.engram.embed.{suffix}"
+            for start in range(0, table.shape[0], ENGRAM_VERIFY_ROWS):
+                codes = np.asarray(table[start:start + ENGRAM_VERIFY_ROWS]).view(np.uint8)
+                if ((codes & mask) == nan).any():
+                    raise CheckpointError(files[name], name, f"holds the NaN code {nan:#04x} (in rows "
+                                                             f"{start}..{start + len(codes) - 1}); a "
+                                                             "published checkpoint never does")
+
+
+def config_path(ckpt_dir: str) -> str:
+    """The checkpoint folder's config.json, refused unless a regular file inside the folder."""
+    return inside(ckpt_dir, CONFIG_NAME, os.path.join(ckpt_dir, CONFIG_NAME), "file")
+
+
 def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
-                progress: bool = True, experts: str = "auto") -> tuple[ModelConfig, dict]:
-    """Read, check and convert a published checkpoint; see the module docstring for the layout."""
+                progress: bool = True, experts: str = "auto",
+                verify: bool = False) -> tuple[ModelConfig, dict]:
+    """Read, check and convert a published checkpoint; see the module docstring for the layout.
+    Every refusal is a CheckpointError `<file>: <tensor or field>: <rule>`. `verify` also reads the
+    host Engram tables whole for NaN codes (`verify_engram`), which a plain load never reads."""
     experts = resolve_experts(experts)
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
-        cfg = ModelConfig.from_file(os.path.join(ckpt_dir, "config.json"))
+        cfg = ModelConfig.from_file(config_path(ckpt_dir))
     validate(cfg)
     ckpt = Checkpoint(ckpt_dir)
     _, schema = validate_checkpoint(ckpt, cfg)
+    units = param_units(schema)
     flat = {path: _convert(ckpt, unit, schema[unit.names[0]], experts)
-            for path, unit in tqdm(param_units(schema).items(), desc="checkpoint", unit="param",
-                                    disable=not progress)}
+            for path, unit in tqdm(units.items(), desc="checkpoint", unit="param", disable=not progress)}
+    _check_finite(ckpt, units, schema, flat)
     params = nest(flat)
     params[ENGRAM_KEY] = EngramTables.from_checkpoint(ckpt, cfg)
+    if verify:
+        verify_engram(params[ENGRAM_KEY])
     return cfg, params

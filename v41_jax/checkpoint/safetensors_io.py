@@ -11,7 +11,11 @@ A checkpoint directory holds `model.safetensors.index.json` (`weight_map` name -
 header and checks it; tensor bytes are only touched when a caller asks for that tensor, so one
 tensor, one layer or one expert can be read without reading the rest.
 
-Every inconsistency raises CheckpointError (a ValueError) naming the tensor and the file.
+Checkpoints are untrusted input (docs/MODEL.md §2.3). Every inconsistency raises CheckpointError
+(a ValueError) as one line `<file>: <tensor or part>: <rule>`. Every file read is a regular file
+inside the checkpoint folder once symlinks are resolved (`inside`); JSON is strict (`parse_json`:
+UTF-8, no key twice, so neither a header nor the index can list a tensor twice); sizes read
+before parsing are bounded.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
+
+from ..config import CheckpointError, parse_json, read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -39,15 +45,30 @@ DTYPES: dict[str, np.dtype] = {
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _ALIGN = 8  # the header is space-padded so that the data starts 8-byte aligned
+# The safetensors library refuses a header over 100 MB (its MAX_HEADER_SIZE); so does this reader,
+# before reading it. The index lists no more than the headers hold: the same bound serves it.
+MAX_HEADER_BYTES = 100_000_000
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file or tensor is malformed or does not match the expected schema."""
-
-
-def _err(path: str, name: str | None, msg: str) -> CheckpointError:
-    where = f"tensor {name!r} in {path}" if name is not None else path
-    return CheckpointError(f"{where}: {msg}")
+def inside(folder: str, name: Any, source: str, what: str) -> str:
+    """The path of file `name` in the checkpoint `folder`, refused (naming `source`, the file that
+    named it, and `what`) unless it is a relative path that stays inside the folder once `..` and
+    symlinks are resolved, and a regular file. Nothing outside the folder is opened: a shard name
+    in a downloaded index could otherwise read any file of the machine."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(source, what, f"file name must be a non-empty string, got {name!r}")
+    if os.path.isabs(name):
+        raise CheckpointError(source, what, f"file {name!r} is an absolute path; it must be inside "
+                                            f"the checkpoint folder")
+    path = os.path.join(folder, name)
+    real_folder = os.path.realpath(folder)
+    if os.path.commonpath([real_folder, os.path.realpath(path)]) != real_folder:
+        raise CheckpointError(source, what, f"file {name!r} resolves outside the checkpoint folder "
+                                            f"{folder} (.. or a symlink)")
+    if not os.path.isfile(path):
+        rule = "does not exist" if not os.path.lexists(path) else "is not a regular file"
+        raise CheckpointError(source, what, f"file {name!r} {rule}")
+    return path
 
 
 @dataclass(frozen=True)
@@ -64,6 +85,10 @@ class TensorInfo:
         return self.end - self.begin
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class SafetensorsFile:
     """One .safetensors file: header parsed and checked at open, tensors mapped on demand."""
 
@@ -74,38 +99,44 @@ class SafetensorsFile:
         with open(self.path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise _err(self.path, None, f"file of {size} bytes has no 8-byte header length")
+                raise CheckpointError(self.path, "header length", f"file of {size} bytes has no "
+                                                                  "8-byte header length")
             (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(self.path, "header length", f"{n} bytes, over the "
+                                                                  f"{MAX_HEADER_BYTES} safetensors allows")
             if 8 + n > size:
-                raise _err(self.path, None, f"header length {n} runs past the end of the file ({size} bytes)")
+                raise CheckpointError(self.path, "header length", f"{n} runs past the end of the "
+                                                                  f"file ({size} bytes)")
             raw = f.read(n)
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _err(self.path, None, f"header is not valid JSON: {e}") from e
+        header = parse_json(raw, self.path, "header")
         if not isinstance(header, dict):
-            raise _err(self.path, None, "header is not a JSON object")
-        self.metadata: dict = header.pop("__metadata__", None) or {}
+            raise CheckpointError(self.path, "header", "not a JSON object")
+        self.metadata: dict = header.pop("__metadata__", {})
+        if not (isinstance(self.metadata, dict) and all(isinstance(v, str) for v in self.metadata.values())):
+            raise CheckpointError(self.path, "__metadata__", "must map strings to strings")
         self.data_start = 8 + n
         self.tensors: dict[str, TensorInfo] = {
             name: self._entry(name, entry) for name, entry in header.items()}
         self._check_layout(size - self.data_start)
 
     def _entry(self, name: str, entry) -> TensorInfo:
+        def refuse(rule: str):
+            return CheckpointError(self.path, name, rule)
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise _err(self.path, name, f"header entry must have exactly dtype/shape/data_offsets, got {entry!r}")
+            raise refuse(f"header entry must have exactly dtype/shape/data_offsets, got {entry!r:.200}")
         dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
-            raise _err(self.path, name, f"unknown dtype {dtype!r} (known: {sorted(DTYPES)})")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise _err(self.path, name, f"bad shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise refuse(f"unknown dtype {dtype!r:.80} (known: {sorted(DTYPES)})")
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+            raise refuse(f"bad shape {shape!r:.200}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
                 and 0 <= offs[0] <= offs[1]):
-            raise _err(self.path, name, f"bad data_offsets {offs!r}")
+            raise refuse(f"bad data_offsets {offs!r:.200}")
         want = math.prod(shape) * DTYPES[dtype].itemsize
         if offs[1] - offs[0] != want:
-            raise _err(self.path, name, f"data_offsets {offs} span {offs[1] - offs[0]} bytes but "
-                                        f"shape {shape} x {dtype} needs {want}")
+            raise refuse(f"data_offsets {offs} span {offs[1] - offs[0]} bytes but shape {shape} x "
+                         f"{dtype} needs {want}")
         return TensorInfo(name, dtype, tuple(shape), self.path,
                           self.data_start + offs[0], self.data_start + offs[1])
 
@@ -113,23 +144,26 @@ class SafetensorsFile:
         """Tensors must tile the data section exactly: no overlap, no gap, nothing past the end."""
         pos = self.data_start
         for t in sorted(self.tensors.values(), key=lambda t: (t.begin, t.end)):
+            offsets = f"data_offsets [{t.begin - self.data_start}, {t.end - self.data_start}]"
             if t.begin < pos:
-                raise _err(self.path, t.name, f"data_offsets [{t.begin - self.data_start}, "
-                                              f"{t.end - self.data_start}] overlap the previous tensor")
+                raise CheckpointError(self.path, t.name, f"{offsets} overlap the previous tensor")
             if t.begin > pos:
-                raise _err(self.path, t.name, f"gap of {t.begin - pos} bytes before this tensor's data")
+                raise CheckpointError(self.path, t.name, f"gap of {t.begin - pos} bytes before this "
+                                                         "tensor's data")
             if t.end - self.data_start > data_bytes:
-                raise _err(self.path, t.name, f"data ends at byte {t.end - self.data_start} but the file "
-                                              f"holds {data_bytes} data bytes: truncated shard")
+                raise CheckpointError(self.path, t.name, f"data ends at byte {t.end - self.data_start} "
+                                                         f"but the file holds {data_bytes} data bytes: "
+                                                         "truncated shard")
             pos = t.end
         if pos - self.data_start != data_bytes:
-            raise _err(self.path, None, f"{data_bytes - (pos - self.data_start)} trailing bytes after the last tensor")
+            raise CheckpointError(self.path, "data", f"{data_bytes - (pos - self.data_start)} "
+                                                     "trailing bytes after the last tensor")
 
     def get(self, name: str) -> np.ndarray:
         """Zero-copy read-only view of one tensor (dtype from DTYPES)."""
         t = self.tensors.get(name)
         if t is None:
-            raise _err(self.path, name, "not in this file")
+            raise CheckpointError(self.path, name, "not in this file")
         if self._mm is None:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         return self._mm[t.begin:t.end].view(DTYPES[t.dtype]).reshape(t.shape)
@@ -140,47 +174,39 @@ class Checkpoint:
 
     def __init__(self, ckpt_dir: str | os.PathLike):
         self.dir = os.fspath(ckpt_dir)
-        index_path = os.path.join(self.dir, INDEX_NAME)
         self.files: dict[str, SafetensorsFile] = {}
         self.tensors: dict[str, TensorInfo] = {}
-        if os.path.exists(index_path):
-            self.source = index_path
-            self._open_index(index_path)
-        else:
-            single = os.path.join(self.dir, SINGLE_NAME)
-            if not os.path.exists(single):
-                raise CheckpointError(f"{self.dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
-            self.source = single
-            self.files[SINGLE_NAME] = SafetensorsFile(single)
+        if os.path.lexists(os.path.join(self.dir, INDEX_NAME)):
+            self.source = inside(self.dir, INDEX_NAME, self.dir, "index")
+            self._open_index(self.source)
+        elif os.path.lexists(os.path.join(self.dir, SINGLE_NAME)):
+            self.source = inside(self.dir, SINGLE_NAME, self.dir, "shard")
+            self.files[SINGLE_NAME] = SafetensorsFile(self.source)
             self.tensors = dict(self.files[SINGLE_NAME].tensors)
+        else:
+            raise CheckpointError(self.dir, "folder", f"neither {INDEX_NAME} nor {SINGLE_NAME} found")
         self._by_path = {f.path: f for f in self.files.values()}
 
     def _open_index(self, index_path: str) -> None:
-        try:
-            with open(index_path) as f:
-                index = json.load(f)
-            weight_map: dict[str, str] = index["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise _err(index_path, None, f"unreadable index: {e!r}") from e
+        weight_map, total = _read_index(index_path)
         for name, shard in sorted(weight_map.items()):
             if shard not in self.files:
-                path = os.path.join(self.dir, shard)
-                if not os.path.isfile(path):
-                    raise _err(index_path, name, f"index points at shard {shard!r}, which does not exist")
-                self.files[shard] = SafetensorsFile(path)
+                self.files[shard] = SafetensorsFile(inside(self.dir, shard, index_path, name))
             info = self.files[shard].tensors.get(name)
             if info is None:
-                raise _err(os.path.join(self.dir, shard), name, f"listed in {INDEX_NAME} but absent from the shard")
+                raise CheckpointError(self.files[shard].path, name, f"listed in {INDEX_NAME} but "
+                                                                    "absent from the shard")
             self.tensors[name] = info
         for shard, f in self.files.items():
             for name in f.tensors:
                 if weight_map.get(name) != shard:
-                    raise _err(f.path, name, f"present in the shard but {INDEX_NAME} maps it "
-                                             f"{'to ' + repr(weight_map[name]) if name in weight_map else 'nowhere'}")
-        total = index.get("metadata", {}).get("total_size")
+                    where = (f"is mapped to {weight_map[name]!r}: a tensor stored in two shards"
+                             if name in weight_map else "maps it nowhere")
+                    raise CheckpointError(f.path, name, f"present in the shard but {INDEX_NAME} {where}")
         actual = sum(t.nbytes for t in self.tensors.values())
         if total is not None and total != actual:
-            raise _err(index_path, None, f"metadata.total_size {total} != {actual} bytes of tensor data")
+            raise CheckpointError(index_path, "metadata.total_size", f"{total} != {actual} bytes of "
+                                                                     "tensor data")
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -191,7 +217,7 @@ class Checkpoint:
     def info(self, name: str) -> TensorInfo:
         t = self.tensors.get(name)
         if t is None:
-            raise CheckpointError(f"tensor {name!r} in {self.dir}: not in the checkpoint")
+            raise CheckpointError(self.source, name, "not in the checkpoint")
         return t
 
     def get(self, name: str) -> np.ndarray:
@@ -204,13 +230,39 @@ class Checkpoint:
         return {n: self.get(n) for n in self.names() if n.startswith(prefix)}
 
 
+def _read_index(path: str) -> tuple[dict[str, str], int | None]:
+    """The index's weight_map (tensor -> shard file name) and metadata.total_size (None if absent);
+    every other key is refused."""
+    index = read_json(path, MAX_HEADER_BYTES)
+    if not isinstance(index, dict):
+        raise CheckpointError(path, "file", "the index must be a JSON object")
+    for key in index:
+        if key not in ("weight_map", "metadata"):
+            raise CheckpointError(path, key, "unknown index key (known: metadata, weight_map)")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(path, "weight_map", f"must be an object of tensor -> shard file, got "
+                                                  f"{type(weight_map).__name__}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(path, name, f"shard file must be a string, got {shard!r:.80}")
+    metadata = index.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise CheckpointError(path, "metadata", f"must be an object, got {type(metadata).__name__}")
+    total = metadata.get("total_size")
+    if total is not None and not (_is_int(total) and total >= 0):
+        raise CheckpointError(path, "metadata.total_size", f"must be a byte count, got {total!r:.80}")
+    return weight_map, total
+
+
 # ---- writer ------------------------------------------------------------------------------------
 
 def dtype_name(arr: np.ndarray) -> str:
     try:
         return _DTYPE_NAMES[arr.dtype]
     except KeyError:
-        raise CheckpointError(f"dtype {arr.dtype} has no safetensors name here (known: {sorted(DTYPES)})") from None
+        raise CheckpointError(None, f"dtype {arr.dtype}", f"has no safetensors name here (known: "
+                                                          f"{sorted(DTYPES)})") from None
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],

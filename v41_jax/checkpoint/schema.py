@@ -55,14 +55,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class SchemaTooLarge(Exception):
+    """The schema grew past its `limit` of tensors: `names` are the first limit + 1."""
+
+    def __init__(self, names: list[str]):
+        super().__init__(names)
+        self.names = names
+
+
 class _Table:
     """Collects the specs of one checkpoint; one method per kind of parameter."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, limit: int | None):
         self.cfg = cfg
+        self.limit = limit
         self.specs: dict[str, TensorSpec] = {}
 
     def add(self, name: str, shape: tuple[int, ...], dtype: str, held: str) -> None:
+        if self.limit is not None and len(self.specs) >= self.limit:
+            raise SchemaTooLarge([*self.specs, name])
         self.specs[name] = TensorSpec(tuple(int(d) for d in shape), dtype, held)
 
     def norm(self, name: str, dim: int) -> None:
@@ -170,9 +181,11 @@ def _draft_extras(t: _Table, p: str, stage: int) -> None:
         t.bf16(f"{p}.confidence_head.proj", 1, cfg.dim + cfg.dspark_markov_rank, "f32")
 
 
-def checkpoint_schema(cfg: ModelConfig, opts: SchemaOptions = SchemaOptions()) -> dict[str, TensorSpec]:
-    """name -> TensorSpec for every stored tensor of the text model, sorted by name."""
-    t = _Table(cfg)
+def checkpoint_schema(cfg: ModelConfig, opts: SchemaOptions = SchemaOptions(),
+                      limit: int | None = None) -> dict[str, TensorSpec]:
+    """name -> TensorSpec for every stored tensor of the text model, sorted by name. With `limit`,
+    raise SchemaTooLarge as soon as the schema would hold more tensors than that."""
+    t = _Table(cfg, limit)
     t.bf16("embed", cfg.vocab_size, cfg.dim)
     t.bf16("head", cfg.vocab_size, cfg.dim, "f32")
     t.norm("norm", cfg.dim)
@@ -201,23 +214,32 @@ def detect_options(names: Iterable[str]) -> SchemaOptions:
 
 def validate_checkpoint(ckpt: Checkpoint, cfg: ModelConfig) -> tuple[SchemaOptions, dict[str, TensorSpec]]:
     """Refuse a checkpoint whose text key set, shapes or dtypes differ from the schema of `cfg`.
-    Returns the detected options and the schema they give."""
+    Returns the detected options and the schema they give.
+
+    The schema is built with the checkpoint's own tensor count as its limit: a config that asks for
+    more tensors than the files hold is refused when the limit is reached, so a hostile size (within
+    the config's bounds, e.g. 40 layers x 3072 experts) costs no more than the checkpoint's headers."""
     opts = detect_options(ckpt.tensors)
-    schema = checkpoint_schema(cfg, opts)
+    try:
+        schema = checkpoint_schema(cfg, opts, limit=len(ckpt.tensors))
+    except SchemaTooLarge as e:
+        first = next(n for n in e.names if n not in ckpt.tensors)
+        raise CheckpointError(ckpt.source, first, f"missing from the checkpoint (the config asks for "
+                                                  f"more than the {len(ckpt.tensors)} tensors it "
+                                                  "holds)") from None
     text_names = {n for n in ckpt.tensors if not n.startswith(VISION_PREFIXES)}
     missing = sorted(set(schema) - text_names)
     if missing:
-        raise CheckpointError(f"tensor {missing[0]!r} missing from {ckpt.source} "
-                              f"({len(missing)} missing in all: {missing[:8]})")
+        raise CheckpointError(ckpt.source, missing[0], f"missing from the checkpoint ({len(missing)} "
+                                                       f"missing in all: {missing[:8]})")
     extra = sorted(text_names - set(schema))
     if extra:
-        raise CheckpointError(f"tensor {extra[0]!r} in {ckpt.info(extra[0]).path}: not in the schema of "
-                              f"this config ({len(extra)} unexpected in all: {extra[:8]})")
+        raise CheckpointError(ckpt.info(extra[0]).path, extra[0], f"not in the schema of this config "
+                                                                  f"({len(extra)} unexpected in all: {extra[:8]})")
     for name, spec in schema.items():
         info = ckpt.info(name)
         if info.dtype != spec.dtype:
-            raise CheckpointError(f"tensor {name!r} in {info.path}: dtype {info.dtype}, expected {spec.dtype}")
+            raise CheckpointError(info.path, name, f"dtype {info.dtype}, expected {spec.dtype}")
         if info.shape != spec.shape:
-            raise CheckpointError(f"tensor {name!r} in {info.path}: shape {list(info.shape)}, "
-                                  f"expected {list(spec.shape)}")
+            raise CheckpointError(info.path, name, f"shape {list(info.shape)}, expected {list(spec.shape)}")
     return opts, schema

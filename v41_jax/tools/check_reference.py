@@ -72,6 +72,7 @@ import ml_dtypes
 import numpy as np
 
 from v41_jax.checkpoint.load import ENGRAM_KEY, EXPERT_HOLDS, load_params
+from v41_jax.config import exit_2_on_refusal
 from v41_jax.engram_hash import EngramHasher, load_token_map
 from v41_jax.model import dspark
 from v41_jax.model.engram import sequence_rows
@@ -464,6 +465,7 @@ def check_folder(fx: Fixture, numerics: Numerics, tol: Tolerance | None = None, 
     return checks
 
 
+@exit_2_on_refusal
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder")
