@@ -90,6 +90,7 @@ from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
+from v41_jax.runtime import compile_cache  # noqa: E402
 from v41_jax.runtime.engine import Engine  # noqa: E402
 from v41_jax.runtime.metadata import Bucket, BucketSet, build_step  # noqa: E402
 from v41_jax.topology import Mode, resolve_topology  # noqa: E402
@@ -527,7 +528,7 @@ def main(argv=None) -> int:
         with sem:
             t1 = time.perf_counter()
             try:
-                c.compiled = c.lowered.compile()
+                c.compiled = c.lowered.compile(compiler_options=compile_cache.compiler_options())   # as the engine
                 c.compile_s = time.perf_counter() - t1
             except Exception as err:  # noqa: BLE001 - one failing case must not end the run
                 c.error = f"compile: {type(err).__name__}: {str(err)[:400]}"

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 import jax
+import jax.extend
 
 ENV = "V41_COMPILE_CACHE"
 DEFAULT = os.path.join(os.path.expanduser("~"), ".cache", "v41-jax", "xla")
@@ -52,6 +53,27 @@ def enable(path: str | None = None) -> str | None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+# XLA command buffers (CUDA graphs) for every kind of kernel, however small the graph: a decode
+# step is ~750 kernels, and launched one by one their launch costs as long as the step itself. On
+# the H200 (bench slice, batch 1, BENCHMARKS.md "Engine loop") the step took 6.1 ms with XLA's
+# defaults and 4.1 ms with these, and its launch returned in 0.5-0.9 ms instead of after 6.0 ms.
+# Measured on CUDA only: ROCm keeps XLA's defaults until measured there. XLA_FLAGS that name
+# either option win (the user's choice).
+CUDA_COMMAND_BUFFERS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
+
+def compiler_options() -> dict:
+    """XLA options the step's executables are compiled with on this backend."""
+    backend = jax.extend.backend.get_backend()
+    if backend.platform != "gpu" or "cuda" not in backend.platform_version.lower():
+        return {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in CUDA_COMMAND_BUFFERS.items() if k not in flags}
 
 
 def _source_digest() -> str:

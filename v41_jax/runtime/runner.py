@@ -278,7 +278,8 @@ class Runner:
 
         def compile_one(item):
             bucket, batch, key = item
-            compiled = self.step_fn.lower(self.params, self.cache, batch, layout=self.layout(bucket)).compile()
+            lowered = self.step_fn.lower(self.params, self.cache, batch, layout=self.layout(bucket))
+            compiled = lowered.compile(compiler_options=compile_cache.compiler_options())
             if key:
                 compile_cache.save_executable(key, compiled)
             return bucket, compiled
