@@ -265,7 +265,10 @@ class ModelConfig:
         """Load the HF root layout, a flat HF text config, or reference ModelArgs names; a refusal
         names the field as the file spells it, and `source` (the file) when given."""
         try:
-            cfg = cls(**_normalise(raw))
+            cfg = cls(**_normalise(raw))      # its refusals name the keys as the file has them
+        except ConfigError as e:
+            raise ConfigError(e.what, e.rule, source) from None
+        try:
             validate(cfg)
         except ConfigError as e:
             raise ConfigError(_spelled(e.what, raw), e.rule, source) from None

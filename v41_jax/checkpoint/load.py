@@ -239,15 +239,15 @@ def verify_engram(tables: EngramTables) -> None:
     files = {name: file for name, file, _ in tables.source}
     for layer in tables.weight:
         # (table, its name, the bits that make a NaN, the NaN pattern): E4M3 S.1111.111, E8M0 255
-        for table, suffix, mask, nan in ((tables.weight[layer], "weight", 0x7F, 0x7F),
-                                         (tables.scale[layer], "scale", 0xFF, 0xFF)):
+        for table, suffix, mask, nan, code in ((tables.weight[layer], "weight", 0x7F, 0x7F, "E4M3 NaN code 0x7F/0xFF"),
+                                               (tables.scale[layer], "scale", 0xFF, 0xFF, "E8M0 NaN code 255")):
             name = f"layers.{layer}.engram.embed.{suffix}"
             for start in range(0, table.shape[0], ENGRAM_VERIFY_ROWS):
                 codes = np.asarray(table[start:start + ENGRAM_VERIFY_ROWS]).view(np.uint8)
                 if ((codes & mask) == nan).any():
-                    raise CheckpointError(files[name], name, f"holds the NaN code {nan:#04x} (in rows "
-                                                             f"{start}..{start + len(codes) - 1}); a "
-                                                             "published checkpoint never does")
+                    raise CheckpointError(files[name], name, f"holds the {code} (in rows {start}.."
+                                                             f"{start + len(codes) - 1}); a published "
+                                                             "checkpoint never does")
 
 
 def config_path(ckpt_dir: str) -> str:
