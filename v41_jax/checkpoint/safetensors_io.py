@@ -246,6 +246,8 @@ def _read_index(path: str) -> tuple[dict[str, str], int | None]:
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise CheckpointError(path, name, f"shard file must be a string, got {shard!r:.80}")
+        # one file, one name: "./a.safetensors" and "a.safetensors" are the same shard
+        weight_map[name] = os.path.normpath(shard) if shard else shard
     metadata = index.get("metadata", {})
     if not isinstance(metadata, dict):
         raise CheckpointError(path, "metadata", f"must be an object, got {type(metadata).__name__}")
