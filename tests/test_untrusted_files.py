@@ -6,6 +6,7 @@ folder is opened, no size hangs the load, and the CLIs print the refusal and exi
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -186,6 +187,7 @@ CONFIG_CASES = [
     ("norm_eps_object", _set("rms_norm_eps", {}), "rms_norm_eps"),
     ("norm_eps_negative", _set("rms_norm_eps", -1e-6), "rms_norm_eps"),
     ("sinkhorn_iters_1e12", _set("hc_sinkhorn_iters", 10**12), "hc_sinkhorn_iters"),
+    ("rope_theta_past_float", _set("rope_theta", 10**400), "rope_theta"),
     ("layers_bool", _set("num_hidden_layers", True), "num_hidden_layers"),
     ("norm_topk_prob_int", _set("norm_topk_prob", 1), "norm_topk_prob"),
     ("score_func_list", _set("scoring_func", ["sqrtsoftplus"]), "scoring_func"),
@@ -229,6 +231,22 @@ def test_config_json_that_is_a_folder(tmp_path):
     with pytest.raises(CheckpointError) as e:
         ModelConfig.from_file(tmp_path / "config.json")
     check_refusal(e.value, [tmp_path / "config.json"], {"file"})
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", SHARDS[0]])
+def test_fifo_refused_without_reading(ckpt, name):
+    """A named pipe would block the first read forever: only regular files are opened."""
+    (ckpt / name).unlink()
+    os.mkfifo(ckpt / name)
+    start = time.perf_counter()
+    err = refused(ckpt)
+    assert time.perf_counter() - start < 2 and "not a regular file" in err.rule, err
+
+
+def test_errors_pickle():
+    for err in (CheckpointError("a.json", "x", "bad"), ConfigError("x", "bad", "a.json"), ConfigError("x", "bad")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
 
 
 def test_config_with_utf8_bom_loads_equal(ckpt, tiny):

@@ -63,8 +63,8 @@ def _config_names(config: dict) -> set[str]:
 
 # ---- header mutations ----------------------------------------------------------------------------
 
-BAD_VALUES = ["7", "", True, False, None, {}, [], [1], math.nan, math.inf, -math.inf, 10**12, 10**30, -1, 0, 1,
-              2**31, 0.5, 1e-300, 1e300, "x" * 300]
+BAD_VALUES = ["7", "", True, False, None, {}, [], [1], math.nan, math.inf, -math.inf, 10**12, 10**30, 10**400, -1,
+              0, 1, 2**31, 0.5, 1e-300, 1e300, "x" * 300]
 
 
 def _header(d: Path, rng: random.Random) -> Case:

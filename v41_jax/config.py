@@ -92,6 +92,7 @@ class ConfigError(CheckpointError):
 
     def __init__(self, what: str, rule: str, file: str | None = None):
         super().__init__(file, what, rule)
+        self.args = (what, rule, file)    # this constructor's order, so that it pickles
 
 
 def exit_2_on_refusal(main: Callable[..., int | None]) -> Callable[..., int | None]:
@@ -448,37 +449,43 @@ def _is_int(v: Any) -> bool:
 
 def _check_fields(cfg: ModelConfig) -> None:
     """Every field's type (bool is not int, a string is not a number) and range: sizes in
-    [0, size_bound], floats finite and in `_FLOAT_RANGES`, id lists of integers."""
+    [0, size_bound], other integers in int32, floats finite and in `_FLOAT_RANGES`."""
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if f.type == "int" and not _is_int(v):
-            _fail(f.name, f"must be an integer, got {_show(v)}")
-        if f.type == "bool" and not isinstance(v, bool):
-            _fail(f.name, f"must be true or false, got {_show(v)}")
-        if f.type == "str" and not isinstance(v, str):
-            _fail(f.name, f"must be a string, got {_show(v)}")
         if f.type == "float":
             _check_float(f.name, v)
-        if f.type == "tuple[int, ...]" and not (isinstance(v, tuple) and all(_is_int(x) for x in v)):
-            _fail(f.name, f"must be a list of integers, got {_show(v)}")
-        if f.name in RELEASED_SIZES:
-            bound = size_bound(RELEASED_SIZES[f.name])
-            for x in (v if isinstance(v, tuple) else (v,)):
-                if not 0 <= x <= bound:
-                    _fail(f.name, f"{x} is outside [0, {bound}] (8x the released model's "
-                          f"{RELEASED_SIZES[f.name]}, within int32)")
-        elif f.type in ("int", "tuple[int, ...]"):
-            # ids and ratios: their own rules bound them; int32 keeps the rules' arithmetic small
-            for x in (v if isinstance(v, tuple) else (v,)):
-                if not -INT32_MAX <= x <= INT32_MAX:
-                    _fail(f.name, f"{x} is outside the int32 range")
+            continue
+        _check_type(f.name, f.type, v)
+        if f.type in ("int", "tuple[int, ...]"):
+            _check_int_range(f.name, v if isinstance(v, tuple) else (v,))
+
+
+def _check_type(field_name: str, type_name: str, v: Any) -> None:
+    ok = {"int": _is_int(v), "bool": isinstance(v, bool), "str": isinstance(v, str),
+          "tuple[int, ...]": isinstance(v, tuple) and all(_is_int(x) for x in v)}[type_name]
+    if not ok:
+        want = {"int": "an integer", "bool": "true or false", "str": "a string",
+                "tuple[int, ...]": "a list of integers"}[type_name]
+        _fail(field_name, f"must be {want}, got {_show(v)}")
+
+
+def _check_int_range(field_name: str, values: tuple[int, ...]) -> None:
+    if field_name in RELEASED_SIZES:
+        low, high = 0, size_bound(RELEASED_SIZES[field_name])
+        why = f"8x the released model's {RELEASED_SIZES[field_name]}, within int32"
+    else:   # ids and ratios: their own rules bound them; int32 keeps those rules' arithmetic small
+        low, high, why = -INT32_MAX, INT32_MAX, "int32"
+    for x in values:
+        if not low <= x <= high:
+            _fail(field_name, f"{x} is outside [{low}, {high}] ({why})")
 
 
 def _check_float(field_name: str, v: Any) -> None:
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         _fail(field_name, f"must be a number, got {_show(v)}")
-    if not math.isfinite(v):
-        _fail(field_name, f"must be finite, got {v}")
+    # an integer literal past float's range (2**1024) would overflow where the model uses it
+    if not (math.isfinite(v) if isinstance(v, float) else abs(v) < 2**1024):
+        _fail(field_name, f"must be finite, got {_show(v)}")
     low, high, closed = _FLOAT_RANGES[field_name]
     if not (low <= v if closed else low < v) or not v < high:
         _fail(field_name, f"must be in {'[' if closed else '('}{low}, {high}), got {v}")
