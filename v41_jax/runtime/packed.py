@@ -36,12 +36,9 @@ class PackedBatch(NamedTuple):
 class Leaf:
     in_words: bool   # which buffer holds it
     offset: int      # first element in that buffer
+    size: int        # elements
     shape: tuple
-    dtype: str
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+    dtype: np.dtype
 
 
 @dataclass(frozen=True)
@@ -61,24 +58,25 @@ class BatchLayout:
             if dtype not in _WORD_DTYPES + _BYTE_DTYPES:
                 raise TypeError(f"batch leaf {jax.tree_util.keystr(path[0])}: dtype {dtype} has no packed form")
             in_words = dtype in _WORD_DTYPES
-            leaf = Leaf(in_words, ends[in_words], tuple(int(d) for d in x.shape), dtype.name)
+            shape = tuple(int(d) for d in x.shape)
+            leaf = Leaf(in_words, ends[in_words], int(np.prod(shape, dtype=np.int64)), shape, dtype)
             ends[in_words] += leaf.size
             leaves.append(leaf)
         return cls(treedef, tuple(leaves), ends[True], ends[False])
 
     def pack(self, batch) -> PackedBatch:
-        """The host batch (numpy) -> two numpy buffers, one copy of each leaf's bytes."""
+        """The host batch (numpy) -> two numpy buffers, one copy of each leaf's bytes. On the
+        engine's critical path at every step, hence plain comparisons of precomputed fields."""
         arrays, treedef = jax.tree_util.tree_flatten(batch)
         if treedef != self.treedef:
             raise ValueError("batch does not have this layout's structure")
         words = np.empty(self.n_words, np.int32)
         raw = np.empty(self.n_bytes, np.uint8)
         for leaf, x in zip(self.leaves, arrays):
-            x = np.asarray(x)
-            if x.shape != leaf.shape or x.dtype.name != leaf.dtype:
+            if x.shape != leaf.shape or x.dtype != leaf.dtype:
                 raise ValueError(f"batch leaf {x.shape} {x.dtype} where the layout has {leaf.shape} {leaf.dtype}")
             dst = words if leaf.in_words else raw
-            dst[leaf.offset: leaf.offset + leaf.size] = np.ascontiguousarray(x).reshape(-1).view(dst.dtype)
+            dst[leaf.offset: leaf.offset + leaf.size] = x.reshape(-1).view(dst.dtype)
         return PackedBatch(words, raw)
 
     def unpack(self, packed: PackedBatch):
@@ -88,9 +86,9 @@ class BatchLayout:
         for leaf in self.leaves:
             src = words if leaf.in_words else raw
             x = jax.lax.slice_in_dim(src, leaf.offset, leaf.offset + leaf.size).reshape(leaf.shape)
-            if leaf.dtype == "bool":
+            if leaf.dtype == np.bool_:
                 x = x != 0
-            elif leaf.dtype != src.dtype.name:
-                x = jax.lax.bitcast_convert_type(x, jnp.dtype(leaf.dtype))
+            elif leaf.dtype != src.dtype:
+                x = jax.lax.bitcast_convert_type(x, leaf.dtype)
             out.append(x)
         return jax.tree_util.tree_unflatten(self.treedef, out)
