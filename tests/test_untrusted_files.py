@@ -348,12 +348,24 @@ def test_e4m3_nan_code_refused_by_name(ckpt, code):
     assert "dequantizes to NaN" in err.rule
 
 
-def test_scale_that_overflows_refused_by_name(ckpt):
-    """E8M0 254 (2^127) times a finite E4M3 weight is infinite in bf16."""
-    scale = "layers.0.attn.wq_a.scale"
+@pytest.mark.parametrize("scale,code,experts,refused_code", [
+    ("layers.0.attn.wq_a.scale", 246, "bf16", False),
+    ("layers.0.attn.wq_a.scale", 247, "bf16", True),            # 448 x 2^120 overflows bf16
+    ("layers.1.ffn.experts.3.w2.scale", 252, "fp4", False),
+    ("layers.1.ffn.experts.3.w2.scale", 253, "fp4", True),      # 6 x 2^126 overflows bf16
+    ("layers.1.ffn.experts.3.w2.scale", 253, "fp8", True),
+], ids=["fp8_246", "fp8_247", "fp4_252", "fp4_253_held_fp4", "fp4_253_held_fp8"])
+def test_scale_that_overflows_refused_by_name(ckpt, scale, code, experts, refused_code):
+    """A scale whose product with the format's largest value overflows bf16 is refused by name in
+    every held format, without decoding the weights; the code below it loads."""
     shard = shard_of(ckpt, scale)
-    poke(shard, scale, bytes([254]))
-    check_refusal(refused(ckpt), [shard_of(ckpt, "layers.0.attn.wq_a.weight")], {"layers.0.attn.wq_a.weight"})
+    poke(shard, scale, bytes([code]))
+    if not refused_code:
+        load_params(ckpt, progress=False, experts=experts)
+        return
+    err = refused(ckpt, experts=experts)
+    check_refusal(err, [shard], {scale})
+    assert "1 E8M0 scale bytes are above" in err.rule, err
 
 
 def test_engram_nan_code_found_by_verify_only(ckpt, capsys):

@@ -40,14 +40,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -153,6 +155,30 @@ def recode_fp8(fp4: quant.Fp4Weight, what: str):
         return fp4
 
 
+def _max_scale_code(largest: float) -> int:
+    """The largest E8M0 code c with largest * 2^(c - 127) finite in bf16 (the dequantized dtype)."""
+    return 127 + math.floor(math.log2(float(ml_dtypes.finfo(ml_dtypes.bfloat16).max) / largest))
+
+
+# Per quantized weight dtype, the largest E8M0 scale code a published checkpoint can hold: above it
+# the format's largest value (E4M3 448, E2M1 6) times the scale overflows bf16 (246 and 252; a real
+# checkpoint's scales sit near 2^0, code 127). 255 is E8M0's NaN.
+MAX_SCALE_CODE = {"F8_E4M3": _max_scale_code(float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)),
+                  "I8": _max_scale_code(float(quant.E2M1_TABLE.max()))}
+
+
+def _refuse_scales(ckpt: Checkpoint, names: list[str], top: int) -> NoReturn:
+    """Name the first scale tensor holding a code above `top` (found again tensor by tensor)."""
+    bad = next(n for n in names if (quant.as_u8(ckpt.get(n)) > top).any())
+    codes = np.asarray(ckpt.get(bad)).view(np.uint8)
+    if (codes == 255).any():
+        rule = f"{int((codes == 255).sum())} E8M0 scale bytes are 255, the NaN code (a corrupt scale)"
+    else:
+        rule = (f"{int((codes > top).sum())} E8M0 scale bytes are above {top}: with them the format's "
+                "largest value overflows bf16 (a corrupt scale)")
+    raise CheckpointError(ckpt.info(bad).path, bad, rule)
+
+
 def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
     """Read (and stack) the stored tensors of one unit; keep FP4 experts packed or dequantize and
     cast to `spec.held`."""
@@ -160,13 +186,11 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
         return np.stack([ckpt.get(n) for n in names]) if unit.stacked else ckpt.get(names[0])
 
     def read_scales() -> np.ndarray:
-        """The units' E8M0 scales as uint8; code 255 is E8M0's NaN, never a real scale."""
+        """The units' E8M0 scales as uint8, checked against MAX_SCALE_CODE."""
         names = [n.removesuffix(".weight") + ".scale" for n in unit.names]
         codes = quant.as_u8(read(names))
-        if (codes == 255).any():
-            bad = next(n for n in names if (quant.as_u8(ckpt.get(n)) == 255).any())
-            raise CheckpointError(ckpt.info(bad).path, bad, f"{int((codes == 255).sum())} E8M0 scale "
-                                                            "bytes are 255, the NaN code (a corrupt scale)")
+        if (codes > MAX_SCALE_CODE[spec.dtype]).any():
+            _refuse_scales(ckpt, names, MAX_SCALE_CODE[spec.dtype])
         return codes
 
     w = read(unit.names)
@@ -209,10 +233,10 @@ def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[s
     """Refuse a device leaf holding NaN or Inf, naming the stored tensor it came from.
 
     A published checkpoint never holds one: not in a BF16 or F32 tensor, not as an E4M3 NaN code
-    (0x7F / 0xFF), and no E8M0 scale makes a finite weight overflow. The check runs on the device
-    over the leaves the load has just made (one reduction each, one host sync for all), so it costs
-    no second pass over the files. Leaves held as FP4 / FP8 codes need none: every E2M1 code is
-    finite and their scales were checked for 255 when read."""
+    (0x7F / 0xFF). The check runs on the device over the leaves the load has just made (one
+    reduction each, one host sync for all), so it costs no second pass over the files. Routed
+    experts held as FP4 / FP8 codes need none: every E2M1 code is finite, and their scales were
+    checked against MAX_SCALE_CODE when read."""
     flags = {path: jnp.isfinite(leaf).all() for path, leaf in flat.items() if isinstance(leaf, jax.Array)}
     if not flags:
         return
@@ -225,22 +249,23 @@ def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[s
     bad = next((n for n in unit.names
                 if not jnp.isfinite(_convert(ckpt, Unit((n,), False), spec, "bf16")).all()), unit.names[0])
     rule = ("holds NaN or infinite values" if spec.dtype in ("BF16", "F32") else
-            "dequantizes to NaN or infinite values (an E4M3 NaN code, or a scale that overflows)")
+            "dequantizes to NaN or infinite values (an E4M3 NaN code)")
     raise CheckpointError(ckpt.info(bad).path, bad, f"{rule}; a published checkpoint never does")
 
 
 ENGRAM_VERIFY_ROWS = 1 << 18   # rows a verify step reads at once (64 MiB of released table)
+# Engram table -> (the bits that make a NaN, their NaN pattern, its name): E4M3 S.1111.111, E8M0 255
+_ENGRAM_NAN = {"weight": (0x7F, 0x7F, "E4M3 NaN code 0x7F/0xFF"), "scale": (0xFF, 0xFF, "E8M0 NaN code 255")}
 
 
 def verify_engram(tables: EngramTables) -> None:
-    """Refuse an Engram table holding an E4M3 NaN code (0x7F / 0xFF) or an E8M0 NaN scale (255),
-    naming the tensor. The tables stay on the host, unread at load (200 GB in the released model),
-    so this is a separate full pass over them: `load_params(..., verify=True)`."""
+    """Refuse an Engram table holding an E4M3 NaN code or an E8M0 NaN scale, naming the tensor.
+    The tables stay on the host, unread at load (200 GB in the released model), so this is a
+    separate full pass over them: `load_params(..., verify=True)`."""
     files = {name: file for name, file, _ in tables.source}
     for layer in tables.weight:
-        # (table, its name, the bits that make a NaN, the NaN pattern): E4M3 S.1111.111, E8M0 255
-        for table, suffix, mask, nan, code in ((tables.weight[layer], "weight", 0x7F, 0x7F, "E4M3 NaN code 0x7F/0xFF"),
-                                               (tables.scale[layer], "scale", 0xFF, 0xFF, "E8M0 NaN code 255")):
+        for suffix, (mask, nan, code) in _ENGRAM_NAN.items():
+            table = getattr(tables, suffix)[layer]
             name = f"layers.{layer}.engram.embed.{suffix}"
             for start in range(0, table.shape[0], ENGRAM_VERIFY_ROWS):
                 codes = np.asarray(table[start:start + ENGRAM_VERIFY_ROWS]).view(np.uint8)
