@@ -18,7 +18,7 @@ import pytest
 from scripts import generate as generate_script
 from scripts import make_checkpoint as make_checkpoint_script
 from tests.untrusted_common import (ROOT, SHARDS, TINY_CONFIG, build_tiny, check_refusal, copy_checkpoint,
-                                    edit_header, edit_json, element_bytes, files_opened, index_path,
+                                    edit_json, element_bytes, files_opened, index_path,
                                     outside, params_equal, poke, split_shard, tensor_info, write_shard)
 from v41_jax.cache import geometry
 from v41_jax.checkpoint import verify

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.untrusted_common import (PARTS, SHARDS, TENSOR_NAME, build_tiny, copy_checkpoint, element_bytes,
-                                    files_opened, index_path, outside, params_equal, poke, split_shard,
+                                    files_opened, outside, params_equal, poke, split_shard,
                                     tensor_info, tensor_names, write_shard)
 from v41_jax.checkpoint.load import load_params
+from v41_jax.checkpoint.safetensors_io import DTYPES, INDEX_NAME as INDEX
 from v41_jax.config import CheckpointError, ModelConfig
 
 SEED = 19
@@ -135,9 +136,6 @@ def _header(d: Path, rng: random.Random) -> Case:
 
 
 # ---- index mutations -----------------------------------------------------------------------------
-
-INDEX = "model.safetensors.index.json"
-
 
 def _index(d: Path, rng: random.Random, elsewhere: Path) -> Case:
     path = d / INDEX
@@ -312,7 +310,7 @@ def _data(d: Path, rng: random.Random) -> Case:
     op = rng.choice(["special", "special", "flip", "same", "truncate", "append"])
     at = rng.randrange(nbytes)
     if op == "special":
-        size = DTYPE_SIZE[dtype]
+        size = DTYPES[dtype].itemsize
         at -= at % size
         value = {"BF16": lambda: element_bytes(dtype, rng.choice([math.nan, math.inf, -math.inf])),
                  "F32": lambda: element_bytes(dtype, rng.choice([math.nan, math.inf, -math.inf])),
@@ -334,9 +332,6 @@ def _data(d: Path, rng: random.Random) -> Case:
                     pad=False)
         case.tensors = None
     return case
-
-
-DTYPE_SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 
 
 # ---- the run -------------------------------------------------------------------------------------

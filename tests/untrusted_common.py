@@ -58,14 +58,6 @@ def write_shard(path: Path, header: bytes, data: bytes, pad: bool = True) -> Non
     path.write_bytes(struct.pack("<Q", len(header)) + header + data)
 
 
-def edit_header(path: Path, fn) -> None:
-    """Rewrite a shard's header as fn(header dict) leaves it, data bytes unchanged."""
-    header, data = split_shard(path)
-    obj = json.loads(header)
-    fn(obj)
-    write_shard(path, json.dumps(obj, separators=(",", ":")).encode(), data)
-
-
 def edit_json(path: Path, fn) -> None:
     obj = json.loads(path.read_text())
     fn(obj)
