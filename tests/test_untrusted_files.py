@@ -243,6 +243,17 @@ def test_fifo_refused_without_reading(ckpt, name):
     assert time.perf_counter() - start < 2 and "not a regular file" in err.rule, err
 
 
+@pytest.mark.parametrize("key", ["bad\nkey", "x" * 5000, "tab\tand\x1b[31mcolour"])
+def test_refusal_stays_one_line_whatever_the_key(tmp_path, key):
+    """A key or name from the file is printed escaped and cut short: a newline or a terminal escape
+    in it cannot break the one-line refusal."""
+    path = _config_with(tmp_path, _set(key, 1))
+    err = refused(tmp_path)
+    line = str(err)
+    assert "\n" not in line and "\x1b" not in line and len(line) < 1000 and line.startswith(f"{path}: "), line
+    assert err.rule == "unknown config field"
+
+
 def test_errors_pickle():
     for err in (CheckpointError("a.json", "x", "bad"), ConfigError("x", "bad", "a.json"), ConfigError("x", "bad")):
         back = pickle.loads(pickle.dumps(err))

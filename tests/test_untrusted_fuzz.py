@@ -77,7 +77,7 @@ def _header(d: Path, rng: random.Random) -> Case:
     entry = header[name]
     op = rng.choice(["dtype", "shape", "offsets", "delete", "rename", "entry_key", "duplicate", "metadata",
                      "length", "truncate", "flip", "not_object", "reorder", "entry_value", "bom"])
-    case = Case(f"header {op} {shard} {name}", {shard, "model.safetensors.index.json"})
+    case = Case(f"header {op} {shard} {name}", {shard, INDEX})
     if op == "dtype":
         entry["dtype"] = rng.choice(["BF16", "F32", "F8_E4M3", "F8_E8M0", "I8", "F16", "F8_E5M2", "bf16", 7, None,
                                      ["BF16"]])

@@ -80,11 +80,21 @@ class CheckpointError(ValueError):
     re-exports it."""
 
     def __init__(self, file: str | None, what: str, rule: str):
+        file, what, rule = _one_line(file, 500), _one_line(what, 300), _one_line(rule, 2000)
         super().__init__(file, what, rule)
         self.file, self.what, self.rule = file, what, rule
 
     def __str__(self) -> str:
         return f"{self.file}: {self.what}: {self.rule}" if self.file else f"{self.what}: {self.rule}"
+
+
+def _one_line(text: str | None, limit: int) -> str | None:
+    """Text from a hostile file (a key, a tensor or file name) as a refusal may print it: control
+    characters escaped, so the refusal stays one line, and cut to `limit` characters."""
+    if text is None:
+        return None
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 class ConfigError(CheckpointError):

@@ -56,7 +56,7 @@ def inside(folder: str, name: Any, source: str, what: str) -> str:
     symlinks are resolved, and a regular file. Nothing outside the folder is opened: a shard name
     in a downloaded index could otherwise read any file of the machine."""
     if not isinstance(name, str) or not name or "\0" in name:
-        raise CheckpointError(source, what, f"file name must be a non-empty string, got {name!r}")
+        raise CheckpointError(source, what, f"file name must be a non-empty string, got {name!r:.80}")
     if os.path.isabs(name):
         raise CheckpointError(source, what, f"file {name!r} is an absolute path; it must be inside "
                                             f"the checkpoint folder")
