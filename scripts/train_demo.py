@@ -51,7 +51,7 @@ CONFIG = Path(__file__).resolve().parent.parent / "v41_jax/configs/demo.config.j
 SEQ = 256           # LM training window (the config's max_position_embeddings is 512)
 PREFIX, CONT = 64, 64   # draft data: data prefix, then the target's greedy continuation
 BIAS_RATE = 1e-3    # gate-bias balancing step
-WALL_RESERVE = 120  # seconds of --wall-seconds kept for compiles, evaluations and saves outside the budgets
+WALL_RESERVE = 150  # seconds of --wall-seconds kept for compiles, evaluations and saves outside the budgets
 
 
 # ---- params: the loader's pytree layout, fp32 -------------------------------------------------
@@ -528,6 +528,32 @@ def write_metadata(cfg_path: str, data: str, out: str) -> None:
             json.dump(obj, f, indent=1)
 
 
+def plot_log(log_json: str, png: str) -> None:
+    """The loss curves of a log.json: LM training loss and held-out perplexity, draft agreement."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log = json.loads(Path(log_json).read_text())
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot([r["tokens"] / 1e6 for r in log["lm"]], [r["loss"] for r in log["lm"]], lw=0.8, label="train loss")
+    lm_tokens = {r["step"]: r["tokens"] for r in log["lm"]}
+    ax1.plot([lm_tokens[r["step"]] / 1e6 for r in log["eval"]], [np.log(r["heldout_ppl"]) for r in log["eval"]],
+             "o-", label="held-out loss")
+    qat = [r["tokens"] / 1e6 for r in log["lm"] if r["qat"]]
+    if qat:
+        ax1.axvspan(qat[0], qat[-1], color="0.9", label="QAT (published weights)")
+    ax1.set(xlabel="tokens (M)", ylabel="nats / token", title="backbone", ylim=(1, 8))
+    ax1.legend()
+    for k in range(len(log["draft"][0]["held_agree"]) if log["draft"] else 0):
+        ax2.plot([r["step"] for r in log["draft"]], [r["held_agree"][k] for r in log["draft"]], label=f"draft {k + 1}")
+    ax2.set(xlabel="draft step", ylabel="agreement with the target's greedy token",
+            title="DSpark stages (held-out continuations)", ylim=(0, 1))
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="scripts.demo_data output folder")
@@ -550,6 +576,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-windows", type=int, default=0, help="train on this many windows only (0: all)")
     ap.add_argument("--export", help="write the published checkpoint's shards here from WORK/weights.npz")
     ap.add_argument("--metadata", help="write config, tokenizer, token map and aliases here")
+    ap.add_argument("--plot", help="draw WORK/log.json's curves into this PNG")
     args = ap.parse_args(argv)
     if args.lm_seconds or args.draft_seconds:
         with training_kernels():
@@ -573,6 +600,8 @@ def main(argv=None) -> int:
         export(args.config, os.path.join(args.work, "weights.npz"), args.export)
     if args.metadata:
         write_metadata(args.config, args.data, args.metadata)
+    if args.plot:
+        plot_log(os.path.join(args.work, "log.json"), args.plot)
     return 0
 
 
