@@ -62,6 +62,10 @@ class InFlight(NamedTuple):
     step_id: int
     out: StepOutput
     logprobs: bool
+    # The step's device batch, held until its outputs are read. Dropped at launch, its memory
+    # goes back to the allocator while the step still reads it, and the next step's batch, given
+    # that memory, is sent only after this step ends: its launch then waits for the whole step.
+    inputs: PackedBatch
 
 
 class Ran(NamedTuple):
@@ -216,7 +220,7 @@ class Runner:
         out.found.copy_to_host_async()
         if prep.logprobs:
             out.logprobs.copy_to_host_async()
-        return InFlight(prep.plan.step_id, out, prep.logprobs)
+        return InFlight(prep.plan.step_id, out, prep.logprobs, device_batch)
 
     def layout(self, bucket: Bucket) -> BatchLayout:
         """How a batch of this bucket is packed (every bucket-shaped batch has the same)."""
