@@ -71,9 +71,11 @@ class HttpFrontend:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop accepting, wait up to `timeout` for the open connections' handlers, close."""
+        """Stop accepting, wait up to `timeout` for the requests being answered, then close every
+        connection (idle keep-alive ones would otherwise hold their threads until the socket timeout)."""
         self.server.shutdown()
         self.server.wait_idle(timeout)
+        self.server.close_connections()
         self.server.server_close()
 
 
@@ -83,8 +85,9 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address, handler, max_connections: int):
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._active = 0
-        self._idle = threading.Condition()
+        self._idle = threading.Condition()       # guards the two below
+        self._busy = 0                           # requests being answered
+        self._conns: set[socket.socket] = set()
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
@@ -100,7 +103,7 @@ class _Server(ThreadingHTTPServer):
             self.shutdown_request(request)
             return
         with self._idle:
-            self._active += 1
+            self._conns.add(request)
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address):
@@ -109,12 +112,25 @@ class _Server(ThreadingHTTPServer):
         finally:
             self._slots.release()
             with self._idle:
-                self._active -= 1
-                self._idle.notify_all()
+                self._conns.discard(request)
+
+    def answering(self, delta: int) -> None:
+        with self._idle:
+            self._busy += delta
+            self._idle.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
         with self._idle:
-            return self._idle.wait_for(lambda: self._active == 0, timeout)
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
+    def close_connections(self) -> None:
+        with self._idle:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -135,6 +151,13 @@ class _Handler(BaseHTTPRequestHandler):
                      "/v1/chat/completions": lambda: self._generate(chat=True)}, "POST")
 
     def _route(self, routes, method):
+        self.server.answering(1)
+        try:
+            self._answer(routes, method)
+        finally:
+            self.server.answering(-1)
+
+    def _answer(self, routes, method):
         path = self.path.split("?", 1)[0]
         try:
             if path != "/health" and not self._authorized():
@@ -269,10 +292,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _generate(self, chat: bool):
         front = self.front
-        body = self._body()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            fields, names, stream_mode, usage = self._fields(body, chat)
+            fields, names, stream_mode, usage = self._fields(self._body(), chat)
             job = front.api.build(fields, rid, names)
             stream = front.loop.submit(job.request, timeout_s=front.api.limits.request_timeout_s or None)
         except Refused as err:

@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # force: importing orbax (via the engine) already gave the root logger absl's default handler
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+                        stream=sys.stderr, force=True)
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").is_file():
         print(f"error: {ckpt}: not a checkpoint folder (no config.json)", file=sys.stderr)

@@ -1,0 +1,520 @@
+"""The servers over real loopback sockets, on the tiny checkpoint with a WordLevel tokenizer:
+health while warming and after, reflection, concurrent gRPC and HTTP streams equal to offline
+generate token for token, the `openai` client, malformed requests (refused naming the field, the
+server serving on), stop strings, cancel / disconnect / Abort / deadline mid-prefill and mid-decode
+with every page and slot back, requests that can never fit, the API key, a fault injected into an
+engine step (recovery) and repeated faults (NOT_SERVING), metrics, and SIGTERM under load (a
+`python -m serving.server` process drains and exits 0)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from serving.api import Limits, chat_prompt
+from serving.loop import State
+from serving.proto import v41_pb2
+from serving.server import Server
+from tests.engine_common import ROOT, SETTINGS
+from tests.serving_common import (ENGINE_FLAGS, assert_idle_and_empty, engine_for, grpc_generate, http_call,
+                                  http_fields, http_generate, offline, random_requests, sse_events, stub,
+                                  tok_model, wait_for)
+
+LIMITS = Limits(max_prompt_tokens=100, max_new_tokens=64, max_message_bytes=64 << 10)
+LONG = list(range(10, 110))[:100]                   # a 100-token prompt: 7 prefill steps of 16 rows
+MIX = {f"mix{i}": f for i, f in enumerate(random_requests(np.random.default_rng(1), 8, 512))}
+COMPARED = {
+    **MIX,
+    "warm": {"prompt_ids": [7, 8, 9, 10], "max_new_tokens": 6, "ignore_eos": True},
+    "greedy": {"prompt_ids": [5, 6, 7, 8, 9], "max_new_tokens": 12, "ignore_eos": True},
+    "sampled": {"prompt_ids": [11, 12, 13], "max_new_tokens": 10, "temperature": 0.9, "seed": 3, "top_k": 40,
+                "ignore_eos": True},
+    "after_fault": {"prompt_ids": [21, 22, 23, 24, 25, 26], "max_new_tokens": 8, "ignore_eos": True},
+    **{f"term{i}": {"prompt_ids": [30 + i, 40 + i, 50 + i], "max_new_tokens": 40, "ignore_eos": True,
+                    "temperature": 0.8, "seed": i} for i in range(4)},
+}
+MESSAGES = [{"role": "system", "content": "w9 w8"}, {"role": "user", "content": "w5 w6 w7"}]
+
+
+@dataclass
+class Served:
+    server: Server
+    engine: object
+    refs: dict                   # name -> offline Result
+    stub: object
+    channel: object
+    tokenizer: object
+    warming: dict                # what the fixture saw while the engine warmed up
+
+    @property
+    def port(self) -> int:
+        return self.server.http_port
+
+    def tokens(self, name):
+        return self.refs[name].tokens
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tok_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    """The module's server. Its warm-up waits for a gate, so that health while warming and a
+    request queued meanwhile are observed here (asserted by the first test)."""
+    engine = engine_for(model)
+    engine.warmup()
+    tok = model[2]
+    compared = dict(COMPARED, chat={"prompt_ids": tok.encode(chat_prompt(MESSAGES)).ids, "max_new_tokens": 7,
+                                    "ignore_eos": True})
+    refs = offline(engine, compared)          # before the server owns the engine
+    gate, real = threading.Event(), engine.warmup
+    engine.warmup = lambda: gate.wait(300) and real()
+    server = Server(engine, model_name="tiny", limits=LIMITS).start()
+    st, channel = stub(server.grpc_port)
+    health = health_pb2_grpc.HealthStub(channel)
+    seen = {"grpc": health.Check(health_pb2.HealthCheckRequest(service="v41.Generation")).status,
+            "http": http_call(server.http_port, "GET", "/health")[:2]}
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(grpc_generate, st, COMPARED["warm"])
+        time.sleep(0.5)
+        seen["queued_done_while_warming"] = queued.done()
+        gate.set()
+        assert server.wait_ready(300)
+        seen["queued_tokens"] = queued.result(timeout=300)[0]
+    seen["grpc_after"] = health.Check(health_pb2.HealthCheckRequest(service="")).status
+    seen["http_after"] = http_call(server.http_port, "GET", "/health")[:2]
+    yield Served(server, engine, refs, st, channel, tok, seen)
+    channel.close()
+    assert server.shutdown(30)
+
+
+def _count(served, reason: str) -> float:
+    return served.server.metrics.registry.get_sample_value("v41_requests_finished_total", {"reason": reason}) or 0.0
+
+
+def test_health_warming_then_serving(served):
+    w = served.warming
+    assert w["grpc"] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert w["http"] == (503, {"status": "warming"})
+    assert not w["queued_done_while_warming"]              # queued, not refused, not run
+    assert w["queued_tokens"] == served.tokens("warm")
+    assert w["grpc_after"] == health_pb2.HealthCheckResponse.SERVING
+    assert w["http_after"] == (200, {"status": "serving"})
+
+
+def test_reflection_lists_services(served):
+    stub_ = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    reply = next(stub_.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"v41.Generation", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    # and the service's schema through reflection (what grpcurl uses)
+    req = reflection_pb2.ServerReflectionRequest(file_containing_symbol="v41.Generation")
+    reply = next(stub_.ServerReflectionInfo(iter([req])))
+    assert reply.file_descriptor_response.file_descriptor_proto
+
+
+def test_concurrent_grpc_and_http_equal_offline(served):
+    """Eight requests at once, over gRPC, HTTP streaming and HTTP whole, in flight together."""
+    ways = [lambda f: grpc_generate(served.stub, f)[0],
+            lambda f: http_generate(served.port, f, stream=True)[0],
+            lambda f: http_generate(served.port, f, stream=False)[0]]
+    with ThreadPoolExecutor(len(MIX)) as pool:
+        futs = {n: pool.submit(ways[i % 3], f) for i, (n, f) in enumerate(MIX.items())}
+        got = {n: f.result(timeout=300) for n, f in futs.items()}
+    for n in MIX:
+        assert got[n] == served.tokens(n), n
+    assert_idle_and_empty(served.server)
+
+
+def test_grpc_final_and_text(served):
+    tokens, final, text = grpc_generate(served.stub, COMPARED["sampled"])
+    want = served.tokens("sampled")
+    assert tokens == want and final.finish_reason == v41_pb2.LENGTH
+    assert text == served.tokenizer.decode(want)
+    assert (final.prompt_tokens, final.completion_tokens) == (3, len(want))
+    assert final.ttft_s > 0 and final.tokens_per_s > 0
+    assert (final.draft_tokens, final.accepted_tokens, final.acceptance_rate) == (0, 0, 0.0)
+    info = served.stub.GetModelInfo(v41_pb2.ModelInfoRequest())
+    assert (info.model, info.vocab_size, info.max_prompt_tokens, info.max_new_tokens) == ("tiny", 512, 100, 64)
+    assert info.tokenizer and not info.speculative and info.pages == SETTINGS.num_pages - 1
+
+
+def test_openai_client(served):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    decode = served.tokenizer.decode
+    for name in ("greedy", "sampled"):
+        f, want = COMPARED[name], served.tokens(name)
+        kw = dict(model="tiny", prompt=f["prompt_ids"], max_tokens=f["max_new_tokens"],
+                  extra_body={"ignore_eos": True, **({"top_k": f["top_k"]} if "top_k" in f else {})},
+                  **({"temperature": f["temperature"], "seed": f["seed"]} if "seed" in f else {}))
+        whole = client.completions.create(**kw)
+        assert whole.choices[0].token_ids == want and whole.choices[0].text == decode(want)
+        assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == len(want)
+        chunks = list(client.completions.create(stream=True, **kw))
+        assert [t for c in chunks for t in c.choices[0].token_ids] == want
+        assert "".join(c.choices[0].text for c in chunks) == decode(want)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    want = served.tokens("chat")
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=7, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].message.content == decode(want) and whole.choices[0].token_ids == want
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == decode(want)
+    assert chunks[-1].usage.completion_tokens == len(want) and not chunks[-1].choices
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=[1, 2], max_tokens=-1)
+    assert err.value.body["param"] == "max_tokens"
+
+
+# body (dict, or raw bytes), path, content type -> the status and the field the refusal names
+HTTP_BAD = [
+    (b'{"prompt": [1, 2', "/v1/completions", "application/json", 400, "json"),
+    (b'{"prompt": [1, 2], "temperature": NaN}', "/v1/completions", "application/json", 400, "json"),
+    (b'[1, 2]', "/v1/completions", "application/json", 400, "body"),
+    (b'\xff\xfe', "/v1/completions", "application/json", 400, "encoding"),
+    ({"prompt": [1, 2]}, "/v1/completions", "text/plain", 400, "Content-Type"),
+    ({"prompt": [1, 2], "bogus": 1}, "/v1/completions", "application/json", 400, "bogus"),
+    ({"prompt": [1, 600]}, "/v1/completions", "application/json", 400, "prompt"),
+    ({"prompt": [1, -3]}, "/v1/completions", "application/json", 400, "prompt"),
+    ({"prompt": []}, "/v1/completions", "application/json", 400, "prompt"),
+    ({"prompt": ["w1", "w2"]}, "/v1/completions", "application/json", 400, "prompt"),
+    ({"prompt": [5] * 101}, "/v1/completions", "application/json", 400, "prompt"),
+    ({"max_tokens": 3}, "/v1/completions", "application/json", 400, "prompt"),
+    ({"prompt": [1, 2], "max_tokens": -1}, "/v1/completions", "application/json", 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 10 ** 12}, "/v1/completions", "application/json", 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 65}, "/v1/completions", "application/json", 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 2.5}, "/v1/completions", "application/json", 400, "max_tokens"),
+    ({"prompt": [1, 2], "temperature": -1}, "/v1/completions", "application/json", 400, "temperature"),
+    ({"prompt": [1, 2], "top_p": 1.5}, "/v1/completions", "application/json", 400, "top_p"),
+    ({"prompt": [1, 2], "top_k": True}, "/v1/completions", "application/json", 400, "top_k"),
+    ({"prompt": [1, 2], "seed": 2 ** 32}, "/v1/completions", "application/json", 400, "seed"),
+    ({"prompt": [1, 2], "stop_token_ids": ["a"]}, "/v1/completions", "application/json", 400, "stop_token_ids"),
+    ({"prompt": [1, 2], "stop": [""]}, "/v1/completions", "application/json", 400, "stop"),
+    ({"prompt": [1, 2], "speculative": True}, "/v1/completions", "application/json", 400, "speculative"),
+    ({"prompt": [1, 2], "n": 2}, "/v1/completions", "application/json", 400, "n"),
+    ({"prompt": [1, 2], "stream": "yes"}, "/v1/completions", "application/json", 400, "stream"),
+    ({"prompt": [1, 2], "model": "gpt-4"}, "/v1/completions", "application/json", 404, "model"),
+    ({"messages": []}, "/v1/chat/completions", "application/json", 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "w1"}]}, "/v1/chat/completions", "application/json", 400,
+     "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions", "application/json", 400,
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 0}, "/v1/chat/completions",
+     "application/json", 400, "max_completion_tokens"),
+    ({"prompt": "w1 " * 30000}, "/v1/completions", "application/json", 413, "Content-Length"),
+]
+
+GRPC_BAD = [
+    ({"prompt_ids": [1, 600]}, "prompt_ids"),
+    ({"prompt_ids": [-1]}, "prompt_ids"),
+    ({"prompt_ids": [5] * 101}, "prompt_ids"),
+    ({}, "prompt"),
+    ({"prompt": "w1", "prompt_ids": [1]}, "prompt"),
+    ({"prompt_ids": [1], "max_new_tokens": -5}, "max_new_tokens"),
+    ({"prompt_ids": [1], "max_new_tokens": 2 ** 40}, "max_new_tokens"),
+    ({"prompt_ids": [1], "max_new_tokens": 65}, "max_new_tokens"),
+    ({"prompt_ids": [1], "temperature": float("nan")}, "temperature"),
+    ({"prompt_ids": [1], "top_p": 0.0}, "top_p"),
+    ({"prompt_ids": [1], "top_k": -1}, "top_k"),
+    ({"prompt_ids": [1], "seed": -1}, "seed"),
+    ({"prompt_ids": [1], "stop_ids": [999]}, "stop_ids"),
+    ({"prompt_ids": [1], "stop": [""]}, "stop"),
+    ({"prompt_ids": [1], "speculative": True}, "speculative"),
+]
+
+
+def test_malformed_requests_refused_naming_the_field(served):
+    refused0 = served.server.metrics.registry.get_sample_value("v41_requests_refused_total", {"kind": "invalid"})
+    for body, path, ctype, status, field in HTTP_BAD:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        got, out, _ = http_call(served.port, "POST", path, raw=raw, headers={"Content-Type": ctype})
+        assert (got, out["error"]["param"]) == (status, field), (body, out)
+    for fields, field in GRPC_BAD:
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(served.stub, fields)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+        assert err.value.details().startswith(f"{field}: "), (fields, err.value.details())
+    # a field this server's proto does not know (a newer client): field number 99, varint 1
+    # (tag 99 << 3 | varint = 792 as a varint: 0x98 0x06; then the value 1)
+    raw = v41_pb2.GenerateRequest(prompt_ids=[1]).SerializeToString() + bytes([0x98, 0x06, 0x01])
+    call = served.channel.unary_stream("/v41.Generation/Generate", request_serializer=None,
+                                       response_deserializer=v41_pb2.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(raw))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("field 99: ")
+    # over the message size limit: gRPC's own check
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_generate(served.stub, {"prompt": "w1 " * 30000})
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # unknown paths and methods
+    assert http_call(served.port, "GET", "/v1/completions")[0] == 404
+    assert http_call(served.port, "POST", "/nope", {"prompt": [1]})[0] == 404
+    refused = served.server.metrics.registry.get_sample_value("v41_requests_refused_total", {"kind": "invalid"})
+    assert refused - (refused0 or 0) == len(HTTP_BAD) + len(GRPC_BAD) + 1
+    # and the server keeps serving
+    assert grpc_generate(served.stub, COMPARED["greedy"])[0] == served.tokens("greedy")
+    assert http_generate(served.port, COMPARED["greedy"], stream=True)[0] == served.tokens("greedy")
+    assert_idle_and_empty(served.server)
+
+
+def test_stop_strings(served):
+    want = served.tokens("greedy")
+    full = served.tokenizer.decode(want)
+    stop = f"w{want[4]}"
+    cut = full.find(stop)
+    tokens, final, text = grpc_generate(served.stub, dict(COMPARED["greedy"], stop=[stop]))
+    assert final.finish_reason == v41_pb2.STOP and text == full[:cut] and tokens == want[:len(tokens)]
+    toks, reason, text = http_generate(served.port, dict(COMPARED["greedy"], stop=stop), stream=True)
+    assert (reason, text) == ("stop", full[:cut]) and toks == want[:len(toks)]
+    assert http_generate(served.port, dict(COMPARED["greedy"], stop=[stop]), stream=False)[1:] == ("stop", full[:cut])
+    assert_idle_and_empty(served.server)
+
+
+def _phase(served, match) -> str | None:
+    """'waiting' / 'prefill' / 'decode' of the request whose prompt is `match` (None: not in the
+    engine), read on the loop thread."""
+    def look(engine):
+        for seq in engine.scheduler.by_id.values():
+            if not seq.done and list(seq.req.prompt) == match:
+                return "waiting" if seq.slot is None else "prefill" if seq.prefilling else "decode"
+        return None
+    return served.server.loop.call(look)
+
+
+def _http_stream_open(port, fields):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(dict(http_fields(fields), stream=True)),
+                 headers={"Content-Type": "application/json"})
+    return conn
+
+
+def test_cancel_mid_prefill_and_mid_decode_frees_everything(served):
+    """gRPC cancel and HTTP disconnect, each mid-prefill and mid-decode, and Abort by id: every
+    request ends as "abort" and every page and slot comes back."""
+    aborts0 = _count(served, "abort")
+    prompts = [[p] + LONG[1:] for p in (1, 2, 3, 4, 5)]         # distinct prompts to find each request
+    fields = [{"prompt_ids": p, "max_new_tokens": 27, "ignore_eos": True} for p in prompts]
+    # gRPC, mid-prefill
+    call = served.stub.Generate(v41_pb2.GenerateRequest(**fields[0]))
+    wait_for(lambda: _phase(served, prompts[0]) == "prefill")
+    call.cancel()
+    # HTTP, mid-prefill: the client closes its socket before any token
+    conn = _http_stream_open(served.port, fields[1])
+    wait_for(lambda: _phase(served, prompts[1]) == "prefill")
+    conn.sock.shutdown(2)
+    conn.close()
+    # gRPC, mid-decode
+    call = served.stub.Generate(v41_pb2.GenerateRequest(**fields[2]))
+    assert next(call).HasField("chunk") and _phase(served, prompts[2]) == "decode"
+    call.cancel()
+    # HTTP, mid-decode
+    conn = _http_stream_open(served.port, fields[3])
+    resp = conn.getresponse()
+    assert next(sse_events(resp))["choices"][0]["token_ids"] and _phase(served, prompts[3]) == "decode"
+    conn.sock.shutdown(2)
+    conn.close()
+    # Abort by id, mid-decode
+    call = served.stub.Generate(v41_pb2.GenerateRequest(request_id="abort-me", **fields[4]))
+    assert next(call).HasField("chunk")
+    assert served.stub.Abort(v41_pb2.AbortRequest(request_id="abort-me")).aborted
+    rest = list(call)
+    assert rest[-1].final.finish_reason == v41_pb2.ABORT and rest[-1].final.error == "aborted by Abort"
+    assert sum(len(m.chunk.token_ids) for m in rest) < 26
+    assert not served.stub.Abort(v41_pb2.AbortRequest(request_id="abort-me")).aborted
+    wait_for(lambda: _count(served, "abort") - aborts0 == 5)
+    assert_idle_and_empty(served.server)
+    for p in prompts:
+        assert _phase(served, p) is None
+
+
+def test_deadline_frees_the_request(served):
+    aborts0 = _count(served, "abort")
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_generate(served.stub, {"prompt_ids": LONG, "max_new_tokens": 27, "ignore_eos": True}, timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: _count(served, "abort") - aborts0 == 1)
+    assert_idle_and_empty(served.server)
+
+
+def test_fault_in_a_step_ends_inflight_with_error_then_recovers(served):
+    """Recovery is the documented choice: the step's exception ends every admitted request with
+    ERROR and its message, the engine is reset (fresh cache), and new requests are served."""
+    runner = served.engine.runner
+
+    def boom(*args, **kw):
+        del runner.dispatch                      # one fault: the next step dispatches normally
+        raise RuntimeError("injected fault")
+
+    calls = [served.stub.Generate(v41_pb2.GenerateRequest(prompt_ids=[60 + i, 61, 62], max_new_tokens=40,
+                                                          ignore_eos=True)) for i in range(3)]
+    for c in calls:
+        assert next(c).HasField("chunk")         # all three are decoding
+    runner.dispatch = boom
+    for c in calls:
+        final = list(c)[-1].final
+        assert final.finish_reason == v41_pb2.ERROR and "RuntimeError: injected fault" in final.error
+    assert served.server.loop.state == State.SERVING
+    assert_idle_and_empty(served.server)
+    assert grpc_generate(served.stub, COMPARED["after_fault"])[0] == served.tokens("after_fault")
+    assert http_generate(served.port, COMPARED["greedy"], stream=False)[0] == served.tokens("greedy")
+    assert served.server.metrics.registry.get_sample_value("v41_engine_step_failures_total") == 1
+
+
+def test_metrics(served):
+    status, text, headers = http_call(served.port, "GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    values = dict(re.findall(r"^(v41_[a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M))
+    assert float(values["v41_time_to_first_token_seconds_count"]) > 0
+    assert float(values["v41_inter_token_latency_seconds_count"]) > 0
+    assert float(values["v41_generated_tokens_total"]) > 0
+    assert float(values["v41_free_pages"]) == SETTINGS.num_pages - 1
+    assert float(values["v41_free_slots"]) == SETTINGS.slots
+    assert float(values["v41_serving"]) == 1
+    assert float(values["v41_dspark_acceptance_rate"]) == 0
+    assert 'v41_requests_finished_total{reason="length"}' in values
+
+
+# ---- a second, small engine: a pool of 11 pages (88 tokens), never warmed (compiles nothing) ----------
+@pytest.fixture(scope="module")
+def small(model):
+    return engine_for(model, settings=replace(SETTINGS, num_pages=12))
+
+
+def test_never_fits_and_api_key(small, monkeypatch):
+    calls = []
+    for name in ("add", "check_request"):
+        real = getattr(small, name)
+        monkeypatch.setattr(small, name, lambda *a, _real=real, _n=name: (calls.append(_n), _real(*a))[1])
+    server = Server(small, model_name="tiny", limits=LIMITS, api_key="sekrit", warmup=False).start()
+    try:
+        assert server.wait_ready(60)
+        st, channel = stub(server.grpc_port)
+        bad_keys = ([], [("authorization", "Bearer wrong")], [("authorization", "sekrit")])
+        for meta in bad_keys:
+            with pytest.raises(grpc.RpcError) as err:
+                grpc_generate(st, {"prompt_ids": [1, 2]}, metadata=meta)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:
+                st.GetModelInfo(v41_pb2.ModelInfoRequest(), metadata=meta)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            status, out, hdrs = http_call(server.http_port, "POST", "/v1/completions", {"prompt": [1, 2]}, headers)
+            assert status == 401 and hdrs["WWW-Authenticate"] == "Bearer", out
+            assert http_call(server.http_port, "GET", "/v1/models", headers=headers)[0] == 401
+            assert http_call(server.http_port, "GET", "/metrics", headers=headers)[0] == 401
+        assert calls == []                                        # no engine code was reached
+        # probes need no key
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        assert http_call(server.http_port, "GET", "/health")[0] == 200
+        key = [("authorization", "Bearer sekrit")]
+        assert st.GetModelInfo(v41_pb2.ModelInfoRequest(), metadata=key).pages == 11
+        auth = {"Authorization": "Bearer sekrit"}
+        assert http_call(server.http_port, "GET", "/v1/models", headers=auth)[0] == 200
+        # 60 + 40 tokens need 13 pages of 8: never, whatever else runs
+        never = {"prompt_ids": list(range(3, 63)), "max_new_tokens": 40}
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(st, never, metadata=key)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "needs 13 pages, the pool has 11" in err.value.details()
+        status, out, _ = http_call(server.http_port, "POST", "/v1/completions", http_fields(never), auth)
+        assert status == 400 and out["error"]["code"] == "exhausted" and "13 pages" in out["error"]["message"]
+        assert "add" not in calls                                 # refused before the engine loop
+        channel.close()
+    finally:
+        assert server.shutdown(10)
+
+
+def test_repeated_faults_stop_serving(small, monkeypatch):
+    """A fault in every step: each request ends ERROR; after MAX_FAILED_STEPS failures in a row the
+    server reports NOT_SERVING and refuses new requests (UNAVAILABLE / 503)."""
+    from serving.loop import MAX_FAILED_STEPS
+
+    def broken(*args, **kw):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(small.runner, "dispatch", broken)
+    server = Server(small, model_name="tiny", limits=LIMITS, warmup=False).start()
+    try:
+        assert server.wait_ready(60)
+        st, channel = stub(server.grpc_port)
+        for i in range(MAX_FAILED_STEPS):
+            tokens, final, _ = grpc_generate(st, {"prompt_ids": [5, 6, 7], "max_new_tokens": 3})
+            assert tokens == [] and final.finish_reason == v41_pb2.ERROR and "device lost" in final.error
+        wait_for(lambda: server.loop.state == State.FAILED)
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(st, {"prompt_ids": [5, 6, 7], "max_new_tokens": 3})
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert http_call(server.http_port, "POST", "/v1/completions", {"prompt": [5, 6]})[0] == 503
+        assert http_call(server.http_port, "GET", "/health") [:2] == (503, {"status": "failed"})
+        channel.close()
+    finally:
+        server.shutdown(10)
+
+
+# ---- the process: SIGTERM under load ----------------------------------------------------------------
+def test_sigterm_under_load_drains_and_exits_0(served, model):
+    """`python -m serving.server` on the checkpoint: requests in flight over both protocols when
+    SIGTERM comes all finish in full (equal to offline); new ones are refused; exit code 0."""
+    cmd = [sys.executable, "-m", "serving.server", "--checkpoint", str(model[0]), "--grpc-port", "0",
+           "--http-port", "0", "--status-every", "0", "--compile-cache", str(ROOT / ".pytest_cache" / "xla"),
+           *ENGINE_FLAGS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        ports = wait_for(lambda: next((m for m in map(re.compile(r"listening: gRPC (\d+), HTTP (\d+)").search,
+                                                      lines) if m), None), timeout=300)
+        wait_for(lambda: any("ready: serving" in l for l in lines), timeout=300)
+        grpc_port, http_port = int(ports[1]), int(ports[2])
+        st, channel = stub(grpc_port)
+        names = [f"term{i}" for i in range(4)]
+        calls = [st.Generate(v41_pb2.GenerateRequest(**COMPARED[n])) for n in names[:2]]
+        conns = [_http_stream_open(http_port, COMPARED[n]) for n in names[2:]]
+        firsts = [next(c).chunk.token_ids for c in calls]
+        resps = [c.getresponse() for c in conns]
+        events = [sse_events(r) for r in resps]
+        firsts += [next(e)["choices"][0]["token_ids"] for e in events]
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: any("shutting down" in l for l in lines))
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(st, COMPARED["greedy"])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        got = [list(firsts[0]) + [t for m in calls[0] if m.HasField("chunk") for t in m.chunk.token_ids],
+               list(firsts[1]) + [t for m in calls[1] if m.HasField("chunk") for t in m.chunk.token_ids]]
+        got += [list(f) + [t for ev in e for t in ev["choices"][0]["token_ids"]] for f, e in zip(firsts[2:], events)]
+        for n, tokens in zip(names, got):
+            assert tokens == served.tokens(n), n
+        assert proc.wait(timeout=120) == 0, "".join(lines[-20:])
+        channel.close()
+        for c in conns:
+            c.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert any("stopped (drained)" in l for l in lines), "".join(lines[-20:])
