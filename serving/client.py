@@ -17,6 +17,26 @@ import grpc
 from serving.proto import v41_pb2, v41_pb2_grpc
 
 
+def sse_events(resp):
+    """The JSON objects of a server-sent-events response (an http.client response or any file with
+    readline), up to `data: [DONE]`; AssertionError when the stream ends before it."""
+    import json
+
+    while True:
+        line = resp.readline()
+        if not line:
+            raise AssertionError("the event stream ended without [DONE]")
+        line = line.strip()
+        if not line:
+            continue
+        if not line.startswith(b"data: "):
+            raise AssertionError(f"not an SSE data line: {line[:80]!r}")
+        data = line[len(b"data: "):]
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="v41-client", description=__doc__.split("\n\n")[0])
     ap.add_argument("prompt", nargs="?", help="text prompt")

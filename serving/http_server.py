@@ -19,6 +19,7 @@ import json
 import logging
 import select
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -113,6 +114,15 @@ class _Server(ThreadingHTTPServer):
             self._slots.release()
             with self._idle:
                 self._conns.discard(request)
+
+    def handle_error(self, request, client_address):
+        """A client that resets or stalls its connection is routine under load: one debug line, not
+        socketserver's traceback on stderr."""
+        err = sys.exc_info()[1]
+        if isinstance(err, (ConnectionError, TimeoutError)):
+            log.debug("connection from %s: %s", client_address, err)
+        else:
+            log.exception("connection from %s failed", client_address)
 
     def answering(self, delta: int) -> None:
         with self._idle:

@@ -11,14 +11,13 @@ import time
 import grpc
 
 from tests.engine_common import SETTINGS, build_model, make_engine
+from scripts.bench_serving import http_body, random_requests, to_request  # noqa: F401 (re-exported)
+from serving.client import sse_events
 from serving.proto import v41_pb2, v41_pb2_grpc
-from v41_jax.runtime.request import Request
-from v41_jax.runtime.sampling import SamplingParams
 
 ENGINE_FLAGS = ["--numerics", "fp32", "--buckets", "80x4x80", "--chunk", "16", "--page-tokens",
                 str(SETTINGS.page_tokens), "--pages", str(SETTINGS.num_pages), "--slots", str(SETTINGS.slots),
                 "--max-context", str(SETTINGS.max_context)]
-SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
 
 def word_tokenizer(vocab_size: int):
@@ -44,32 +43,12 @@ def engine_for(model, **kw):
     return make_engine(cfg, params, token_map, prefill_chunk=16, tokenizer=tok, **kw)
 
 
-def to_request(fields: dict, rid) -> Request:
-    """A test request's fields (request_parse names) -> the Request offline generate runs."""
-    return Request(list(fields["prompt_ids"]), fields["max_new_tokens"],
-                   SamplingParams(**{k: fields[k] for k in SAMPLING if k in fields}),
-                   tuple(fields.get("stop_ids", ())), fields.get("ignore_eos", False), rid)
-
-
 def offline(engine, requests: dict) -> dict:
     """name -> offline generate's Result for each request's fields (the engine left reset)."""
     names = list(requests)
     results = engine.generate([to_request(requests[n], f"ref-{i}") for i, n in enumerate(names)])
     engine.reset()
     return dict(zip(names, results))
-
-
-def random_requests(rng, n: int, vocab: int, max_prompt: int = 40, max_new: int = 16) -> list[dict]:
-    """Random prompts and output lengths; a third greedy, the rest sampled with their own seeds."""
-    out = []
-    for i in range(n):
-        f = {"prompt_ids": rng.integers(3, vocab, int(rng.integers(1, max_prompt + 1))).tolist(),
-             "max_new_tokens": int(rng.integers(1, max_new + 1)), "ignore_eos": bool(rng.random() < 0.7)}
-        if i % 3:
-            f.update(temperature=float(rng.choice([0.7, 1.0])), seed=int(rng.integers(0, 2 ** 32)),
-                     top_k=int(rng.choice([0, 50])), top_p=float(rng.choice([1.0, 0.9])))
-        out.append(f)
-    return out
 
 
 # ---- gRPC ----------------------------------------------------------------------------------------
@@ -90,13 +69,6 @@ def grpc_generate(stub_, fields: dict, **call_kw) -> tuple[list[int], v41_pb2.Fi
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------
-def http_fields(fields: dict) -> dict:
-    """request_parse fields -> an OpenAI completions body."""
-    body = {("max_tokens" if k == "max_new_tokens" else "stop_token_ids" if k == "stop_ids" else
-             "prompt" if k == "prompt_ids" else k): v for k, v in fields.items()}
-    return body
-
-
 def http_call(port: int, method: str, path: str, body=None, headers=None, raw: bytes | None = None,
               timeout: float = 120):
     """-> (status, decoded JSON or text, headers)."""
@@ -114,25 +86,9 @@ def http_call(port: int, method: str, path: str, body=None, headers=None, raw: b
         conn.close()
 
 
-def sse_events(resp):
-    """The JSON objects of an SSE response, up to [DONE]."""
-    while True:
-        line = resp.readline()
-        if not line:
-            raise AssertionError("the event stream ended without [DONE]")
-        line = line.strip()
-        if not line:
-            continue
-        assert line.startswith(b"data: "), line
-        data = line[len(b"data: "):]
-        if data == b"[DONE]":
-            return
-        yield json.loads(data)
-
-
 def http_generate(port: int, fields: dict, stream: bool, path: str = "/v1/completions", headers=None):
     """-> (tokens, finish_reason, text) through the HTTP endpoint."""
-    body = dict(http_fields(fields), stream=stream)
+    body = dict(http_body(fields), stream=stream)
     if not stream:
         status, out, _ = http_call(port, "POST", path, body, headers)
         assert status == 200, out

@@ -31,7 +31,7 @@ from serving.proto import v41_pb2
 from serving.server import Server
 from tests.engine_common import ROOT, SETTINGS
 from tests.serving_common import (ENGINE_FLAGS, assert_idle_and_empty, engine_for, grpc_generate, http_call,
-                                  http_fields, http_generate, offline, random_requests, sse_events, stub,
+                                  http_body, http_generate, offline, random_requests, sse_events, stub,
                                   tok_model, wait_for)
 
 LIMITS = Limits(max_prompt_tokens=100, max_new_tokens=64, max_message_bytes=64 << 10)
@@ -304,7 +304,7 @@ def _phase(served, match) -> str | None:
 
 def _http_stream_open(port, fields):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps(dict(http_fields(fields), stream=True)),
+    conn.request("POST", "/v1/completions", body=json.dumps(dict(http_body(fields), stream=True)),
                  headers={"Content-Type": "application/json"})
     return conn
 
@@ -438,7 +438,7 @@ def test_never_fits_and_api_key(small, monkeypatch):
             grpc_generate(st, never, metadata=key)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "needs 13 pages, the pool has 11" in err.value.details()
-        status, out, _ = http_call(server.http_port, "POST", "/v1/completions", http_fields(never), auth)
+        status, out, _ = http_call(server.http_port, "POST", "/v1/completions", http_body(never), auth)
         assert status == 400 and out["error"]["code"] == "exhausted" and "13 pages" in out["error"]["message"]
         assert "add" not in calls                                 # refused before the engine loop
         channel.close()
