@@ -20,6 +20,7 @@ from a probe of the cache: the cache's cursor is what the step checks (`StepOutp
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
@@ -62,9 +63,11 @@ class InFlight(NamedTuple):
     step_id: int
     out: StepOutput
     logprobs: bool
-    # The step's device batch, held until its outputs are read. Dropped at launch, its memory
-    # goes back to the allocator while the step still reads it, and the next step's batch, given
-    # that memory, is sent only after this step ends: its launch then waits for the whole step.
+    # The step's device batch, held until its outputs are read, so that the allocator cannot give
+    # its memory to the next step's batch while this step may still read it (a transfer into it
+    # would have to wait for this step to end). Measured on the H200: a batch sent while the
+    # previous step ran was ready only ~3 ms later, at that step's end (BENCHMARKS.md, "Engine
+    # loop"); whether memory reuse is the whole cause is not yet measured.
     inputs: PackedBatch
 
 
@@ -85,7 +88,7 @@ class Ran(NamedTuple):
 class Runner:
     def __init__(self, params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics,
                  buckets: BucketSet, token_map: np.ndarray | None = None, record: bool = False,
-                 device_engram: bool | None = None):
+                 device_engram: bool | None = None, speculative: bool = False):
         self.params, self.cfg, self.geom, self.numerics, self.buckets = params, cfg, geom, numerics, buckets
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
         self.tables = params.get(ENGRAM_KEY)
@@ -97,8 +100,8 @@ class Runner:
                 "weight": tuple(jax.device_put(t.weight[l].view(np.uint8)) for l in cfg.engram_layer_ids),
                 "scale": tuple(jax.device_put(t.scale[l].view(np.uint8)) for l in cfg.engram_layer_ids)}}
             self.params = params
-        self.record = record
-        self.step_fn = make_step(cfg, geom, numerics, record)
+        self.record, self.speculative = record, speculative
+        self.step_fn = make_step(cfg, geom, numerics, record, speculative)
         self.compiled: dict[Bucket, Any] = {}
         self.layouts: dict[Bucket, BatchLayout] = {}
         self.cache = allocate(geom)
@@ -134,7 +137,7 @@ class Runner:
 
     def span(self, rid, slot: int, position: int, tokens: Sequence[int], pages: Sequence[int],
              cursor_row: np.ndarray | None, all_logits: bool = False,
-             sampling: SamplingParams = SamplingParams()) -> Span:
+             sampling: SamplingParams = SamplingParams(), draft: bool = False) -> Span:
         """A span with its Engram rows from an explicit cursor row (as the slot holds it before the
         span; ignored at position 0, whose slot is reset). Refuses a cursor at another position."""
         tokens = np.asarray(tokens, np.int32)
@@ -145,7 +148,19 @@ class Runner:
             cursor = EngramCursor.from_row(cursor_row)
         codes, scales, nxt = self._engram(cursor, tokens)
         return Span(rid, slot, position, tokens, np.asarray(pages, np.int32), nxt, codes, scales, all_logits,
-                    sampling)
+                    sampling, draft=draft)
+
+    def verify_span(self, rid, slot: int, position: int, committed: Sequence[int], tokens: Sequence[int],
+                    pages: Sequence[int], cursor_row: np.ndarray, sampling: SamplingParams) -> Span:
+        """A verify span: `tokens` = the request's next token then its drafts, at `position` after
+        the `committed` tokens; every row's logits, a draft after it, and the cursor each accepted
+        prefix commits (the step picks the one of the count it accepts)."""
+        tokens = np.asarray(tokens, np.int32)
+        seq = list(committed) + tokens.tolist()
+        prefix = np.stack([self.cursor_row(seq, position + j + 1) for j in range(len(tokens) - 1)])
+        sp = self.span(rid, slot, position, tokens, pages, cursor_row, all_logits=True, sampling=sampling,
+                       draft=True)
+        return replace(sp, verify=len(tokens) - 1, prefix_cursors=prefix)
 
     # ---- the pipelined step --------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> Prepared:
@@ -157,11 +172,15 @@ class Runner:
                 pending.append((b, cursor))
                 span = Span(seq.rid, seq.slot, sp.position, sp.known_tokens(), np.asarray(seq.pages, np.int32),
                             cursor, *self._zero_engram(1), sampling=sp.sampling)
+            elif sp.verify:
+                span = self.verify_span(seq.rid, seq.slot, sp.position, seq.tokens[:sp.position], sp.known_tokens(),
+                                        seq.pages, cursor, sp.sampling)
             else:
                 span = self.span(seq.rid, seq.slot, sp.position, sp.known_tokens(), seq.pages, cursor,
-                                 sampling=sp.sampling)
+                                 sampling=sp.sampling, draft=sp.draft)
             spans.append(span)
-        bucket = self.buckets.pick(len(spans), sum(s.length for s in plan.spans), len(spans))
+        bucket = self.buckets.pick(len(spans), sum(s.length for s in plan.spans),
+                                   sum(1 + s.verify for s in plan.spans))
         built = build_step(self.geom, self.cfg, bucket, spans)
         reqs = np.asarray([b for b, _ in pending], np.int32)
         if self.device_feedback and pending:
@@ -218,6 +237,9 @@ class Runner:
         out = self._launch(prep.built.bucket, device_batch, prep.fresh)
         out.tokens.copy_to_host_async()
         out.found.copy_to_host_async()
+        if self.speculative:
+            out.accepted.copy_to_host_async()
+            out.drafts.copy_to_host_async()
         if prep.logprobs:
             out.logprobs.copy_to_host_async()
         return InFlight(prep.plan.step_id, out, prep.logprobs, device_batch)
@@ -245,11 +267,12 @@ class Runner:
         self.steps += 1
         return out
 
-    @staticmethod
-    def collect(flight: InFlight) -> StepResult:
+    def collect(self, flight: InFlight) -> StepResult:
         out = flight.out
         return StepResult(flight.step_id, np.asarray(out.tokens), np.asarray(out.found),
-                          np.asarray(out.logprobs) if flight.logprobs else None)
+                          np.asarray(out.logprobs) if flight.logprobs else None,
+                          np.asarray(out.accepted) if self.speculative else None,
+                          np.asarray(out.drafts) if self.speculative else None)
 
     # ---- synchronous use (tools, tests) ------------------------------------------------------
     def run(self, spans: Sequence[Span], bucket: Bucket | None = None, forced: dict | None = None) -> Ran:
@@ -302,10 +325,10 @@ class Runner:
         shapes = lambda tree: jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
         args = (self.params, self.cache, batch)
         key = compile_cache.executable_key("step", repr(self.cfg), repr(self.geom.settings), repr(self.numerics),
-                                           bucket, repr(self.layout(bucket)), repr(shapes(args)),
+                                           bucket, self.speculative, repr(self.layout(bucket)), repr(shapes(args)),
                                            repr(jax.tree_util.tree_structure(args)),
                                            # the tables are static: a Compiled object only takes the same ones
                                            repr(getattr(self.tables, "source", None)))
         zero = np.zeros((), np.int32)
-        out_tree = jax.tree_util.tree_structure(StepOutput(self.cache, zero, zero, zero, zero, None))
+        out_tree = jax.tree_util.tree_structure(StepOutput(self.cache, zero, zero, zero, zero, None, zero, zero))
         return key, jax.tree_util.tree_structure((args, {})), out_tree
