@@ -63,12 +63,6 @@ class InFlight(NamedTuple):
     step_id: int
     out: StepOutput
     logprobs: bool
-    # The step's device batch, held until its outputs are read, so that the allocator cannot give
-    # its memory to the next step's batch while this step may still read it (a transfer into it
-    # would have to wait for this step to end). Measured on the H200: a batch sent while the
-    # previous step ran was ready only ~3 ms later, at that step's end (BENCHMARKS.md, "Engine
-    # loop"); whether memory reuse is the whole cause is not yet measured.
-    inputs: PackedBatch
 
 
 class Ran(NamedTuple):
@@ -242,7 +236,7 @@ class Runner:
             out.drafts.copy_to_host_async()
         if prep.logprobs:
             out.logprobs.copy_to_host_async()
-        return InFlight(prep.plan.step_id, out, prep.logprobs, device_batch)
+        return InFlight(prep.plan.step_id, out, prep.logprobs)
 
     def layout(self, bucket: Bucket) -> BatchLayout:
         """How a batch of this bucket is packed (every bucket-shaped batch has the same)."""
