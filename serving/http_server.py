@@ -83,6 +83,7 @@ class HttpFrontend:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128          # listen backlog: a burst of clients connecting at once is not refused
 
     def __init__(self, address, handler, max_connections: int):
         self._slots = threading.BoundedSemaphore(max_connections)

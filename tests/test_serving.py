@@ -518,3 +518,21 @@ def test_sigterm_under_load_drains_and_exits_0(served, model):
             proc.kill()
             proc.wait()
     assert any("stopped (drained)" in l for l in lines), "".join(lines[-20:])
+
+
+def test_v41_client_streams_text(served, capsys):
+    from serving import client
+
+    want = served.tokens("greedy")
+    f = COMPARED["greedy"]
+    argv = ["--server", f"127.0.0.1:{served.server.grpc_port}", "--ids", *map(str, f["prompt_ids"]),
+            "--max-new-tokens", str(f["max_new_tokens"])]
+    assert client.main(argv) == 0
+    out, err = capsys.readouterr()
+    # ignore_eos is not a client flag: the text runs to EOS or the budget, whichever comes first
+    assert served.tokenizer.decode(want).startswith(out.strip()) and out.strip()
+    assert re.search(r"\[(LENGTH|EOS)\] \d+ tokens", err)
+    assert client.main(["--server", f"127.0.0.1:{served.server.grpc_port}", "--info"]) == 0
+    assert 'model: "tiny"' in capsys.readouterr().out
+    assert client.main(["--server", f"127.0.0.1:{served.server.grpc_port}", "--ids", "1", "--temperature", "-1"]) == 1
+    assert "INVALID_ARGUMENT: temperature:" in capsys.readouterr().err
