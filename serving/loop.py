@@ -229,11 +229,15 @@ class EngineLoop:
         last_status = time.perf_counter()
         while True:
             failed = self._state == State.FAILED
-            self._take_inbox(block=failed or not self.engine.has_work)
-            self._expire()
-            if not failed and self.engine.has_work:
-                self._step()
-            self._publish()
+            try:
+                self._take_inbox(block=failed or not self.engine.has_work)
+                self._expire()
+                if not failed and self.engine.has_work:
+                    self._step()
+                self._publish()
+            except Exception as err:                    # noqa: BLE001 - a bug here must not strand clients
+                log.error("engine loop: %s", "".join(traceback.format_exception(err)))
+                self._fail(f"the engine loop failed: {type(err).__name__}: {err}")
             idle = self._state == State.FAILED or not self.engine.has_work
             if self._state in (State.DRAINING, State.FAILED) and not self._snapshot.open and idle:
                 self._drained.set()
@@ -273,7 +277,11 @@ class EngineLoop:
         if self._state == State.FAILED:
             self._finish_unadmitted(op, "error", "the engine is not serving (it failed repeatedly)")
             return
-        self.engine.add(op.req)
+        try:
+            self.engine.add(op.req)
+        except Exception as err:                        # noqa: BLE001 - this request alone
+            self._finish_unadmitted(op, "error", f"the engine refused it: {type(err).__name__}: {err}")
+            return
         op.in_engine = True
 
     def _abort(self, rid, note: str) -> None:

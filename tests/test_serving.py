@@ -446,6 +446,27 @@ def test_never_fits_and_api_key(small, monkeypatch):
         assert server.shutdown(10)
 
 
+def test_engine_refusing_a_request_ends_it_alone(small, monkeypatch):
+    """Engine.add raising (a bug, or a rule the server's checks missed) ends that request with ERROR
+    and its message; the loop keeps serving."""
+    def refuse(req):
+        raise ValueError("no room for this one")
+
+    monkeypatch.setattr(small, "add", refuse)
+    server = Server(small, model_name="tiny", limits=LIMITS, warmup=False).start()
+    try:
+        assert server.wait_ready(60)
+        st, channel = stub(server.grpc_port)
+        for _ in range(2):
+            tokens, final, _ = grpc_generate(st, {"prompt_ids": [5, 6, 7], "max_new_tokens": 3})
+            assert tokens == [] and final.finish_reason == v41_pb2.ERROR
+            assert final.error == "the engine refused it: ValueError: no room for this one"
+        assert server.loop.state == State.SERVING and server.loop.snapshot().open == 0
+        channel.close()
+    finally:
+        assert server.shutdown(10)
+
+
 def test_repeated_faults_stop_serving(small, monkeypatch):
     """A fault in every step: each request ends ERROR; after MAX_FAILED_STEPS failures in a row the
     server reports NOT_SERVING and refuses new requests (UNAVAILABLE / 503)."""
