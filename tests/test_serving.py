@@ -501,7 +501,7 @@ def test_sigterm_under_load_drains_and_exits_0(served, model):
     """`python -m serving.server` on the checkpoint: requests in flight over both protocols when
     SIGTERM comes all finish in full (equal to offline); new ones are refused; exit code 0."""
     cmd = [sys.executable, "-m", "serving.server", "--checkpoint", str(model[0]), "--grpc-port", "0",
-           "--http-port", "0", "--status-every", "0", "--compile-cache", str(ROOT / ".pytest_cache" / "xla"),
+           "--http-port", "0", "--status-every", "0.2", "--compile-cache", str(ROOT / ".pytest_cache" / "xla"),
            *ENGINE_FLAGS]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
@@ -539,6 +539,10 @@ def test_sigterm_under_load_drains_and_exits_0(served, model):
             proc.kill()
             proc.wait()
     assert any("stopped (drained)" in l for l in lines), "".join(lines[-20:])
+    # the periodic status line, seen while the four requests ran
+    status = re.compile(r"status: (serving|draining), \d+ finished, [1-4] running, \d+ waiting, [\d.]+ tokens/s, "
+                        rf"free pages \d+/{SETTINGS.num_pages - 1}, free slots [0-3]/{SETTINGS.slots}")
+    assert any(status.search(l) for l in lines), "".join(lines[-20:])
 
 
 def test_v41_client_streams_text(served, capsys):
