@@ -11,7 +11,7 @@ import time
 import grpc
 
 from tests.engine_common import SETTINGS, build_model, make_engine
-from scripts.bench_serving import http_body, random_requests, to_request  # noqa: F401 (re-exported)
+from scripts.bench_serving import http_body, to_request
 from serving.client import sse_events
 from serving.proto import v41_pb2, v41_pb2_grpc
 

@@ -25,17 +25,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from scripts.bench_serving import random_requests
 from serving.api import Limits, chat_prompt
+from serving.client import sse_events
 from serving.loop import State
 from serving.proto import v41_pb2
 from serving.server import Server
 from tests.engine_common import ROOT, SETTINGS
 from tests.serving_common import (ENGINE_FLAGS, assert_idle_and_empty, engine_for, grpc_generate, http_call,
-                                  http_body, http_generate, offline, random_requests, sse_events, stub,
-                                  tok_model, wait_for)
+                                  http_body, http_generate, offline, stub, tok_model, wait_for)
 
 LIMITS = Limits(max_prompt_tokens=100, max_new_tokens=64, max_message_bytes=64 << 10)
-LONG = list(range(10, 110))[:100]                   # a 100-token prompt: 7 prefill steps of 16 rows
+LONG = list(range(10, 110))                        # a 100-token prompt: 7 prefill steps of 16 rows
 MIX = {f"mix{i}": f for i, f in enumerate(random_requests(np.random.default_rng(1), 8, 512))}
 COMPARED = {
     **MIX,
