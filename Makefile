@@ -1,12 +1,21 @@
 # Two entry points for a fresh machine; each creates .venv and installs what it needs.
-#   make generate   offline generation on the repo's tiny model (built on first use)
-#   make test       the test suite (what CI runs)
+#   make generate   offline generation on the shipped demo model (models/demo): text prompts in, text
+#                   out; installs the runtime dependencies only
+#   make test       the test suite (what CI runs); installs the test extras
+# One .venv serves both: .venv/.runtime stamps the runtime install, .venv/.installed the test extras.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 TINY    := artifacts/tiny
+DEMO    := models/demo
 
 .PHONY: generate test venv
+
+$(VENV)/.runtime: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e .
+	touch $@
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,8 +28,8 @@ venv: $(VENV)/.installed
 $(TINY)/config.json: $(VENV)/.installed v41_jax/configs/tiny.config.json
 	$(VPY) -m scripts.make_checkpoint --config v41_jax/configs/tiny.config.json --out $(TINY) --seed 0
 
-generate: $(TINY)/config.json
-	$(VPY) -m scripts.generate --checkpoint $(TINY) --prompts scripts/example_prompts.jsonl --max-new-tokens 32
+generate: $(VENV)/.runtime
+	$(VPY) -m scripts.generate --checkpoint $(DEMO) --prompts scripts/demo_prompts.jsonl --max-new-tokens 32
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest tests

@@ -548,7 +548,7 @@ def plot_log(log_json: str, png: str) -> None:
     for k in range(len(log["draft"][0]["held_agree"]) if log["draft"] else 0):
         ax2.plot([r["step"] for r in log["draft"]], [r["held_agree"][k] for r in log["draft"]], label=f"draft {k + 1}")
     ax2.set(xlabel="draft step", ylabel="agreement with the target's greedy token",
-            title="DSpark stages (held-out continuations)", ylim=(0, 1))
+            title="DSpark stages (continuations not trained on)", ylim=(0, 1))
     ax2.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
