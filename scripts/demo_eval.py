@@ -27,6 +27,24 @@ import numpy as np
 from scripts.train_demo import CONT, PREFIX, SEQ, windows
 
 
+GOLDEN_PROMPT = "The Python standard library"
+GOLDEN_TOKENS = 24
+
+
+def small_engine(ckpt):
+    """One slot, reference numerics (their GEMM order is fixed, so tokens agree across backends);
+    the prefill bucket keeps every row's logits (teacher forcing). tests/test_demo_model.py's."""
+    from v41_jax.runtime.engine import Engine
+
+    return Engine.from_checkpoint(ckpt, numerics="reference", chunk=64, buckets="4x1x4,68x1x68")
+
+
+def greedy_tokens(engine, prompt: str, n: int) -> list[int]:
+    from v41_jax.runtime.sampling import SamplingParams
+
+    return engine.generate([prompt], SamplingParams(temperature=0.0), max_new_tokens=n, ignore_eos=True)[0].tokens
+
+
 def engine_nll(engine, tokens: np.ndarray, chunk: int) -> float:
     """Summed next-token NLL of one window fed through the engine's cache in chunks."""
     import jax
@@ -100,6 +118,10 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--draft-prefixes", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--golden", help="write the golden tokens of GOLDEN_PROMPT and the perplexity of "
+                    "tests/fixtures/demo_heldout.txt (the test's engine) to this JSON, then stop")
+    ap.add_argument("--parts", default="forward,drafts,engine",
+                    help="which measurements (comma-separated; the forward and the drafts are slow on CPU)")
     args = ap.parse_args(argv)
 
     from v41_jax.checkpoint.load import load_params
@@ -108,6 +130,16 @@ def main(argv=None) -> int:
     from v41_jax.runtime.engine import Engine
     from v41_jax.runtime.sampling import SamplingParams
 
+    if args.golden:
+        engine = small_engine(args.checkpoint)
+        tokens = np.asarray(engine.tokenizer.encode(open("tests/fixtures/demo_heldout.txt").read()).ids)
+        golden = {"prompt": GOLDEN_PROMPT, "tokens": greedy_tokens(engine, GOLDEN_PROMPT, GOLDEN_TOKENS),
+                  "heldout_file_ppl": float(np.exp(engine_nll(engine, tokens, 64) / (len(tokens) - 1)))}
+        golden["text"] = engine.tokenizer.decode(golden["tokens"])
+        with open(args.golden, "w") as f:
+            json.dump(golden, f, indent=1)
+        print(json.dumps(golden))
+        return 0
     out: dict = {}
 
     def save(out):   # after every measurement: a later one failing keeps the earlier
@@ -119,18 +151,23 @@ def main(argv=None) -> int:
     token_map = load_token_map(os.path.join(args.checkpoint, "engram_token_map.json"))
     ref = Numerics.reference()
     fwd = forward_fn(cfg, params, token_map, ref)
-    t0 = time.time()
-    nll = sum(float(-np.take_along_axis(np.asarray(jax_log_softmax(fwd(held[i:i + 8, :-1])[0])),
-                                        held[i:i + 8, 1:, None], -1).sum()) for i in range(0, len(held), 8))
-    out["heldout_ppl_forward_reference"] = float(np.exp(nll / held[:, 1:].size))
-    out["forward_seconds"] = round(time.time() - t0, 1)
-    save(out)
+    parts = args.parts.split(",")
+    if "forward" in parts:
+        t0 = time.time()
+        nll = sum(float(-np.take_along_axis(np.asarray(jax_log_softmax(fwd(held[i:i + 8, :-1])[0])),
+                                            held[i:i + 8, 1:, None], -1).sum()) for i in range(0, len(held), 8))
+        out["heldout_ppl_forward_reference"] = float(np.exp(nll / held[:, 1:].size))
+        out["forward_seconds"] = round(time.time() - t0, 1)
+        save(out)
+    if "drafts" in parts:
+        prefixes = windows(np.load(os.path.join(args.data, "heldout.npy")), SEQ + 1, SEQ // 2)[:args.draft_prefixes]
+        out["draft_agreement_per_position"] = draft_agreement(cfg, params, fwd, ref, prefixes)
+        save(out)
+    if "engine" not in parts:
+        return 0
 
-    prefixes = windows(np.load(os.path.join(args.data, "heldout.npy")), SEQ + 1, SEQ // 2)[:args.draft_prefixes]
-    out["draft_agreement_per_position"] = draft_agreement(cfg, params, fwd, ref, prefixes)
-    save(out)
-
-    engine = Engine.from_checkpoint(args.checkpoint, numerics="reference", max_batch=4, chunk=64)
+    # the prefill bucket keeps every row's logits (teacher forcing), the decode bucket serves generate
+    engine = Engine.from_checkpoint(args.checkpoint, numerics="reference", chunk=64, buckets="4x4x4,68x4x68")
     t0 = time.time()
     nll = sum(engine_nll(engine, w, 64) for w in held)
     out["heldout_ppl_engine_reference"] = float(np.exp(nll / held[:, 1:].size))
