@@ -16,6 +16,10 @@ API
       Teacher forcing (checking against a reference): forced_gate {stage layer id: [B, blk, k]}
       expert picks; forced_prev [B, blk] the tokens the Markov rows condition on (row k's previous
       token; the model's own chain is first_ids then its greedy drafts).
+  draft_block(params, cfg, context, anchor, first_ids, numerics, forced_gate=None, forced_prev=None) -> Draft
+      the same with each stage's context given by the caller: context(m, stage m's params) -> (ctx_kv [B, Nc, Dh],
+      ctx_idx [B, Kc] or None) as `attention.draft_attention` takes them (the engine's step passes
+      the rows it gathers from the slot's draft-stage rings and its own rows).
   Draft(ids [B, blk+1] (first_ids, then the greedy drafts), logits fp32 [B, blk, V] (Markov bias
         included), confidence fp32 [B, blk] (pre-sigmoid), hidden [B, blk, D] (the collapsed,
         pre-norm draft hidden the confidence head reads), gate_idx / gate_scores
@@ -74,18 +78,26 @@ def _markov_chain(p: dict, logits: jax.Array, first_ids: jax.Array,
 
 def draft(params: dict, cfg: ModelConfig, ctx_x: jax.Array, anchor: jax.Array, first_ids: jax.Array,
           numerics: Numerics, forced_gate: dict | None = None, forced_prev: jax.Array | None = None) -> Draft:
+    cos, sin = rope_cos_sin(cfg, jnp.arange(ctx_x.shape[1]), global_table=False)
+
+    def context(m, p):                                                          # this stage's context rows
+        return window_kv(p["attn"], cfg, ctx_x, cos, sin, numerics), None
+    return draft_block(params, cfg, context, anchor, first_ids, numerics, forced_gate, forced_prev)
+
+
+def draft_block(params: dict, cfg: ModelConfig, context, anchor: jax.Array, first_ids: jax.Array,
+                numerics: Numerics, forced_gate: dict | None = None, forced_prev: jax.Array | None = None) -> Draft:
     b, blk = first_ids.shape[0], cfg.dspark_block_size
     ids = jnp.full((b, blk), cfg.dspark_noise_token_id, first_ids.dtype).at[:, 0].set(first_ids)
     x = embed(params, ids, cfg.hc_mult, numerics)
     pre = one_hot_pre((b, blk), cfg.hc_mult)
-    cos, sin = rope_cos_sin(cfg, jnp.arange(ctx_x.shape[1]), global_table=False)
     gate_idx, gate_scores = {}, {}
     for m, p in enumerate(params["mtp"]):
         layer = cfg.n_layers + m
-        ctx_kv = window_kv(p["attn"], cfg, ctx_x, cos, sin, numerics)         # this stage's context rows
+        ctx_kv, ctx_idx = context(m, p)
 
-        def attend(h, p=p, ctx_kv=ctx_kv):
-            return draft_attention(p["attn"], cfg, h, ctx_kv, anchor, numerics), None
+        def attend(h, p=p, ctx_kv=ctx_kv, ctx_idx=ctx_idx):
+            return draft_attention(p["attn"], cfg, h, ctx_kv, anchor, numerics, ctx_idx=ctx_idx), None
 
         out = block(p, cfg, layer, x, pre, attend, numerics,
                     forced_gate=None if forced_gate is None else forced_gate.get(layer))

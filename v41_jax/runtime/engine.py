@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,16 +35,17 @@ from v41_jax.runtime.metadata import Bucket, BucketSet, Span
 from v41_jax.runtime.request import Request, Result
 from v41_jax.runtime.runner import InFlight, Ran, Runner
 from v41_jax.runtime.sampling import SamplingParams
-from v41_jax.runtime.scheduler import Event, FinishEvent, Scheduler, StepPlan, TokenEvent
+from v41_jax.runtime.scheduler import Event, FinishEvent, Scheduler, SpecStats, StepPlan, TokenEvent
 
 NUMERICS = {"reference": Numerics.reference, "fast": Numerics.fast, "fp32": Numerics.fp32}
 
 
-def default_buckets(max_requests: int, chunk: int) -> BucketSet:
+def default_buckets(max_requests: int, chunk: int, width: int = 1) -> BucketSet:
     """One decode bucket and one prefill bucket, both at the full request width: two compiles,
-    and a step never waits for a bucket (padding rows cost little next to a recompile)."""
-    return BucketSet((Bucket(max_requests, max_requests, max_requests),
-                      Bucket(chunk + max_requests, max_requests, max_requests)))
+    and a step never waits for a bucket (padding rows cost little next to a recompile). width:
+    token and logits rows per decoding request (1 + the draft block when speculating)."""
+    rows = max_requests * width
+    return BucketSet((Bucket(rows, max_requests, rows), Bucket(chunk + rows, max_requests, rows)))
 
 
 def parse_buckets(spec: str) -> BucketSet:
@@ -65,24 +67,56 @@ class Stats:
     generated_tokens: int = 0
     compile_s: float = 0.0
     run_s: float = 0.0
+    verifies: int = 0                  # verify spans run (one request's drafts checked by one step)
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    proposed_at: list[int] = field(default_factory=list)   # per draft position
+    accepted_at: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.run_s if self.run_s > 0 else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens a verify span emits on average: drafts accepted + the target's own."""
+        return (self.drafts_accepted + self.verifies) / self.verifies if self.verifies else 0.0
+
+    @property
+    def acceptance_at(self) -> list[float]:
+        """Acceptance rate of each draft position (of the drafts proposed there)."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    def add_spec(self, before: SpecStats, after: SpecStats) -> None:
+        """Add the speculation counters that moved from `before` to `after`."""
+        width = max(len(after.proposed_at), len(self.proposed_at))
+        pad = lambda xs: list(xs) + [0] * (width - len(xs))
+        for name, src in (("proposed_at", "proposed_at"), ("accepted_at", "accepted_at")):
+            mine, now, was = pad(getattr(self, name)), pad(getattr(after, src)), pad(getattr(before, src))
+            setattr(self, name, [m + n - w for m, n, w in zip(mine, now, was)])
+        self.verifies += after.verifies - before.verifies
+        self.drafts_proposed = sum(self.proposed_at)
+        self.drafts_accepted = sum(self.accepted_at)
 
 
 class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, *, settings: EngineSettings, buckets: BucketSet,
                  numerics: Numerics, token_map: np.ndarray | None = None, prefill_chunk: int | None = None,
                  eos_id: int | None = None, record: bool = False, tokenizer=None,
-                 device_engram: bool | None = None):
+                 device_engram: bool | None = None, speculative: bool | None = None,
+                 draft_width: int | None = None):
+        """speculative: DSpark speculative decoding for the requests that do not turn it off; None =
+        on when the checkpoint has draft stages and the settings reserve the draft slack.
+        draft_width: drafts per verify if given, which must be the checkpoint's block."""
         geom = CacheGeometry.build(cfg, settings)
+        self.speculative = resolve_speculative(cfg, settings, speculative, draft_width)
         if buckets.max_requests > settings.slots:
             raise ValueError(f"buckets: {buckets.max_requests} requests per step exceed {settings.slots} slots")
         self.cfg, self.numerics, self.buckets, self.tokenizer = cfg, numerics, buckets, tokenizer
         self.eos_id = cfg.eos_token_id if eos_id is None else eos_id
         self.prefill_chunk = prefill_chunk or buckets.max_tokens
-        self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record, device_engram)
+        self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record, device_engram,
+                             self.speculative)
         self.reset()
 
     @classmethod
@@ -90,10 +124,13 @@ class Engine:
                         max_batch: int = 4, chunk: int = 64, buckets: str | BucketSet | None = None,
                         page_tokens: int = 16, pages: int = 0, slots: int = 0, max_context: int = 0,
                         compile_cache_dir: str | None = None, tokenizer: str | None = None,
-                        progress: bool = False) -> "Engine":
+                        progress: bool = False, speculative: bool | None = None,
+                        draft_width: int | None = None) -> "Engine":
         """An engine over a published checkpoint folder. The tokenizer (`tokenizer.json`) and the
         Engram token map (`engram_token_map.json`) are taken from the folder when they are there.
-        compile_cache_dir: the persistent compilation cache (None: `compile_cache` default)."""
+        compile_cache_dir: the persistent compilation cache (None: `compile_cache` default).
+        speculative (None: on when the checkpoint has draft stages) reserves the draft slack and
+        widens the default buckets to 1 + block rows per decoding request."""
         from v41_jax.checkpoint.load import load_params
         from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 
@@ -112,13 +149,16 @@ class Engine:
         max_context = max_context or cfg.max_seq_len
         if isinstance(buckets, str):
             buckets = parse_buckets(buckets)
-        buckets = buckets or default_buckets(max_batch, chunk)
+        spec = bool(cfg.n_mtp_layers) if speculative is None else speculative
+        width = 1 + cfg.dspark_block_size if spec and cfg.n_mtp_layers else 1
+        buckets = buckets or default_buckets(max_batch, chunk, width)
         per_request = -(-max_context // page_tokens)
         settings = EngineSettings(page_tokens=page_tokens, num_pages=pages or buckets.max_requests * per_request + 1,
                                   slots=max(slots, buckets.max_requests), max_context=max_context,
-                                  kv_format=fmt, index_format=fmt)
+                                  kv_format=fmt, index_format=fmt,
+                                  draft_slack=cfg.dspark_block_size if spec and cfg.n_mtp_layers else 0)
         return cls(params, cfg, settings=settings, buckets=buckets, numerics=num, token_map=token_map,
-                   prefill_chunk=chunk, tokenizer=tok)
+                   prefill_chunk=chunk, tokenizer=tok, speculative=speculative, draft_width=draft_width)
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -131,7 +171,9 @@ class Engine:
         self.scheduler = Scheduler(num_pages=s.num_pages, slots=s.slots, max_requests=self.buckets.max_requests,
                                    max_tokens=self.buckets.max_tokens, prefill_chunk=self.prefill_chunk,
                                    page_tokens=s.page_tokens, max_context=geom.max_context,
-                                   check=self.check_request, eos_id=self.eos_id)
+                                   check=self.check_request, eos_id=self.eos_id,
+                                   spec_block=self.cfg.dspark_block_size if self.speculative else 0,
+                                   max_logits=max(b.logits for b in self.buckets.buckets))
         self._flight: InFlight | None = None
         self._flight_plan: StepPlan | None = None
         self._parked: list[Event] = []
@@ -194,6 +236,8 @@ class Engine:
             return f"prompt of {len(prompt)} tokens leaves no room below max_context {self.geom.max_context}"
         if req.max_new_tokens < 1:
             return "max_new_tokens must be >= 1"
+        if req.speculative and not self.speculative:
+            return "speculative decoding is off in this engine (no draft stages, or turned off)"
         need = self.scheduler.pages_needed(req)
         if need > self.geom.settings.num_pages - 1:
             return f"needs {need} pages, the pool has {self.geom.settings.num_pages - 1}"
@@ -214,6 +258,11 @@ class Engine:
     def step(self) -> list[Event]:
         """One pipelined iteration: plan and launch the next step, then apply the previous one's
         results -> the events they produced."""
+        early = []
+        if self._flight is not None and self.scheduler.awaiting:
+            # a speculative request's next span starts where the step in flight's acceptance ends
+            early = self.scheduler.update(self.runner.collect(self._flight))
+            self._flight = self._flight_plan = None
         plan = self.scheduler.schedule()
         prepared = self.runner.prepare(plan) if plan is not None else None
         res, flight = None, None
@@ -228,9 +277,9 @@ class Engine:
                 res = self.runner.collect(self._flight)
                 feedback = {sp.rid: int(res.tokens[b]) for b, sp in enumerate(self._flight_plan.spans) if sp.emits}
             flight = self._launch(prepared, feedback)
-        events = self.scheduler.update(res) if res is not None else self.scheduler.drain()
+        events = early + (self.scheduler.update(res) if res is not None else self.scheduler.drain())
         self._flight, self._flight_plan = flight, plan
-        if flight is None and res is None and self.scheduler.running:
+        if flight is None and res is None and not early and self.scheduler.running:
             raise RuntimeError("running requests but nothing to schedule")
         return events
 
@@ -279,7 +328,7 @@ class Engine:
         stats.requests += len(rids)
         stats.prompt_tokens += sum(r.prompt_len for r in results.values() if r.finish_reason != "error")
         pending = {rid for rid in rids if not self.scheduler.by_id[rid].done}
-        steps0 = self.steps
+        steps0, spec0 = self.steps, copy.deepcopy(self.scheduler.spec_stats)
         while pending:
             for e in self._take(lambda e: e.rid in pending):
                 if on_event:
@@ -289,6 +338,7 @@ class Engine:
         while self._flight is not None and not self.scheduler.running and not self.scheduler.waiting:
             self.step()                              # settle the last (dead) step
         stats.steps += self.steps - steps0
+        stats.add_spec(spec0, self.scheduler.spec_stats)
         stats.generated_tokens += sum(len(r.tokens) for r in results.values())
         compile_s = compile_cache.CompileMeter.seconds - c0
         stats.compile_s += compile_s
@@ -318,6 +368,24 @@ class Engine:
     @property
     def step_id(self) -> int:
         return self.runner.steps
+
+
+def resolve_speculative(cfg: ModelConfig, settings: EngineSettings, want: bool | None,
+                        draft_width: int | None) -> bool:
+    """Whether the engine speculates (see `Engine`); a width other than the block is refused."""
+    blk = cfg.dspark_block_size
+    if draft_width is not None and (not cfg.n_mtp_layers or draft_width != blk):
+        have = f"drafts blocks of {blk} (dspark_block_size)" if cfg.n_mtp_layers else "has no draft stages"
+        raise ValueError(f"draft width {draft_width}: this checkpoint {have}; its draft head "
+                         f"proposes exactly that many tokens, so no other width can be verified")
+    if want is False:
+        return False
+    able = bool(cfg.n_mtp_layers) and settings.draft_slack >= blk
+    if want and not able:
+        raise ValueError("speculative decoding needs DSpark draft stages (n_mtp_layers > 0) and "
+                         f"draft_slack >= {blk} (the block) in the settings; got n_mtp_layers "
+                         f"{cfg.n_mtp_layers}, draft_slack {settings.draft_slack}")
+    return able
 
 
 def load_tokenizer(path: str | None, ckpt_dir: Path | None = None):

@@ -29,6 +29,10 @@ and an all-null block-table row; plan tails are -1 sentinel rows.
       (read on the device from the cache's `sampled`); pending_req [R] bool: its request rows
   engram_history [T, L_engram, N-1, 2] uint32: a pending row's Engram history hash halves
       (`EngramHasher.decode_history`); its ids are finished on the device
+  spec_k [R] int32: drafts a verify span checks (its rows after the first; 0 = not a verify span)
+  spec_draft [R] bool: draft a block after this step from the request's committed end
+  spec_cursors [R, max(1, blk), H + 1]: a verify span's cursor after its first j + 1 rows (the row
+      committed when j drafts are accepted and j < spec_k; all of them accepted commits cursor_rows)
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ class Span:
     engram_scales: tuple = ()           # per Engram layer: uint8 [L, cols, hd / 32]
     all_logits: bool = False            # logits of every row (teacher forcing), else the last
     sampling: SamplingParams = SamplingParams()   # how its logits rows are sampled
+    verify: int = 0                     # its last `verify` rows are drafts to check (then all_logits)
+    draft: bool = False                 # draft a block after this step (speculative request)
+    prefix_cursors: np.ndarray | None = None      # int [verify, H + 1] the cursor after rows 0..j
 
     @property
     def end(self) -> int:
@@ -76,7 +83,7 @@ class Span:
     "tokens", "positions", "token_req", "req_pos", "req_len", "req_offset", "slots",
     "block_tables", "visible", "compress_plans", "window_writes", "ring_writes", "cursor_rows",
     "engram_codes", "engram_scales", "logit_rows", "temperature", "top_k", "top_p", "seed", "pending", "pending_req",
-    "engram_history"],
+    "engram_history", "spec_k", "spec_draft", "spec_cursors"],
     meta_fields=[])
 @dataclass(frozen=True)
 class StepBatch:
@@ -103,6 +110,9 @@ class StepBatch:
     pending: Any
     pending_req: Any
     engram_history: Any
+    spec_k: Any
+    spec_draft: Any
+    spec_cursors: Any
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,12 @@ def _validate(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Sequ
     slots = [s.slot for s in spans]
     if len(set(slots)) != len(slots) or any(not 0 <= x < n_slots for x in slots):
         raise ValueError(f"slots must be distinct and in [0, {n_slots}): {slots}")
+    for s in spans:
+        if s.verify and (len(s.tokens) != s.verify + 1 or not s.all_logits or s.verify > _spec_width(cfg)
+                         or s.prefix_cursors is None or len(s.prefix_cursors) != s.verify):
+            raise ValueError(f"request {s.request_id!r}: a verify span is its first row then its "
+                             f"{s.verify} drafts (at most {_spec_width(cfg)}), every row's logits, "
+                             f"a cursor per accepted prefix")
     # The per-span rules at once: which spans break any of them.
     n, ends = len(spans), col.positions + col.lens
     bad = ((col.lens == 0) | (col.positions < 0) | (ends > geom.max_context)
@@ -240,8 +256,15 @@ def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Seq
     cols, hd = cfg.engram_hash_cols, cfg.engram_head_dim
     engram_codes = tuple(np.zeros((t_cap, cols, hd), np.uint8) for _ in range(n_engram))
     engram_scales = tuple(np.zeros((t_cap, cols, hd // 32), np.uint8) for _ in range(n_engram))
+    spec = no_spec(geom, cfg, r_cap)
+    spec_k, spec_draft, spec_cursors = spec["spec_k"], spec["spec_draft"], spec["spec_cursors"]
     if spans:
         cursor_rows[:n] = [s.next_cursor for s in spans]
+        spec_k[:n] = [s.verify for s in spans]
+        spec_draft[:n] = [s.draft for s in spans]
+        for b, s in enumerate(spans):
+            if s.verify:
+                spec_cursors[b, :s.verify] = s.prefix_cursors
         for i in range(n_engram):
             np.concatenate([s.engram_codes[i] for s in spans], out=engram_codes[i][:n_tok], casting="unsafe")
             np.concatenate([s.engram_scales[i] for s in spans], out=engram_scales[i][:n_tok], casting="unsafe")
@@ -278,8 +301,21 @@ def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Seq
         window_writes=ring_plan(geom.ring_slots), ring_writes=ring_plan(geom.comp_ring),
         cursor_rows=cursor_rows, engram_codes=engram_codes, engram_scales=engram_scales,
         logit_rows=_padded(rows[wanted], bucket.logits, 0, np.int32),
+        **spec,
         **_sampler_rows([s.sampling for s in spans], owner, bucket.logits), **no_pending(cfg, t_cap, r_cap))
     return BuiltStep(batch, bucket, logit_owner)
+
+
+def _spec_width(cfg: ModelConfig) -> int:
+    """Drafts a verify span may check: the checkpoint's block (1 keeps the arrays non-empty without
+    draft stages)."""
+    return cfg.dspark_block_size if cfg.n_mtp_layers else 1
+
+
+def no_spec(geom: CacheGeometry, cfg: ModelConfig, r_cap: int) -> dict:
+    """The speculative fields of a step with no verify span and no draft."""
+    return {"spec_k": np.zeros(r_cap, np.int32), "spec_draft": np.zeros(r_cap, bool),
+            "spec_cursors": np.zeros((r_cap, _spec_width(cfg), geom.history + 1), np.int32)}
 
 
 def no_pending(cfg: ModelConfig, t_cap: int, r_cap: int) -> dict:

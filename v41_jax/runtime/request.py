@@ -20,6 +20,8 @@ class Request:
     ignore_eos: bool = False
     request_id: Any = None
     logprobs: bool = False           # return each sampled token's log-probability
+    speculative: bool | None = None  # DSpark drafts verified by the target; None = the engine's default
+                                     # (on when the checkpoint has draft stages), False = plain decoding
 
 
 FINISH_REASONS = ("eos", "stop", "length", "abort", "error")

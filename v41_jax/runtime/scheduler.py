@@ -16,6 +16,12 @@ overtakes it, so nothing starves), reserving pages for prompt + budget at admiss
 request never stalls for memory; each step plans one row per decoding request first, then prefill
 chunks in admission order while `prefill_chunk` rows (and what the largest bucket leaves) last.
 
+Speculative requests (DSpark, docs/CACHE.md §4.1) are not pipelined: a step that drafts for a
+request leaves it *awaiting* until that step's results are read, because where its next span
+starts depends on how many drafts the step accepted. Its next span is a verify span: its last
+committed token then up to `spec_block` drafts (never more than its budget can emit), and the step
+reports how many were accepted; the request takes that many tokens plus the target's one after.
+
 The stale-state check: each step reports the cursor position it found in every request row's slot
 (`StepOutput.found`); `update` compares it with the position that same step's span started at. A
 mismatch ends that request alone with `StaleStateError` text naming slot, expected and found; it
@@ -50,6 +56,9 @@ class Sequence:
     planned: int = 0                     # positions planned (rows in dispatched or planned steps)
     planned_emits: int = 0               # sampled tokens planned
     done: bool = False
+    spec: bool = False                   # decodes by verifying DSpark drafts
+    drafts: list[int] = field(default_factory=list)   # the block drafted after its last step
+    awaiting: bool = False               # a step that drafts for it has not been read yet
 
     @property
     def prompt_len(self) -> int:
@@ -66,6 +75,8 @@ class PlannedSpan(NamedTuple):
     length: int
     emits: bool            # its last row samples the request's next token
     pending: bool          # its first token is the one the previous step samples (not known yet)
+    verify: int = 0        # drafts it checks (its rows after the first)
+    draft: bool = False    # the step drafts a block for the request after it
 
     @property
     def rid(self):
@@ -80,7 +91,9 @@ class PlannedSpan(NamedTuple):
         return self.seq.req.sampling
 
     def known_tokens(self) -> np.ndarray:
-        """Its input tokens, the pending one (if any) as 0."""
+        """Its input tokens, the pending one (if any) as 0; a verify span's drafts after its first."""
+        if self.verify:
+            return np.asarray([self.seq.tokens[self.position], *self.seq.drafts[:self.verify]], np.int32)
         start = self.position + self.pending
         toks = self.seq.tokens[start: self.position + self.length]
         return np.asarray([0] * self.pending + toks, np.int32)
@@ -110,20 +123,44 @@ Event = TokenEvent | FinishEvent
 
 class StepResult(NamedTuple):
     step_id: int
-    tokens: np.ndarray           # int [O]: row b is span b's sampled token
+    tokens: np.ndarray           # int [O]: each span's logits rows in order (one, or 1 + verify)
     found: np.ndarray            # int [R]: span b's slot cursor as the step read it
     logprobs: np.ndarray | None  # fp32 [O] when a span asked for them
+    accepted: np.ndarray | None = None   # int [R]: drafts span b accepted (speculating engines)
+    drafts: np.ndarray | None = None     # int [R, blk]: the block drafted after span b
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters: verifies (one request's verify span each), drafts proposed and
+    accepted per draft position."""
+    verifies: int = 0
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        width = max(proposed, len(self.proposed_at))
+        for counts in (self.proposed_at, self.accepted_at):
+            counts.extend([0] * (width - len(counts)))
+        self.verifies += 1
+        for j in range(proposed):
+            self.proposed_at[j] += 1
+            self.accepted_at[j] += j < accepted
 
 
 class Scheduler:
     def __init__(self, *, num_pages: int, slots: int, max_requests: int, max_tokens: int,
                  prefill_chunk: int, page_tokens: int, max_context: int,
-                 check: Callable[[Request], str | None], eos_id: int | None):
+                 check: Callable[[Request], str | None], eos_id: int | None, spec_block: int = 0,
+                 max_logits: int | None = None):
         self.pages = PageAllocator(num_pages)
         self.slots = SlotAllocator(slots)
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.prefill_chunk, self.page_tokens, self.max_context = prefill_chunk, page_tokens, max_context
         self.check, self.eos_id = check, eos_id
+        # drafts per verify (0: no request speculates); logits rows a step may return
+        self.spec_block, self.max_logits = spec_block, max_tokens if max_logits is None else max_logits
+        self.spec_stats = SpecStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[Any, Sequence] = {}
@@ -154,6 +191,7 @@ class Scheduler:
         seq = Sequence(rid, req, result, self.budget(req) if not err else 0,
                        [int(t) for t in req.prompt] if not err else [], time.perf_counter())
         result.max_new_tokens = seq.budget
+        seq.spec = bool(self.spec_block) and req.speculative is not False and req.sampling.temperature == 0
         self.by_id[rid] = seq
         if err:
             self._finish(seq, "error", err)
@@ -209,21 +247,34 @@ class Scheduler:
         """The next step's spans (decodes first, then prefill chunks), or None if nothing runs."""
         self._admit()
         spans = []
-        decoding = [s for s in self.running if not s.prefilling and s.planned_emits < s.budget]
-        for seq in decoding:
+        decoding = [s for s in self.running if not s.prefilling and s.planned_emits < s.budget and not s.awaiting]
+        for seq in (s for s in decoding if not s.spec):
             spans.append(PlannedSpan(seq, seq.planned, 1, True, seq.planned >= len(seq.tokens)))
-        room = min(self.prefill_chunk, self.max_tokens - len(spans))
+        tokens_left = self.max_tokens - len(spans)
+        logits_left = self.max_logits - len(spans)
+        verifying = [s for s in decoding if s.spec]
+        for i, seq in enumerate(verifying):
+            # as many drafts as the budget can still emit and the bucket holds, one row kept for
+            # each verify after this one
+            left, after = seq.budget - seq.planned_emits, len(verifying) - i - 1
+            k = max(0, min(self.spec_block, left - 1, tokens_left - 1 - after, logits_left - 1 - after))
+            spans.append(PlannedSpan(seq, seq.planned, 1 + k, True, False, k, left > 1))
+            tokens_left, logits_left = tokens_left - 1 - k, logits_left - 1 - k
+        room = min(self.prefill_chunk, tokens_left)
         for seq in (s for s in self.running if s.prefilling):
             n = min(room, seq.prompt_len - seq.planned)
-            if n <= 0 or len(spans) >= self.max_requests:
+            if n <= 0 or len(spans) >= self.max_requests or logits_left < 1:
                 break
-            spans.append(PlannedSpan(seq, seq.planned, n, seq.planned + n == seq.prompt_len, False))
+            last = seq.planned + n == seq.prompt_len
+            spans.append(PlannedSpan(seq, seq.planned, n, last, False, 0, last and seq.spec and seq.budget > 1))
             room -= n
+            logits_left -= 1
         if not spans:
             return None
         for sp in spans:
             sp.seq.planned += sp.length
             sp.seq.planned_emits += sp.emits
+            sp.seq.awaiting = sp.draft
         self.last_planned += 1
         plan = StepPlan(self.last_planned, tuple(spans))
         self.in_flight[plan.step_id] = plan
@@ -234,8 +285,9 @@ class Scheduler:
         """Apply one step's results (steps in order) -> the events since the last call."""
         plan = self.in_flight.pop(res.step_id)
         now = time.perf_counter()
+        row = 0                                      # each span's first logits row
         for b, sp in enumerate(plan.spans):
-            seq = sp.seq
+            seq, first, row = sp.seq, row, row + 1 + sp.verify
             if seq.done:
                 continue                             # aborted or finished: a dead row
             found = int(res.found[b])
@@ -246,23 +298,44 @@ class Scheduler:
                 continue
             if not sp.emits:
                 continue
-            tok = int(res.tokens[b])
-            seq.tokens.append(tok)
-            r = seq.result
-            r.tokens.append(tok)
-            r.token_times.append(now)
-            if r.ttft_s is None:
-                r.ttft_s = now - seq.submitted
-            lp = None
-            if seq.req.logprobs:
-                lp = (float(res.logprobs[b]),)
-                r.logprobs.append(lp[0])
-            self.outbox.append(TokenEvent(seq.rid, (tok,), lp))
-            reason = self._stop_reason(seq, tok)
-            if reason:
-                self._finish(seq, reason)
+            n = 0
+            if sp.verify:
+                n = int(res.accepted[b])
+                self.spec_stats.record(sp.verify, n)
+                seq.planned = sp.position + 1 + n    # the rows committed; the others are never read
+            if sp.draft:
+                seq.drafts, seq.awaiting = res.drafts[b].tolist(), False
+            self._emit(seq, res.tokens[first: first + n + 1],
+                       None if res.logprobs is None else res.logprobs[first: first + n + 1], now)
+            if seq.spec:
+                seq.planned_emits = len(seq.result.tokens)
         self.pages.retire(completed_step=res.step_id)
         return self.drain()
+
+    def _emit(self, seq: Sequence, tokens: np.ndarray, logprobs: np.ndarray | None, now: float) -> None:
+        """The request's new tokens in order, up to the first that finishes it (the rest dropped)."""
+        r, toks, lps, reason = seq.result, [], [], ""
+        for i, tok in enumerate(int(t) for t in tokens):
+            seq.tokens.append(tok)
+            r.tokens.append(tok)
+            r.token_times.append(now)
+            toks.append(tok)
+            if seq.req.logprobs:
+                lps.append(float(logprobs[i]))
+                r.logprobs.append(lps[-1])
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                break
+        if r.ttft_s is None:
+            r.ttft_s = now - seq.submitted
+        self.outbox.append(TokenEvent(seq.rid, tuple(toks), tuple(lps) if seq.req.logprobs else None))
+        if reason:
+            self._finish(seq, reason)
+
+    @property
+    def awaiting(self) -> bool:
+        """A running request waits for the results of a step in flight before it can be planned."""
+        return any(s.awaiting for s in self.running)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str:
         if tok == self.eos_id and not seq.req.ignore_eos:

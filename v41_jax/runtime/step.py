@@ -47,12 +47,14 @@ from v41_jax.config import ModelConfig
 from v41_jax.engram_hash import device_decode_ids
 from v41_jax.model.attention import compressed_entries, index_select, output_proj, query, window_kv
 from v41_jax.model.compressor import compress, group_latent, init_state, pool_groups, projections
+from v41_jax.model.dspark import context_x, draft_block
 from v41_jax.model.forward import embed, force_picks, run_layers
 from v41_jax.model.head import final_hidden, lm_head
 from v41_jax.model.mhc import one_hot_pre
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
+from v41_jax.model.window import draft_context_idx
 from v41_jax.quant import dequant_fp8_rows
 from v41_jax.runtime.metadata import StepBatch
 from v41_jax.runtime.packed import BatchLayout, PackedBatch
@@ -97,6 +99,9 @@ def _window_source(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatc
 
 
 def _write_window(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatch) -> jax.Array:
+    """This step's rows into `layer`'s ring, every span's last W + S rows, rejected drafts included:
+    a ring holds S rows past the W a later query reads, so a rejected row only ever lands on a
+    position no later query reads and is rewritten before any does (docs/CACHE.md §4.1)."""
     t, slot, row = batch.window_writes.T
     slot = _drop(t >= 0, slot, window.shape[0])
     return window.at[slot, layer, row].set(kv[t].astype(window.dtype), mode="drop")
@@ -239,14 +244,17 @@ def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: Layer
 
 
 class StepOutput(NamedTuple):
-    """What one step returns (one type whatever the flags). Only `tokens`, `found` and, when a
-    request asks, `logprobs` leave the device in the generation loop."""
+    """What one step returns (one type whatever the flags). Only `tokens`, `found`, when a
+    request asks, `logprobs`, and when one speculates, `accepted` / `drafts` leave the device in
+    the generation loop."""
     cache: Cache
     tokens: jax.Array        # int32 [O] the token sampled from each logits row
     logprobs: jax.Array      # fp32 [O] its log-probability under the unmodified softmax
     found: jax.Array         # int32 [R] each request row's slot cursor position as this step read it (-1 pad)
     logits: jax.Array        # fp32 [O, V]
     inter: dict | None       # per-token-row intermediates (record=True), else None
+    accepted: jax.Array      # int32 [R] drafts each verify span accepted (0 for other spans)
+    drafts: jax.Array        # int32 [R, blk] the block drafted after this step ([R, 0] not speculating)
 
 
 def _pending_inputs(params: dict, cfg: ModelConfig, cache: Cache, batch: StepBatch):
@@ -275,7 +283,7 @@ def _pending_inputs(params: dict, cfg: ModelConfig, cache: Cache, batch: StepBat
 
 
 def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = None, *, cfg: ModelConfig,
-         geom: CacheGeometry, numerics: Numerics, record: bool = False) -> StepOutput:
+         geom: CacheGeometry, numerics: Numerics, record: bool = False, speculative: bool = False) -> StepOutput:
     """One forward over the batch, the cache read and written in place, and the next token of every
     logits row sampled with its request's parameters (seeded by (seed, position sampled for)).
 
@@ -289,6 +297,9 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     block_out [L, T, N, D], next_pre [L, T, N], engram_out {l: [T, N, D]}, final_collapsed /
     final_normed [T, D], main_hidden [T, nT * D], and each selection's own picks and scores
     (index_topk, index_scores, candidate_blocks, gate_topk, gate_scores; dicts by layer).
+    speculative=True (static; the geometry has the draft stages' rings): verify spans accept their
+    longest matching draft prefix and commit only it (cursor, `sampled`), and every request row
+    drafts a block after the step (`_draft`); the host keeps the drafts of the rows that asked.
     """
     forced = forced or {}
     found = jnp.take(cache.cursor[:, 0], batch.slots, mode="fill", fill_value=-1)
@@ -308,9 +319,20 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), sampled[:, None], axis=-1)[:, 0]
     cache = state.cache
     slot = _drop(batch.req_len > 0, batch.slots, cache.cursor.shape[0])
-    # each request's token from its last row's logits (the first logits row naming that row)
-    last = batch.req_offset + batch.req_len - 1
-    at = jnp.argmax(batch.logit_rows[None, :] == last[:, None], axis=1)
+    # each request's token from its last committed row's logits (the first logits row naming that
+    # row): a verify span commits its first row and the drafts accepted, the others every row
+    first = jnp.argmax(batch.logit_rows[None, :] == (batch.req_offset + batch.req_len - 1 - batch.spec_k)[:, None],
+                       axis=1)
+    accepted = _accepted(batch, tokens, sampled, first) if speculative else jnp.zeros_like(first)
+    at = first + accepted
+    cursor_rows = jnp.where((accepted < batch.spec_k)[:, None],
+                            jnp.take_along_axis(batch.spec_cursors, accepted[:, None, None], axis=1)[:, 0],
+                            cursor_rows)
+    drafts = jnp.zeros((first.shape[0], 0), jnp.int32)
+    if speculative:
+        committed = batch.req_len - batch.spec_k + accepted
+        cache, drafts = _draft(params, cfg, geom, numerics, cache, batch, inter["main_hidden"][0],
+                               batch.req_pos + committed - 1, sampled[at])
     cache = replace(cache, cursor=cache.cursor.at[slot].set(cursor_rows, mode="drop"),
                     sampled=cache.sampled.at[slot].set(sampled[at], mode="drop"))
     if record:
@@ -319,7 +341,50 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
         inter.update(block_out=inter["block_out"][:, 0], next_pre=inter["next_pre"][:, 0],
                      main_hidden=None if inter["main_hidden"] is None else inter["main_hidden"][0],
                      final_collapsed=collapsed[0], final_normed=normed[0])
-    return StepOutput(cache, sampled, logprobs, found, logits, inter if record else None)
+    return StepOutput(cache, sampled, logprobs, found, logits, inter if record else None,
+                      accepted.astype(jnp.int32), drafts)
+
+
+def _accepted(batch: StepBatch, tokens: jax.Array, sampled: jax.Array, first: jax.Array) -> jax.Array:
+    """[R] drafts accepted per verify span: the longest prefix of its drafts equal to the token the
+    target drew at the row before each (greedy: the argmax), at most spec_k; 0 for other spans."""
+    width = batch.spec_cursors.shape[1]
+    j = jnp.arange(width)
+    target = sampled[jnp.minimum(first[:, None] + j, sampled.shape[0] - 1)]              # [R, blk]
+    drafted = tokens[jnp.minimum(batch.req_offset[:, None] + 1 + j, tokens.shape[0] - 1)]
+    match = (target == drafted) & (j < batch.spec_k[:, None])
+    return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+
+
+def _draft(params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, cache: Cache,
+           batch: StepBatch, main_hidden: jax.Array, anchor: jax.Array, first: jax.Array) -> tuple[Cache, jax.Array]:
+    """The draft stages after the target (docs/CACHE.md §4.1): every token row's context row per
+    stage (`dspark.context_x`, the stage's window_kv at its position), a block drafted from each
+    request's committed end (anchor [R], first [R] the token committed after it) over the context
+    rows (anchor - W, anchor] read from the slot's draft-stage ring (positions before the span)
+    and this step's rows (the rest), then this step's rows written to the rings like a backbone
+    layer's. -> (cache, drafts [R, blk])."""
+    ctx = context_x(params, cfg, main_hidden[None], numerics)                          # [1, T, D]
+    cos, sin = rope_cos_sin(cfg, batch.positions, global_table=False)
+    kvs = [window_kv(p["attn"], cfg, ctx, cos, sin, numerics)[0] for p in params["mtp"]]   # [T, Dh] each
+    r, ring = batch.slots.shape[0], cache.window.shape[2]
+    pos = draft_context_idx(anchor, cfg.window_size)                                   # [R, W], -1 pad
+    own = jnp.arange(r)[:, None]
+    src = jnp.where(pos < batch.req_pos[:, None], own * ring + pos % ring,
+                    r * ring + batch.req_offset[:, None] + pos - batch.req_pos[:, None])
+    src = jnp.where(pos >= 0, src, 0)
+    ctx_idx = jnp.where(pos >= 0, jnp.arange(pos.shape[1]), -1).astype(jnp.int32)
+
+    def context(m, p):
+        rows = jnp.concatenate([cache.window[batch.slots, cfg.n_layers + m].reshape(r * ring, -1),
+                                kvs[m].astype(cache.window.dtype)])
+        return rows[src], ctx_idx
+
+    out = draft_block(params, cfg, context, anchor, first, numerics)
+    window = cache.window
+    for m, kv in enumerate(kvs):
+        window = _write_window(window, cfg.n_layers + m, kv, batch)
+    return replace(cache, window=window), out.ids[:, 1:].astype(jnp.int32)
 
 
 def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
@@ -330,13 +395,27 @@ def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
                          f"{want!r} rows, got {geom.settings.kv_format!r}/{geom.settings.index_format!r}")
 
 
-def make_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, record: bool = False):
+def check_speculative(cfg: ModelConfig, geom: CacheGeometry, speculative: bool) -> None:
+    """Speculation needs draft stages and S >= block rows of ring slack: a verify step writes up to
+    block rows past what it commits (docs/CACHE.md §4.1)."""
+    if not speculative:
+        return
+    if not cfg.n_mtp_layers:
+        raise ValueError("speculative decoding: this checkpoint has no DSpark draft stages (n_mtp_layers = 0)")
+    if geom.settings.draft_slack < cfg.dspark_block_size:
+        raise ValueError(f"speculative decoding: draft_slack {geom.settings.draft_slack} is below the "
+                         f"draft block {cfg.dspark_block_size} (rejected rows would overwrite read ones)")
+
+
+def make_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, record: bool = False,
+              speculative: bool = False):
     """The jitted step for one (config, geometry, numerics), over a packed batch (runtime/packed.py):
     fn(params, cache, packed, forced=None, *, layout) -> StepOutput, the cache donated; one
     executable per bucket (the layout, static, follows from the bucket)."""
     check_cache_dtype(geom, numerics)
+    check_speculative(cfg, geom, speculative)
 
     def packed_step(params, cache, packed: PackedBatch, forced=None, *, layout: BatchLayout) -> StepOutput:
         return step(params, cache, layout.unpack(packed), forced, cfg=cfg, geom=geom, numerics=numerics,
-                    record=record)
+                    record=record, speculative=speculative)
     return jax.jit(packed_step, donate_argnums=(1,), static_argnames=("layout",))

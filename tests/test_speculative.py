@@ -1,0 +1,260 @@
+"""DSpark speculative decoding in the engine (#14): greedy with drafts emits exactly the tokens of
+greedy without them, the cache a speculative run leaves equals the one a plain run leaves, the
+drafts are the draft head's, and the per-request / engine switches.
+
+Random weights accept almost no draft, so an *oracle* also runs: the step's drafts are replaced,
+between the step and the scheduler, by the target's own greedy continuation (computed beforehand
+by a plain run) with a wrong token at a chosen position m, cycling m over block..0, so that every
+acceptance length is exercised and the step's acceptance must find exactly min(m, drafts checked).
+The later drafts after the wrong one stay right: acceptance must stop at the first mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.engine_common import FP32, SETTINGS, build_model, make_engine
+from v41_jax.checkpoint.load import ENGRAM_KEY
+from v41_jax.engram_hash import EngramHasher
+from v41_jax.model import dspark
+from v41_jax.model.engram import sequence_rows
+from v41_jax.model.forward import forward
+from v41_jax.runtime.engine import Engine, Stats
+from v41_jax.runtime.request import Request
+
+
+@pytest.fixture(scope="module", params=["tiny", "modes"])
+def model(request, tmp_path_factory):
+    cfg, params, token_map = build_model(tmp_path_factory.mktemp(request.param), request.param, seed=0)
+    settings = replace(SETTINGS, draft_slack=cfg.dspark_block_size)
+    # one engine per config (one compile); plain runs turn speculation off per request
+    engine = make_engine(cfg, params, token_map, settings=settings, prefill_chunk=7)
+    assert engine.speculative
+    return cfg, params, token_map, engine
+
+
+@pytest.fixture(autouse=True)
+def _no_oracle(model):
+    """Each test starts from an empty engine whose runner's `collect` is its own again."""
+    engine = model[3]
+    engine.runner.__dict__.pop("collect", None)
+    engine.reset()
+    yield
+    engine.runner.__dict__.pop("collect", None)
+
+
+def _requests(cfg, n: int, seed: int, **kw) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    return [Request(rng.integers(3, cfg.vocab_size, int(rng.integers(3, 30))).tolist(),
+                    int(rng.integers(8, 30)), ignore_eos=True, request_id=f"r{i}", **kw) for i in range(n)]
+
+
+def _plain(engine: Engine, reqs: list[Request]) -> dict:
+    engine.reset()
+    return {r.request_id: r.tokens for r in engine.generate([replace(q, speculative=False) for q in reqs])}
+
+
+class Oracle:
+    """Wraps the runner's `collect`: checks each verify's acceptance against the forced one and
+    replaces the step's drafts by the reference continuation, wrong at position m (cycling)."""
+
+    def __init__(self, engine: Engine, reference: dict, prompts: dict):
+        self.engine, self.blk = engine, engine.cfg.dspark_block_size
+        self.full = {rid: list(prompts[rid]) + list(toks) for rid, toks in reference.items()}
+        self.forced: dict = {}              # rid -> the accepted count its current drafts force
+        self.turns: dict = {}               # rid -> drafts replaced so far (m cycles per request)
+        self.seen: list[tuple[int, int]] = []   # (drafts checked, accepted) per verify
+        self.device_drafts: list = []       # (rid, committed tokens, first, drafts) before replacement
+        self.collect = engine.runner.collect
+        engine.runner.collect = self
+
+    def __call__(self, flight):
+        res = self.collect(flight)
+        plan = self.engine.scheduler.in_flight[res.step_id]
+        drafts = res.drafts.copy()
+        for b, sp in enumerate(plan.spans):
+            if sp.seq.done:
+                continue
+            if sp.verify:
+                n = int(res.accepted[b])
+                assert n == min(self.forced[sp.rid], sp.verify), (sp.rid, n, self.forced[sp.rid], sp.verify)
+                self.seen.append((sp.verify, n))
+            if not sp.draft:
+                continue
+            # the committed end: the index of the token the target emits after the accepted drafts
+            c = sp.position + 1 + int(res.accepted[b]) if sp.verify else sp.position + sp.length
+            full = self.full[sp.rid]
+            self.device_drafts.append((sp.rid, full[:c], full[c], res.drafts[b].copy()))
+            m = self.blk - self.turns.get(sp.rid, 0) % (self.blk + 1)     # all right first
+            self.turns[sp.rid] = self.turns.get(sp.rid, 0) + 1
+            right = np.asarray((full + [0] * (self.blk + 1))[c + 1: c + 1 + self.blk])
+            right[m:m + 1] = (right[m:m + 1] + 1) % self.engine.cfg.vocab_size
+            drafts[b] = right
+            self.forced[sp.rid] = m
+        return res._replace(drafts=drafts)
+
+
+def test_greedy_with_drafts_equals_plain_greedy(model):
+    """Mixed batches (speculative and plain requests, chunked prefill, more requests than slots so
+    slots are reused): the head's own drafts, then the oracle's forced acceptances of every length."""
+    cfg, params, token_map, engine = model
+    reqs = _requests(cfg, 7, seed=1)
+    want = _plain(engine, reqs)
+    mixed = [replace(q, speculative=None if i % 3 else False) for i, q in enumerate(reqs)]
+    engine.reset()
+    stats = Stats()
+    got = engine.generate(mixed, stats=stats)
+    assert {r.request_id: r.tokens for r in got} == want
+    assert stats.verifies > 0 and stats.drafts_proposed == sum(stats.proposed_at) > 0
+    engine.reset()
+    oracle = Oracle(engine, want, {q.request_id: q.prompt for q in reqs})
+    stats = Stats()
+    got = engine.generate(mixed, stats=stats)
+    assert {r.request_id: r.tokens for r in got} == want
+    accepted = {n for _, n in oracle.seen}
+    assert accepted == set(range(cfg.dspark_block_size + 1)), accepted
+    assert stats.drafts_accepted == sum(n for _, n in oracle.seen)
+    assert stats.tokens_per_verify == pytest.approx((stats.drafts_accepted + stats.verifies) / stats.verifies)
+    # position j's drafts were accepted exactly when the forced count exceeded j
+    assert stats.accepted_at == [sum(n > j for _, n in oracle.seen) for j in range(cfg.dspark_block_size)]
+    assert stats.proposed_at == [sum(k > j for k, _ in oracle.seen) for j in range(cfg.dspark_block_size)]
+
+
+def test_abort_mid_verify(model):
+    """A request aborted while its verify step is in flight: its output is dropped, the other one
+    and a request added then decode exactly as without drafts."""
+    cfg, params, token_map, engine = model
+    reqs = _requests(cfg, 3, seed=2)
+    want = _plain(engine, reqs)
+    engine.reset()
+    oracle = Oracle(engine, want, {q.request_id: q.prompt for q in reqs})
+    for q in reqs[:2]:
+        engine.add(q)
+    tokens: dict = {q.request_id: [] for q in reqs}
+    aborted = False
+    while engine.has_work:
+        for e in engine.step():
+            if hasattr(e, "tokens"):
+                tokens[e.rid] += e.tokens
+        flight = engine._flight_plan
+        if not aborted and flight is not None and any(sp.rid == "r0" and sp.verify for sp in flight.spans):
+            assert engine.abort("r0")
+            aborted = True
+            engine.add(reqs[2])
+    assert aborted and oracle.seen
+    assert tokens["r0"] == want["r0"][:len(tokens["r0"])] and len(tokens["r0"]) < len(want["r0"])
+    assert tokens["r1"] == want["r1"] and tokens["r2"] == want["r2"]
+
+
+def _slot_state(engine: Engine, seq) -> tuple[int, dict]:
+    """(committed position c, every region of the slot the next step reads): window rings (the
+    backbone's and the draft stages') at positions (c - W, c), the compressor rings at the
+    positions of the incomplete group of each ring owner, the compressed main and index rows
+    before c // r of each owner in the request's pages, the cursor and the token fed next."""
+    geom, cache, slot = engine.geom, engine.cache, seq.slot
+    cursor = np.asarray(cache.cursor[slot])
+    c, ring = int(cursor[0]), geom.ring_slots
+    out = {"cursor": cursor, "sampled": int(np.asarray(cache.sampled[slot]))}
+    recent = np.arange(max(0, c - engine.cfg.window_size + 1), c)
+    out["window"] = np.asarray(cache.window[slot])[:, recent % ring]
+    for k, owner in enumerate(geom.ring_owners):
+        r = geom.owners[owner].ratio
+        group = np.arange(c - c % r, c)
+        out[f"comp_kv{k}"] = np.asarray(cache.comp_kv[slot, k])[group % geom.comp_ring]
+        out[f"comp_score{k}"] = np.asarray(cache.comp_score[slot, k])[group % geom.comp_ring]
+    pages = np.asarray(seq.pages)
+    for k, owner in enumerate(geom.owners):
+        ids = np.arange(c // owner.ratio)
+        at = (pages[ids // owner.rows_per_page], ids % owner.rows_per_page)
+        out[f"main{k}"] = np.asarray(cache.main[k])[at]
+        out[f"index{k}"] = np.asarray(cache.index[k])[at]
+    return c, out
+
+
+def _states(engine: Engine, req: Request) -> dict:
+    """The slot state after every step of one request, by committed position."""
+    engine.add(req)
+    states = {}
+    while engine.has_work:
+        engine.step()
+        seq = engine.scheduler.by_id[req.request_id]
+        if not seq.done:
+            c, state = _slot_state(engine, seq)
+            states[c] = state
+    return states
+
+
+def test_cache_state_after_partial_acceptances_equals_plain(model):
+    """After verifies accepting every length 0..block, every slot region the next step reads holds
+    what a plain run holds at the same committed position, bit for bit."""
+    cfg, params, token_map, engine = model
+    req = Request(np.random.default_rng(3).integers(3, cfg.vocab_size, 13).tolist(), 40, ignore_eos=True,
+                  request_id="s")
+    engine.reset()
+    plain = _states(engine, replace(req, speculative=False))
+    want = {"s": engine.scheduler.by_id["s"].result.tokens}
+    engine.reset()
+    oracle = Oracle(engine, want, {"s": req.prompt})
+    spec = _states(engine, req)
+    assert {n for _, n in oracle.seen} == set(range(cfg.dspark_block_size + 1))
+    compared = 0
+    for c, state in spec.items():
+        if c <= len(req.prompt):
+            continue                           # prefill: the plain run's chunks end elsewhere
+        assert c in plain
+        for key, value in state.items():
+            np.testing.assert_array_equal(value, plain[c][key], err_msg=f"{key} at committed position {c}")
+        compared += 1
+    assert compared >= len(oracle.seen) - 1
+
+
+def test_drafts_are_the_draft_heads(model):
+    """The step's drafts after a prefill and after every verify (the draft context read from the
+    slot's rings and the step's rows, across window wraps) equal `dspark.draft` over the full
+    forward's taps. One forward over the whole sequence serves every anchor: the model is causal,
+    and the draft at anchor a reads context rows <= a only."""
+    cfg, params, token_map, engine = model
+    req = Request(np.random.default_rng(4).integers(3, cfg.vocab_size, 11).tolist(), 24, ignore_eos=True,
+                  request_id="d")
+    want = _plain(engine, [req])
+    engine.reset()
+    oracle = Oracle(engine, want, {"d": req.prompt})
+    engine.generate([req])
+    full = np.asarray(list(req.prompt) + want["d"])
+    _, rows = sequence_rows(params[ENGRAM_KEY], EngramHasher(cfg, token_map), cfg, full[None])
+
+    @jax.jit
+    def context(params, tokens, rows):
+        _, inter = forward(params, cfg, tokens, numerics=FP32, engram_rows=rows, return_intermediates=True)
+        return dspark.context_x(params, cfg, inter["main_hidden"], FP32)
+
+    head = jax.jit(lambda params, ctx, anchor, first: dspark.draft(params, cfg, ctx, anchor, first, FP32).ids)
+    ctx = context(params, jnp.asarray(full)[None], {k: jnp.asarray(v) for k, v in rows.items()})
+    for _, committed, first, got in oracle.device_drafts:
+        ids = head(params, ctx, jnp.asarray([len(committed) - 1]), jnp.asarray([first]))
+        np.testing.assert_array_equal(got, np.asarray(ids[0, 1:]), err_msg=f"anchor {len(committed) - 1}")
+    assert len(oracle.device_drafts) >= 4 and len(full) > 2 * cfg.window_size
+
+
+def test_switches(model):
+    """Per request off, the engine off, and a draft width other than the block refused."""
+    cfg, params, token_map, engine = model
+    blk = cfg.dspark_block_size
+    with pytest.raises(ValueError, match=f"draft width {blk + 1}: this checkpoint drafts blocks of {blk}"):
+        make_engine(cfg, params, token_map, settings=engine.geom.settings, draft_width=blk + 1)
+    with pytest.raises(ValueError, match="draft_slack >= "):
+        make_engine(cfg, params, token_map, settings=SETTINGS, speculative=True)
+    off = make_engine(cfg, params, token_map, settings=SETTINGS)
+    assert not off.speculative                   # no slack reserved: off by default
+    rid = off.add(Request([5, 6, 7], 4, speculative=True))
+    (finish,) = off.scheduler.drain()
+    assert finish.rid == rid and finish.result.finish_reason == "error" and "speculative" in finish.result.error
+    engine.reset()
+    assert engine.scheduler.by_id[engine.add(Request([5, 6, 7], 4))].spec
+    assert not engine.scheduler.by_id[engine.add(Request([5, 6, 7], 4, speculative=False))].spec
+    engine.reset()
