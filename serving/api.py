@@ -153,8 +153,9 @@ class TextStream:
 
 
 # ---- chat -----------------------------------------------------------------------------------------
-# Our own template (the demo model is trained with it): one block per message, "<|role|>\n" then the
-# content and a newline, and the assistant's open block last. The model ends its turn with EOS.
+# Our own template: one block per message, "<|role|>\n" then the content and a newline, and the
+# assistant's open block last; a model tuned on it ends its turn with EOS. (The demo model in
+# models/demo was trained on plain text, so its chat replies are continuations of this text.)
 CHAT_ROLES = ("system", "user", "assistant")
 
 
