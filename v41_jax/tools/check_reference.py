@@ -541,7 +541,7 @@ def free_running(fx: Fixture, numerics: Numerics, forced_err: np.ndarray, flip_r
                   "first_noisy_margin_step": int(noisy[0]) if noisy.size else None,
                   "first_selection_flip_step": flip_step if flip_step < len(ref_ids) else None,
                   "first_mismatch": None if not differ.size else int(differ[0]),
-                  "margin_over_noise": [float(x) for x in margin / np.maximum(noise, 1e-30)]})
+                  "top2_margin": [round(float(x), 6) for x in margin], "noise": [float(x) for x in noise]})
 
 
 def check_folder(fx: Fixture, numerics: Numerics, tol: Tolerance | None = None, runner=None,
