@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-cache", default=None,
                     help=f"persistent compilation cache folder ('' disables; default ${compile_cache.ENV} "
                          f"or {compile_cache.DEFAULT})")
+    ap.add_argument("--speculative", choices=("on", "off"), default="on",
+                    help="DSpark speculative decoding when the checkpoint has draft stages (a request's "
+                         "\"speculative\": false turns it off for that request)")
+    ap.add_argument("--draft-width", type=_positive("--draft-width"), default=None,
+                    help="drafts per verify step: must be the checkpoint's dspark_block_size (the default)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
 
@@ -101,7 +106,7 @@ def _validate(args):
     """Everything checkable without the weights -> (cfg, tokenizer, requests-or-errors)."""
     from v41_jax.checkpoint.load import config_path
     from v41_jax.config import CheckpointError, ModelConfig
-    from v41_jax.runtime.engine import load_tokenizer, parse_buckets
+    from v41_jax.runtime.engine import check_draft_width, load_tokenizer, parse_buckets
     from v41_jax.runtime.request_parse import RequestDefaults, RequestError, parse_file
 
     ckpt = Path(args.checkpoint)
@@ -124,6 +129,10 @@ def _validate(args):
         cfg = ModelConfig.from_file(config_path(str(ckpt)))
     except CheckpointError as err:   # already `<file>: <field>: <rule>`
         raise UsageError(str(err)) from None
+    try:
+        check_draft_width(cfg, args.draft_width)
+    except ValueError as err:
+        raise UsageError(f"--draft-width: {err}") from None
     try:
         tokenizer = load_tokenizer(args.tokenizer, ckpt)
     except Exception as err:  # noqa: BLE001 - any tokenizer failure is a usage error
@@ -192,6 +201,10 @@ def main(argv=None) -> int:
           f"TTFT {_percentiles(ttft)}; inter-token {_percentiles(itl)}; "
           f"compile {stats.compile_s:.1f} s, run {stats.run_s:.1f} s ({stats.backend}, {args.numerics} numerics)",
           file=sys.stderr)
+    if stats.verifies:
+        print(f"speculative: {stats.verifies} verifies, {stats.tokens_per_verify:.2f} tokens per verify, drafts "
+              f"{stats.drafts_accepted}/{stats.drafts_proposed} accepted; acceptance by draft position "
+              + " ".join(f"{a:.2f}" for a in stats.acceptance_at), file=sys.stderr)
     return 0
 
 
@@ -207,7 +220,9 @@ def _run(args, tokenizer, requests):
                                     max_batch=args.max_batch, chunk=args.chunk, buckets=args.buckets,
                                     page_tokens=args.page_tokens, pages=args.pages, slots=args.slots,
                                     max_context=args.max_context, compile_cache_dir=args.compile_cache,
-                                    tokenizer=args.tokenizer, progress=not args.quiet)
+                                    tokenizer=args.tokenizer, progress=not args.quiet,
+                                    speculative=None if args.speculative == "on" else False,
+                                    draft_width=args.draft_width)
     stats = Stats()
     runnable = [r for r in requests if engine.check_request(r) is None]    # the others end at once
     for req in runnable:

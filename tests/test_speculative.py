@@ -26,6 +26,7 @@ from v41_jax.model.engram import sequence_rows
 from v41_jax.model.forward import forward
 from v41_jax.runtime.engine import Engine, Stats
 from v41_jax.runtime.request import Request
+from v41_jax.runtime.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module", params=["tiny", "modes"])
@@ -258,3 +259,17 @@ def test_switches(model):
     assert engine.scheduler.by_id[engine.add(Request([5, 6, 7], 4))].spec
     assert not engine.scheduler.by_id[engine.add(Request([5, 6, 7], 4, speculative=False))].spec
     engine.reset()
+
+
+def test_sampled_requests_speculate(model):
+    """A sampled request verifies drafts by rejection sampling (its distribution is
+    tests/test_speculative_sampling.py's): it runs its budget, and one seed gives one output."""
+    cfg, params, token_map, engine = model
+    req = Request([5, 9, 14, 3], 12, SamplingParams(temperature=0.9, top_k=50, seed=11), ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine.reset()
+        stats = Stats()
+        runs.append(engine.generate([req], stats=stats)[0].tokens)
+        assert stats.verifies > 0 and len(runs[-1]) == 12
+    assert runs[0] == runs[1]

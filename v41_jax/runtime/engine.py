@@ -370,14 +370,20 @@ class Engine:
         return self.runner.steps
 
 
-def resolve_speculative(cfg: ModelConfig, settings: EngineSettings, want: bool | None,
-                        draft_width: int | None) -> bool:
-    """Whether the engine speculates (see `Engine`); a width other than the block is refused."""
+def check_draft_width(cfg: ModelConfig, draft_width: int | None) -> None:
+    """A draft width (None: the checkpoint's) must be the checkpoint's block size."""
     blk = cfg.dspark_block_size
     if draft_width is not None and (not cfg.n_mtp_layers or draft_width != blk):
         have = f"drafts blocks of {blk} (dspark_block_size)" if cfg.n_mtp_layers else "has no draft stages"
         raise ValueError(f"draft width {draft_width}: this checkpoint {have}; its draft head "
                          f"proposes exactly that many tokens, so no other width can be verified")
+
+
+def resolve_speculative(cfg: ModelConfig, settings: EngineSettings, want: bool | None,
+                        draft_width: int | None) -> bool:
+    """Whether the engine speculates (see `Engine`); a width other than the block is refused."""
+    blk = cfg.dspark_block_size
+    check_draft_width(cfg, draft_width)
     if want is False:
         return False
     able = bool(cfg.n_mtp_layers) and settings.draft_slack >= blk

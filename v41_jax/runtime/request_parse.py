@@ -18,6 +18,9 @@ A request is a JSON object with the fields
     stop_ids        list of token ids (may be empty)
     ignore_eos      boolean
     logprobs        boolean: return each sampled token's log-probability
+    speculative     boolean: false decodes without DSpark drafts (default: the engine's setting,
+                    on when the checkpoint has draft stages); true where the engine cannot is an
+                    error for that request
 
 Absent fields take the `RequestDefaults` (the CLI flags). Types are strict: a JSON boolean is not a
 number, 1.0 is not a token id, "5" is not an integer, a string is not a list, null is not "absent".
@@ -43,7 +46,7 @@ from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams, finite as _finite
 
 FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-          "stop_ids", "ignore_eos", "logprobs")
+          "stop_ids", "ignore_eos", "logprobs", "speculative")
 
 MAX_NEW_TOKENS_LIMIT = 2 ** 31      # what the engine's int32 arrays hold
 TOP_K_LIMIT = 2 ** 31
@@ -263,7 +266,8 @@ def parse_request(obj: Any, *, vocab_size: int, defaults: RequestDefaults = Requ
         sampling = SamplingParams(temperature=_temperature(get("temperature")), top_k=_top_k(get("top_k")),
                                   top_p=_top_p(get("top_p")), seed=_seed(get("seed")))
         return Request(prompt, _max_new_tokens(get("max_new_tokens")), sampling, tuple(stop),
-                       _ignore_eos(get("ignore_eos")), rid, _bool("logprobs", get("logprobs")))
+                       _ignore_eos(get("ignore_eos")), rid, _bool("logprobs", get("logprobs")),
+                       _bool("speculative", obj["speculative"]) if "speculative" in obj else None)
     except RequestError as e:
         e.request_id = rid
         raise

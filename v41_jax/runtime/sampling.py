@@ -62,26 +62,78 @@ def _brief(v) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _masked(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits [..., V] scaled by each row's temperature, -inf outside its top-k / top-p set: the
+    distribution a sampled row draws from is softmax of this."""
+    v = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-5)[..., None]
+    ordered = -jnp.sort(-scaled, axis=-1)                                      # descending
+    # top-k: everything below the k-th largest goes
+    kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, v - 1)[..., None], axis=-1)
+    kth = jnp.where(top_k[..., None] > 0, kth, -jnp.inf)
+    ordered = jnp.where(ordered >= kth, ordered, -jnp.inf)
+    # top-p over what top-k kept: keep a token while the mass before it is < top_p
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.maximum(jnp.sum(before < top_p[..., None], axis=-1), 1)
+    floor = jnp.take_along_axis(ordered, (n_keep - 1)[..., None], axis=-1)
+    return jnp.where((scaled >= floor) & (scaled >= kth), scaled, -jnp.inf)
+
+
+def _key(seed: jax.Array, position: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
+
+
 @jax.jit
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            seed: jax.Array, position: jax.Array) -> jax.Array:
     """logits [R, V] fp32; temperature/top_p [R] f32, top_k/seed/position [R] int32 -> tokens [R] int32."""
     v = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-5)[:, None]
-    ordered = -jnp.sort(-scaled, axis=-1)                                      # descending
-    # top-k: everything below the k-th largest goes
-    kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
-    kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
-    ordered = jnp.where(ordered >= kth, ordered, -jnp.inf)
-    # top-p over what top-k kept: keep a token while the mass before it is < top_p
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.maximum(jnp.sum(before < top_p[:, None], axis=-1), 1)
-    floor = jnp.take_along_axis(ordered, (n_keep - 1)[:, None], axis=-1)
-    masked = jnp.where((scaled >= floor) & (scaled >= kth), scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
-        seed.astype(jnp.uint32), position)
+    masked = _masked(logits, temperature, top_k, top_p)
+    keys = jax.vmap(_key)(seed, position)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
     drawn = jnp.argmax(masked + gumbel, axis=-1)
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+@jax.jit
+def speculative_sample(logits: jax.Array, drafts: jax.Array, k: jax.Array, temperature: jax.Array,
+                       top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
+                       position: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Verify drafts by speculative rejection sampling; the tokens emitted are distributed exactly
+    as the target's sampler would draw them one at a time.
+
+    logits [R, K + 1, V] fp32: the target's rows of each verify span (row j predicts the token
+    after its j-th draft); drafts [R, K], the first k [R] of them checked; the sampler per request
+    row; position [R]: the position row 0 samples for (row j: position + j).
+    -> (accepted n [R], tokens [R, K + 1]: the drafts accepted, then at row n the target's token).
+
+    The drafts are the head's greedy chain, a point mass q = 1[d], so the rule of Leviathan et al.
+    / Chen et al. (accept d with probability min(1, p(d) / q(d)), else draw from max(0, p - q)
+    renormalised) is: accept d with probability p(d), else draw from p with d removed; with all k
+    accepted, row k draws from p. Then P(first token = x) = p(d) 1[x = d] + (1 - p(d)) p(x) /
+    (1 - p(d)) 1[x != d] = p(x). Greedy rows (temperature 0) accept d iff it is the argmax and
+    emit the argmax, as plain greedy. Each row's randomness is keyed by (seed, the position it
+    samples for), the acceptance uniform on a stream of its own.
+    """
+    r, k1, v = logits.shape
+    j = jnp.arange(k1)
+    pos = position[:, None] + j                                                   # [R, K + 1]
+    per_row = lambda a: jnp.broadcast_to(a[:, None], (r, k1))
+    masked = _masked(logits, per_row(temperature), per_row(top_k), per_row(top_p))
+    d = jnp.concatenate([drafts, jnp.zeros((r, 1), drafts.dtype)], axis=1)       # [R, K + 1]: row j checks d[j]
+    checked = j[None] < k[:, None]
+    p_d = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), d[..., None], axis=-1)[..., 0]
+    keys = jax.vmap(jax.vmap(_key))(per_row(seed), pos)
+    u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys)
+    greedy = jnp.argmax(logits, axis=-1)
+    sampled = temperature[:, None] > 0
+    ok = jnp.where(sampled, u < p_d, greedy == d) & checked
+    n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
+    # the residual: d removed where it was checked (and rejected, at row n)
+    residual = jnp.where(checked[..., None] & (jnp.arange(v) == d[..., None]), -jnp.inf, masked)
+    gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32)))(keys)
+    drawn = jnp.where(sampled, jnp.argmax(residual + gumbel, axis=-1), greedy)
+    tokens = jnp.where(j[None] < n[:, None], d, drawn)
+    return n.astype(jnp.int32), tokens.astype(jnp.int32)

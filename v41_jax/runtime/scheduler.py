@@ -191,7 +191,7 @@ class Scheduler:
         seq = Sequence(rid, req, result, self.budget(req) if not err else 0,
                        [int(t) for t in req.prompt] if not err else [], time.perf_counter())
         result.max_new_tokens = seq.budget
-        seq.spec = bool(self.spec_block) and req.speculative is not False and req.sampling.temperature == 0
+        seq.spec = bool(self.spec_block) and req.speculative is not False
         self.by_id[rid] = seq
         if err:
             self._finish(seq, "error", err)

@@ -58,7 +58,7 @@ from v41_jax.model.window import draft_context_idx
 from v41_jax.quant import dequant_fp8_rows
 from v41_jax.runtime.metadata import StepBatch
 from v41_jax.runtime.packed import BatchLayout, PackedBatch
-from v41_jax.runtime.sampling import sample
+from v41_jax.runtime.sampling import sample, speculative_sample
 from v41_jax.topology import Candidates, LayerTopology, Mode
 
 
@@ -297,8 +297,8 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     block_out [L, T, N, D], next_pre [L, T, N], engram_out {l: [T, N, D]}, final_collapsed /
     final_normed [T, D], main_hidden [T, nT * D], and each selection's own picks and scores
     (index_topk, index_scores, candidate_blocks, gate_topk, gate_scores; dicts by layer).
-    speculative=True (static; the geometry has the draft stages' rings): verify spans accept their
-    longest matching draft prefix and commit only it (cursor, `sampled`), and every request row
+    speculative=True (static; the geometry has the draft stages' rings): verify spans accept drafts
+    (`_verify`) and commit only the rows accepted (cursor, `sampled`), and every request row
     drafts a block after the step (`_draft`); the host keeps the drafts of the rows that asked.
     """
     forced = forced or {}
@@ -316,14 +316,16 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     logits = lm_head(params["head"]["weight"], normed[0, batch.logit_rows])
     sampled = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
                      batch.positions[batch.logit_rows] + 1)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), sampled[:, None], axis=-1)[:, 0]
     cache = state.cache
     slot = _drop(batch.req_len > 0, batch.slots, cache.cursor.shape[0])
     # each request's token from its last committed row's logits (the first logits row naming that
     # row): a verify span commits its first row and the drafts accepted, the others every row
     first = jnp.argmax(batch.logit_rows[None, :] == (batch.req_offset + batch.req_len - 1 - batch.spec_k)[:, None],
                        axis=1)
-    accepted = _accepted(batch, tokens, sampled, first) if speculative else jnp.zeros_like(first)
+    accepted = jnp.zeros_like(first)
+    if speculative:
+        accepted, sampled = _verify(batch, tokens, logits, sampled, first)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), sampled[:, None], axis=-1)[:, 0]
     at = first + accepted
     cursor_rows = jnp.where((accepted < batch.spec_k)[:, None],
                             jnp.take_along_axis(batch.spec_cursors, accepted[:, None, None], axis=1)[:, 0],
@@ -345,15 +347,21 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
                       accepted.astype(jnp.int32), drafts)
 
 
-def _accepted(batch: StepBatch, tokens: jax.Array, sampled: jax.Array, first: jax.Array) -> jax.Array:
-    """[R] drafts accepted per verify span: the longest prefix of its drafts equal to the token the
-    target drew at the row before each (greedy: the argmax), at most spec_k; 0 for other spans."""
+def _verify(batch: StepBatch, tokens: jax.Array, logits: jax.Array, sampled: jax.Array,
+            first: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each verify span's drafts checked against its rows' logits with its request's sampler
+    (`sampling.speculative_sample`: greedy, the longest prefix equal to the argmax; sampled,
+    rejection sampling) -> (accepted [R], sampled [O] with a verify span's rows holding what it
+    emits: the drafts accepted, then the target's token). Other spans: 0 accepted, rows unchanged."""
     width = batch.spec_cursors.shape[1]
-    j = jnp.arange(width)
-    target = sampled[jnp.minimum(first[:, None] + j, sampled.shape[0] - 1)]              # [R, blk]
-    drafted = tokens[jnp.minimum(batch.req_offset[:, None] + 1 + j, tokens.shape[0] - 1)]
-    match = (target == drafted) & (j < batch.spec_k[:, None])
-    return jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+    j = jnp.arange(width + 1)
+    rows = jnp.minimum(first[:, None] + j, logits.shape[0] - 1)                         # [R, blk + 1]
+    drafts = tokens[jnp.minimum(batch.req_offset[:, None] + 1 + j[:-1], tokens.shape[0] - 1)]
+    accepted, emitted = speculative_sample(logits[rows], drafts, batch.spec_k, batch.temperature[first],
+                                           batch.top_k[first], batch.top_p[first], batch.seed[first],
+                                           batch.req_pos + 1)
+    verify = (batch.spec_k > 0)[:, None] & (j <= batch.spec_k[:, None])
+    return accepted, sampled.at[jnp.where(verify, rows, sampled.shape[0])].set(emitted, mode="drop")
 
 
 def _draft(params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, cache: Cache,
