@@ -54,7 +54,8 @@ def to_request(fields: dict, rid) -> Request:
     """Request fields -> the Request offline generate runs for them."""
     return Request(list(fields["prompt_ids"]), fields["max_new_tokens"],
                    SamplingParams(**{k: fields[k] for k in SAMPLING if k in fields}),
-                   tuple(fields.get("stop_ids", ())), fields.get("ignore_eos", False), rid)
+                   tuple(fields.get("stop_ids", ())), fields.get("ignore_eos", False), rid,
+                   speculative=fields.get("speculative"))
 
 
 def http_body(fields: dict) -> dict:
@@ -304,14 +305,11 @@ def main(argv=None) -> int:
     import logging
 
     from serving.api import Limits
-    from serving.server import Server
-    from v41_jax.runtime.engine import Engine
+    from serving.server import Server, load_engine
 
     logging.basicConfig(level=logging.WARNING, force=True)
     say = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-    kw = {k: getattr(args, k) for k in ("max_batch", "chunk", "buckets", "page_tokens", "pages", "slots",
-                                        "max_context", "numerics", "experts", "tokenizer") if getattr(args, k) is not None}
-    engine = Engine.from_checkpoint(args.checkpoint, compile_cache_dir=args.compile_cache, **kw)
+    engine = load_engine(args)
     say(f"warm-up: {engine.warmup():.1f} s compiling")
     rng = np.random.default_rng(args.seed)
     requests = random_requests(rng, args.requests, engine.cfg.vocab_size, args.max_prompt, args.max_new)

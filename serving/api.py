@@ -57,6 +57,7 @@ class Job:
 class Api:
     def __init__(self, engine, limits: Limits, model_name: str):
         self.vocab_size, self.tokenizer, self.eos_id = engine.cfg.vocab_size, engine.tokenizer, engine.eos_id
+        self.speculative = engine.speculative            # DSpark available (draft stages, and on)
         self.max_context = engine.geom.max_context
         self.limits = limits.resolved(self.max_context)
         self.model_name = model_name
@@ -67,12 +68,13 @@ class Api:
         names = names or {}
         name = lambda f: names.get(f, f)
         fields = dict(fields)
-        speculative = fields.pop("speculative", False)
-        if not isinstance(speculative, bool):
+        # absent: the engine's default (speculate when it can); false: plain decoding
+        speculative = fields.pop("speculative", None)
+        if speculative is not None and not isinstance(speculative, bool):
             raise Refused("invalid", f"must be true or false, got {speculative!r}", name("speculative"))
-        if speculative:
-            raise Refused("invalid", "this engine has no speculative decoding (DSpark) yet; leave it off",
-                          name("speculative"))
+        if speculative and not self.speculative:
+            raise Refused("invalid", "this server does not speculate (the checkpoint has no DSpark draft stages, "
+                                     "or it was started with --speculative off)", name("speculative"))
         stop = self._stop(fields.pop("stop", ()), name("stop"))
         try:
             req = parse_request(fields, vocab_size=self.vocab_size, defaults=self._defaults,
@@ -87,7 +89,7 @@ class Api:
         if req.max_new_tokens > lim.max_new_tokens:
             raise Refused("invalid", f"{req.max_new_tokens} is over the limit of {lim.max_new_tokens}",
                           name("max_new_tokens"))
-        req = dataclasses.replace(req, request_id=rid)
+        req = dataclasses.replace(req, request_id=rid, speculative=speculative)
         why = self._fits(req)
         if why is not None:
             raise Refused("exhausted", f"this request can never run here: {why}")

@@ -80,7 +80,8 @@ class GenerationServicer(v41_pb2_grpc.GenerationServicer):
                 yield v41_pb2.GenerateResponse(request_id=rid, final=v41_pb2.Final(
                     finish_reason=FINISH[reason], error="" if reason == "stop" else res.error or "",
                     text=text.flush(), prompt_tokens=stream.prompt_len, completion_tokens=total,
-                    ttft_s=t.ttft_s, tokens_per_s=t.tokens_per_s))
+                    ttft_s=t.ttft_s, tokens_per_s=t.tokens_per_s, draft_tokens=t.drafted,
+                    accepted_tokens=t.accepted, acceptance_rate=t.accepted / t.drafted if t.drafted else 0.0))
                 return
             if text.stopped:
                 continue                                # aborted: its FinishEvent is on the way
@@ -101,7 +102,7 @@ class GenerationServicer(v41_pb2_grpc.GenerationServicer):
         return v41_pb2.ModelInfo(model=api.model_name, vocab_size=api.vocab_size, max_context=api.max_context,
                                  max_prompt_tokens=api.limits.max_prompt_tokens,
                                  max_new_tokens=api.limits.max_new_tokens, tokenizer=api.tokenizer is not None,
-                                 speculative=False, slots=s.slots, pages=s.num_pages - 1,
+                                 speculative=api.speculative, slots=s.slots, pages=s.num_pages - 1,
                                  page_tokens=s.page_tokens, eos_id=-1 if api.eos_id is None else api.eos_id)
 
 

@@ -67,6 +67,8 @@ class _Open:
     first: float | None = None        # first and latest token arrival
     last: float | None = None
     tokens: int = 0
+    drafted: int = 0                  # DSpark drafts its verify spans checked
+    accepted: int = 0                 # of those, accepted (and delivered)
     in_engine: bool = False
 
 
@@ -88,6 +90,8 @@ class Timing:
     """What the loop measured of a finished request (handler side: the Final message)."""
     ttft_s: float
     tokens_per_s: float
+    drafted: int
+    accepted: int
 
 
 class Stream:
@@ -122,7 +126,7 @@ class Stream:
         op = self._op
         ttft = op.first - op.submitted if op.first is not None else 0.0
         rate = (op.tokens - 1) / (op.last - op.first) if op.tokens > 1 and op.last > op.first else 0.0
-        return Timing(ttft, rate)
+        return Timing(ttft, rate, op.drafted, op.accepted)
 
 
 class EngineLoop:
@@ -306,18 +310,31 @@ class EngineLoop:
             self._abort(op.rid, "deadline exceeded")
 
     def _step(self) -> None:
+        sched = self.engine.scheduler
+        # the plans whose results this step applies leave in_flight: their verify spans say how many
+        # drafts each request's verify checked (the events say how many tokens came of it)
+        planned = dict(sched.in_flight)
+        spec0 = (sched.spec_stats.proposed_at[:], sched.spec_stats.accepted_at[:])
         try:
             events = self.engine.step()
         except Exception as err:                        # noqa: BLE001 - one bad step must not kill the server
             self._step_failed(err)
             return
         self._failed_in_row = 0
+        verified = {sp.rid: sp.verify for sid, plan in planned.items() if sid not in sched.in_flight
+                    for sp in plan.spans if sp.verify}
+        if verified and self.metrics is not None:
+            st = sched.spec_stats
+            self.metrics.add_drafts(sum(st.proposed_at) - sum(spec0[0]), sum(st.accepted_at) - sum(spec0[1]))
         now = time.perf_counter()
         for ev in events:
             op = self._open.get(ev.rid)
             if op is None:
                 continue
             if isinstance(ev, TokenEvent):
+                if ev.rid in verified:
+                    op.drafted += verified[ev.rid]
+                    op.accepted += len(ev.tokens) - 1
                 self._on_tokens(op, ev, now)
             else:
                 self._deliver_finish(op, ev)

@@ -37,15 +37,15 @@ class Metrics:
                               registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "between a request's consecutive token arrivals",
                              buckets=_BUCKETS, registry=r)
-        # DSpark speculative decoding: the engine has none yet, so these stay 0 (the names are stable
-        # for dashboards).
+        # DSpark speculative decoding (0 while nothing speculates)
         self.draft_tokens = Counter(p + "dspark_draft_tokens", "tokens proposed by DSpark draft stages", registry=r)
         self.accepted_tokens = Counter(p + "dspark_accepted_tokens", "draft tokens the target accepted",
                                        registry=r)
-        self.acceptance = Gauge(p + "dspark_acceptance_rate", "accepted / drafted tokens (0 with no drafts)",
+        self.acceptance = Gauge(p + "dspark_acceptance_rate", "accepted / drafted tokens since start (0 with no drafts)",
                                 registry=r)
         self._lock = threading.Lock()
         self._generated = 0
+        self._drafted = self._accepted = 0
         self._window: deque[tuple[float, float]] = deque()   # (time, tokens counter value)
 
     def publish(self, snap) -> None:
@@ -56,6 +56,15 @@ class Metrics:
         self.free_slots.set(snap.free_slots)
         self.serving.set(1 if snap.state.value == "serving" else 0)
         self.rate.set(self.tokens_per_s())
+
+    def add_drafts(self, proposed: int, accepted: int) -> None:
+        self.draft_tokens.inc(proposed)
+        self.accepted_tokens.inc(accepted)
+        with self._lock:
+            self._drafted += proposed
+            self._accepted += accepted
+            rate = self._accepted / self._drafted if self._drafted else 0.0
+        self.acceptance.set(rate)
 
     def add_tokens(self, n: int) -> None:
         self.tokens.inc(n)

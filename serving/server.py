@@ -121,9 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-context", type=_positive("--max-context", True))
     e.add_argument("--numerics", choices=NUMERICS_CHOICES)
     e.add_argument("--experts", choices=EXPERT_CHOICES)
+    e.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
+                   help="DSpark speculative decoding: auto = on when the checkpoint has draft stages")
     e.add_argument("--compile-cache", default=None, help="persistent compilation cache folder ('' disables)")
     e.add_argument("--no-warmup", action="store_true", help="compile on the first request instead of at start")
     return ap
+
+
+def load_engine(args):
+    """The engine the parsed flags describe; only the flags given are passed, so the defaults stay
+    Engine.from_checkpoint's."""
+    from v41_jax.runtime.engine import Engine
+
+    kw = {k: getattr(args, k) for k in ("max_batch", "chunk", "buckets", "page_tokens", "pages", "slots",
+                                        "max_context", "numerics", "experts", "tokenizer") if getattr(args, k) is not None}
+    kw["speculative"] = {"auto": None, "on": True, "off": False}[args.speculative]
+    return Engine.from_checkpoint(args.checkpoint, compile_cache_dir=args.compile_cache, **kw)
 
 
 def main(argv=None) -> int:
@@ -135,14 +148,8 @@ def main(argv=None) -> int:
     if not (ckpt / "config.json").is_file():
         print(f"error: {ckpt}: not a checkpoint folder (no config.json)", file=sys.stderr)
         return 2
-    from v41_jax.runtime.engine import Engine
-
-    # only the flags given: Engine.from_checkpoint owns the defaults
-    engine_kw = {k: getattr(args, k) for k in ("max_batch", "chunk", "buckets", "page_tokens", "pages", "slots",
-                                                "max_context", "numerics", "experts", "tokenizer")
-                 if getattr(args, k) is not None}
     log.info("loading %s", ckpt)
-    engine = Engine.from_checkpoint(ckpt, compile_cache_dir=args.compile_cache, **engine_kw)
+    engine = load_engine(args)
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                     default_max_new_tokens=args.default_max_new_tokens, max_message_bytes=args.max_message_bytes,
                     max_open=args.max_open, max_streams=args.max_streams, request_timeout_s=args.request_timeout)

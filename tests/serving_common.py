@@ -17,7 +17,7 @@ from serving.proto import v41_pb2, v41_pb2_grpc
 
 ENGINE_FLAGS = ["--numerics", "fp32", "--buckets", "80x4x80", "--chunk", "16", "--page-tokens",
                 str(SETTINGS.page_tokens), "--pages", str(SETTINGS.num_pages), "--slots", str(SETTINGS.slots),
-                "--max-context", str(SETTINGS.max_context)]
+                "--max-context", str(SETTINGS.max_context), "--speculative", "off"]
 
 
 def word_tokenizer(vocab_size: int):

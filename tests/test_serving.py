@@ -497,6 +497,60 @@ def test_repeated_faults_stop_serving(small, monkeypatch):
         server.shutdown(10)
 
 
+# ---- DSpark: an engine that speculates (the test geometry plus the draft slack) ------------------------
+SPEC = {"spec": {"prompt_ids": [40, 41, 42, 43, 44], "max_new_tokens": 20, "ignore_eos": True},
+        "plain": {"prompt_ids": [40, 41, 42, 43, 44], "max_new_tokens": 20, "ignore_eos": True, "speculative": False}}
+
+
+@pytest.fixture(scope="module")
+def spec_served(model):
+    cfg = model[1][0]
+    engine = engine_for(model, settings=replace(SETTINGS, draft_slack=cfg.dspark_block_size))
+    assert engine.speculative
+    engine.warmup()
+    refs = offline(engine, SPEC)
+    server = Server(engine, model_name="tiny", limits=LIMITS).start()
+    assert server.wait_ready(300)
+    st, channel = stub(server.grpc_port)
+    yield Served(server, engine, refs, st, channel, model[2], {})
+    channel.close()
+    assert server.shutdown(30)
+
+
+def _verifying(served, match) -> bool:
+    """The request whose prompt is `match` is past its prefill and decoding by verify spans (a
+    speculative request is not pipelined: each of its steps verifies the previous step's drafts)."""
+    def look(engine):
+        return any(not s.done and s.slot is not None and s.spec and not s.prefilling and s.drafts
+                   for s in engine.scheduler.by_id.values() if list(s.req.prompt) == match)
+    return served.server.loop.call(look)
+
+
+def test_speculative_requests_and_cancel_mid_verify(spec_served):
+    sv = spec_served
+    assert sv.stub.GetModelInfo(v41_pb2.ModelInfoRequest()).speculative
+    tokens, spec, _ = grpc_generate(sv.stub, SPEC["spec"])
+    assert tokens == sv.tokens("spec") == sv.tokens("plain")          # greedy: drafts change no token
+    assert spec.draft_tokens > 0 and 0 <= spec.accepted_tokens <= spec.draft_tokens
+    assert spec.acceptance_rate == pytest.approx(spec.accepted_tokens / spec.draft_tokens)
+    tokens, plain, _ = grpc_generate(sv.stub, SPEC["plain"])
+    assert tokens == sv.tokens("plain") and plain.draft_tokens == 0
+    assert http_generate(sv.port, dict(SPEC["spec"], speculative=True), stream=True)[0] == sv.tokens("spec")
+    # the engine's counters, as /metrics gives them: the two identical speculative requests' drafts
+    value = lambda name: sv.server.metrics.registry.get_sample_value(name)
+    assert value("v41_dspark_draft_tokens_total") == 2 * spec.draft_tokens
+    assert value("v41_dspark_accepted_tokens_total") == 2 * spec.accepted_tokens
+    # cancel mid-verify, then everything back
+    aborts0 = _count(sv, "abort")
+    prompt = [50 + i for i in range(30)]
+    call = sv.stub.Generate(v41_pb2.GenerateRequest(prompt_ids=prompt, max_new_tokens=60, ignore_eos=True))
+    assert next(call).HasField("chunk")
+    wait_for(lambda: _verifying(sv, prompt))
+    call.cancel()
+    wait_for(lambda: _count(sv, "abort") - aborts0 == 1)
+    assert_idle_and_empty(sv.server)
+
+
 # ---- the process: SIGTERM under load ----------------------------------------------------------------
 def test_sigterm_under_load_drains_and_exits_0(served, model):
     """`python -m serving.server` on the checkpoint: requests in flight over both protocols when
