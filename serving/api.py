@@ -1,10 +1,10 @@
 """What both protocols share: the server's limits, a request's checks, its streamed text, the chat
 template.
 
-`Api.build(fields, rid)` turns a request's fields (request_parse's names, plus "stop" and
-"speculative") into a `Job` or raises `Refused`. The field rules are request_parse's (one
-validation for files and servers); this module adds only what a server adds: its limits, stop
-strings, the speculative switch and the "can it ever fit" check (Engine.check_request, which reads
+`Api.build(fields, rid)` turns a request's fields (request_parse's names, plus "stop") into a
+`Job` or raises `Refused`. The field rules are request_parse's (one validation for files and
+servers); this module adds only what a server adds: its limits, stop
+strings, whether it speculates and the "can it ever fit" check (Engine.check_request, which reads
 only the cache geometry, so any thread may call it). Protocols rename fields (OpenAI's max_tokens
 is max_new_tokens): `names` maps request_parse's name to the one the client used, so a refusal
 names the client's field.
@@ -68,19 +68,16 @@ class Api:
         names = names or {}
         name = lambda f: names.get(f, f)
         fields = dict(fields)
-        # absent: the engine's default (speculate when it can); false: plain decoding
-        speculative = fields.pop("speculative", None)
-        if speculative is not None and not isinstance(speculative, bool):
-            raise Refused("invalid", f"must be true or false, got {speculative!r}", name("speculative"))
-        if speculative and not self.speculative:
-            raise Refused("invalid", "this server does not speculate (the checkpoint has no DSpark draft stages, "
-                                     "or it was started with --speculative off)", name("speculative"))
         stop = self._stop(fields.pop("stop", ()), name("stop"))
         try:
             req = parse_request(fields, vocab_size=self.vocab_size, defaults=self._defaults,
                                 tokenizer=self.tokenizer)
         except RequestError as err:
             raise Refused("invalid", err.message, name(err.field)) from None
+        # speculative (request_parse checked its type): absent takes the engine's default
+        if req.speculative and not self.speculative:
+            raise Refused("invalid", "this server does not speculate (the checkpoint has no DSpark draft stages, "
+                                     "or it was started with --speculative off)", name("speculative"))
         lim = self.limits
         if len(req.prompt) > lim.max_prompt_tokens:
             field = "prompt_ids" if "prompt_ids" in fields else "prompt"
@@ -89,7 +86,7 @@ class Api:
         if req.max_new_tokens > lim.max_new_tokens:
             raise Refused("invalid", f"{req.max_new_tokens} is over the limit of {lim.max_new_tokens}",
                           name("max_new_tokens"))
-        req = dataclasses.replace(req, request_id=rid, speculative=speculative)
+        req = dataclasses.replace(req, request_id=rid)
         why = self._fits(req)
         if why is not None:
             raise Refused("exhausted", f"this request can never run here: {why}")

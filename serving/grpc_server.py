@@ -35,7 +35,7 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
 
 def request_fields(msg: v41_pb2.GenerateRequest) -> dict:
-    """The fields a client set, in request_parse's names (+ stop, speculative). Integers arrive as
+    """The fields a client set, in request_parse's names (+ stop). Integers arrive as
     int64, so out-of-range ids and negative counts reach request_parse's checks and messages."""
     unknown = list(unknown_fields.UnknownFieldSet(msg))
     if unknown:
