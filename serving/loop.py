@@ -414,7 +414,8 @@ class EngineLoop:
         e = self.engine
         sched = e.scheduler
         held = self._held()
-        s = Snapshot(self._state, len(held), sum(not o.in_engine for o in held) + len(sched.waiting), len(sched.running), e.pages.available, e.pages.quarantined,
+        s = Snapshot(self._state, len(held), sum(not o.in_engine for o in held) + len(sched.waiting),
+                     len(sched.running), e.pages.available, e.pages.quarantined,
                      e.slots.available, e.steps, self._finished)
         self._snapshot = s
         if self.metrics is not None:

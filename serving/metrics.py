@@ -41,7 +41,8 @@ class Metrics:
         self.draft_tokens = Counter(p + "dspark_draft_tokens", "tokens proposed by DSpark draft stages", registry=r)
         self.accepted_tokens = Counter(p + "dspark_accepted_tokens", "draft tokens the target accepted",
                                        registry=r)
-        self.acceptance = Gauge(p + "dspark_acceptance_rate", "accepted / drafted tokens since start (0 with no drafts)",
+        self.acceptance = Gauge(p + "dspark_acceptance_rate",
+                                "accepted / drafted tokens since start (0 with no drafts)",
                                 registry=r)
         self._lock = threading.Lock()
         self._generated = 0

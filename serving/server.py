@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests held at once, queued or running (more: RESOURCE_EXHAUSTED / 429)")
     g.add_argument("--max-streams", type=_positive("--max-streams"), default=256,
                    help="concurrent gRPC calls and, separately, HTTP connections")
-    g.add_argument("--request-timeout", type=float, default=0.0, help="abort a request after this many seconds (0: never)")
+    g.add_argument("--request-timeout", type=float, default=0.0,
+                   help="abort a request after this many seconds (0: never)")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for open requests")
     g.add_argument("--status-every", type=float, default=10.0, help="seconds between status lines (0: none)")
     e = ap.add_argument_group("engine (as v41-generate)")
@@ -134,7 +135,8 @@ def load_engine(args):
     from v41_jax.runtime.engine import Engine
 
     kw = {k: getattr(args, k) for k in ("max_batch", "chunk", "buckets", "page_tokens", "pages", "slots",
-                                        "max_context", "numerics", "experts", "tokenizer") if getattr(args, k) is not None}
+                                        "max_context", "numerics", "experts", "tokenizer")
+          if getattr(args, k) is not None}
     kw["speculative"] = {"auto": None, "on": True, "off": False}[args.speculative]
     return Engine.from_checkpoint(args.checkpoint, compile_cache_dir=args.compile_cache, **kw)
 
