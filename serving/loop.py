@@ -119,7 +119,9 @@ class Stream:
                 return
 
     def cancel(self, note: str = "cancelled") -> None:
-        self._loop.abort(self.rid, note)
+        """Abort this request (not a later one that reuses its id: a gRPC call's end callback
+        can run after its client has already sent the next request under the same id)."""
+        self._loop.abort(self.rid, note, self._op)
 
     def timing(self) -> Timing:
         """Valid once the FinishEvent came (the loop wrote these before queueing it)."""
@@ -131,7 +133,7 @@ class Stream:
 
 class EngineLoop:
     """metrics: a `serving.metrics.Metrics` (or None). max_open: requests held at once (inbox,
-    waiting and running); one more is refused "exhausted" rather than queued without bound."""
+    waiting and running); one more is refused "busy" rather than queued without bound."""
 
     def __init__(self, engine: Engine, *, metrics=None, max_open: int = 1024, warmup: bool = True,
                  status_every_s: float = 0.0, on_state: Callable[[State], None] | None = None):
@@ -176,12 +178,14 @@ class EngineLoop:
         self._inbox.put(("add", op))
         return Stream(self, op)
 
-    def abort(self, rid, note: str = "aborted") -> bool:
-        """End an open request at the next step boundary -> whether it was open."""
+    def abort(self, rid, note: str = "aborted", op: _Open | None = None) -> bool:
+        """End an open request at the next step boundary -> whether it was open (op: only if the
+        open request under that id is this one)."""
         with self._lock:
-            if rid not in self._open:
+            held = self._open.get(rid)
+            if held is None or (op is not None and held is not op):
                 return False
-        self._inbox.put(("abort", rid, note))
+        self._inbox.put(("abort", rid, note, held))
         return True
 
     def call(self, fn: Callable[[Engine], Any], timeout: float | None = 30.0) -> Any:
@@ -264,7 +268,8 @@ class EngineLoop:
             if kind == "add":
                 self._add(item[1])
             elif kind == "abort":
-                self._abort(item[1], item[2])
+                if self._open.get(item[1]) is item[3]:      # still that request, not a successor
+                    self._abort(item[1], item[2])
             elif kind == "call":
                 try:
                     item[2].put((True, item[1](self.engine)))

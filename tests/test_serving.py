@@ -349,6 +349,22 @@ def test_cancel_mid_prefill_and_mid_decode_frees_everything(served):
         assert _phase(served, p) is None
 
 
+def test_a_late_cancel_never_hits_a_reused_id(served):
+    """A stream's cancel after its request ended (a gRPC call's end callback) leaves a newer request
+    under the same id alone."""
+    from scripts.bench_serving import to_request
+    from v41_jax.runtime.scheduler import FinishEvent
+
+    loop = served.server.loop
+    first = loop.submit(to_request(COMPARED["greedy"], "reused"))
+    assert isinstance(list(first.events())[-1], FinishEvent)
+    second = loop.submit(to_request(COMPARED["greedy"], "reused"))
+    first.cancel("the first call ended")
+    events = list(second.events())
+    assert events[-1].result.finish_reason == "length" and events[-1].result.tokens == served.tokens("greedy")
+    assert_idle_and_empty(served.server)
+
+
 def test_deadline_frees_the_request(served):
     aborts0 = _count(served, "abort")
     with pytest.raises(grpc.RpcError) as err:
