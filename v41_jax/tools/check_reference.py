@@ -1,11 +1,14 @@
 """Check the model against an official-reference fixture folder.
 
     python -m v41_jax.tools.check_reference DIR [--json] [--numerics reference|fast] [--engine]
-                                                [--tolerance auto|cpu|gpu]
+                                                [--tolerance auto|cpu|gpu] [--conditioning N]
+                                                [--free-running]
 
 DIR holds `checkpoint/` (published format, `config.json`, `engram_token_map.json`) and
 `outputs_lowest_index_ties.npz` (the official reference run with lower-index tie-breaking; layout in
-tests/fixtures/dsv41_official/SOURCE.md). Exit status 0 only if every check passes.
+tests/fixtures/dsv41_official/SOURCE.md), and the DSpark taps of every prompt row in it or in a
+`prefill_taps.npz` beside it. Exit status 0 only if every check passes. Every rule is written out,
+with its measurements, in docs/MODEL.md §6.
 
 What runs
   * the full forward over prompt + decode.input_ids (16 teacher-forced steps). Decode step i is
@@ -14,11 +17,15 @@ What runs
     differ between the two only where every visible row is selected anyway (validate() requires
     candidate_topk_blocks * candidate_block_size >= index_topk, so a candidate restriction never
     bites while fewer than index_topk rows are visible), so the selected sets are the same;
-  * the DSpark draft head at every decode step (anchor S + i, first token the step's output);
+  * the DSpark draft head at every decode step (anchor S + i, first token the step's output), on
+    the model's own taps and on the reference's;
   * teacher forcing: the reference's own selections (index top-k, candidate blocks, gate top-k,
     DSpark gate and Markov chain) are what the model attends / routes with, while the model's own
     selections are compared with the reference's separately. Without it one legitimate near-tie
-    flip changes everything downstream, and the numeric comparisons would measure the flip.
+    flip changes everything downstream, and the numeric comparisons would measure the flip;
+  * the one-ulp conditioning run (`selection_conditioning`, N = 4 nudges of the model by default)
+    that the near-tie scales of the selection rules are measured from;
+  * with --free-running, one unforced forward for the free-running greedy comparison.
 
 Tolerances (the arithmetic behind them)
   * exact: Engram hash ids (integer arithmetic).
@@ -35,24 +42,17 @@ Tolerances (the arithmetic behind them)
   * target logits: logits = normed . W in fp32, so |dlogit[p, v]| <= sum_d |dn[p, d]| |W[v, d]| +
     2 D u32 sum_d |n[p, d] W[v, d]|, with dn the observed final-normed difference (itself checked
     above) and u32 = 2^-24 (fp32 dot rounding on both sides). Every logit must satisfy it.
-  * DSpark logits / confidence: the reference's draft hidden is not recorded, so the bound is
-    row_ulps_p50 row ulps on every lane of the draft hidden, all signs aligned against the
-    weight row: row_ulps_p50 * ulp(rms) * sum_d |W[v, d]| (+ the fp32 term). The Markov bias is exact.
+  * DSpark (docs/MODEL.md §6.2): the taps on every row a draft reads (bf16 rule above); the head on
+    the reference's taps within one bf16 ulp per lane of its normed (confidence: pre-norm) hidden
+    + fp32 rounding; the head on the model's own taps within sum_d |dn_d||W_vd| of the measured
+    draft-hidden difference dn (own taps run - reference taps run) + that allowance.
   * pre-mix (sigmoid outputs in (0, 1]): row_ulps_p50 bf16 ulps at 1.
-  * selections, per row: the model's own picks equal the reference's, or the row is a near-tie.
-    Router (fp32 scores from bf16 activations): every pick the two disagree on lies within
-    near_tie_ulps bf16 ulps of the boundary in the model's scores. Indexer and candidate blocks
-    (bf16 scores of fp4-quantized q and k, where one flipped scale moves a score by a large
-    fraction of its row's range): every reference pick the model did not make is among the
-    model's top rank_slack * k candidates. Rows the fixture flags `tie_consequential` are
-    counted and reported on their own. The scale of rank_slack is measured, not guessed:
-    `--conditioning N` nudges the model's own embedding and RMSNorm weights by one bf16 ulp
-    (random signs, N seeds) and reports how far that alone moves its selections. On the official
-    fixtures (4 seeds) it moves 38-88% of the index rows and drops picks down to rank 2.9k
-    (small_a) / 4.4k (small_b) on CPU, 2.0k / 3.75k on the H200 (BENCHMARKS.md), so a rule tighter
-    than that spread would be judging noise (test_rank_slack_is_no_looser_than_last_bit_noise).
-    Also reported per key: recall (share of reference picks the model made) and the worst missed
-    rank.
+  * selections, per row (docs/MODEL.md §6.3): the model's own picks equal the reference's, or the
+    row is a near-tie by a scale measured on this fixture by the conditioning run: index / candidate
+    rows within the layer's rank reach of one-ulp noise, router rows within 2 x its gate-score
+    noise. An exact tie of the model's own scores resolved to the higher index always fails. Rows
+    the fixture flags `tie_consequential` are counted and reported on their own; also reported
+    per key: recall (share of reference picks the model made) and the worst missed rank.
   * greedy ids (decode outputs, DSpark drafts): equal, or the model's logit gap between its argmax
     and the reference's token is within that row's logit bound (a near-tie).
 """
