@@ -1,0 +1,170 @@
+"""DSpark speculative decoding: what it buys end to end, and what a verify step and the draft cost.
+
+    # end to end on a trained checkpoint (the demo model): tokens/s with and without DSpark
+    python -m scripts.bench_spec generate --checkpoint artifacts/demo --prompts scripts/demo_prompts.jsonl \
+        --batches 1,8,32 --new 128 --out S.json
+    # step costs on random weights (the bench slice)
+    python -m scripts.bench_spec steps --config v41_jax/configs/bench_slice.config.json \
+        --batches 1,8,32 --out C.json
+
+`generate`: per batch b, b requests (the prompts file cycled; greedy, EOS ignored) through
+`Engine.generate`, speculative off and on, one engine each (each run once untimed first); tokens/s
+of each, the speed-up, and the measured tokens per verify (drafts accepted + 1) and acceptance
+per draft position.
+
+`steps`: per batch b, compiled executables called back to back with their inputs on the device:
+a plain decode step (plain engine, b x 1 rows), the same decode step of a speculating engine (it
+also drafts: the difference is the draft's cost) and a verify step (b x (block + 1) rows, every
+row's logits, acceptance and the draft). verify / plain bounds the speed-up at a measured tokens
+per verify t: speed-up <= t * plain / verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from v41_jax.runtime import compile_cache
+from v41_jax.runtime.engine import NUMERICS, Engine, Stats
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    g = sub.add_parser("generate", help="tokens/s with and without DSpark on a checkpoint")
+    g.add_argument("--checkpoint", required=True)
+    g.add_argument("--prompts", required=True, help="JSONL requests (request_parse schema)")
+    g.add_argument("--new", type=int, default=128, help="new tokens per request")
+    g.add_argument("--chunk", type=int, default=256)
+    s = sub.add_parser("steps", help="verify / draft / plain decode step costs on random weights")
+    s.add_argument("--config", required=True)
+    s.add_argument("--position", type=int, default=512, help="decode position of the timed steps")
+    s.add_argument("--iters", type=int, default=30)
+    s.add_argument("--experts", default="auto")
+    for p in (g, s):
+        p.add_argument("--batches", default="1,8,32")
+        p.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
+        p.add_argument("--compile-cache", default=None)
+        p.add_argument("--out", required=True)
+    return ap.parse_args(argv)
+
+
+def _generate(args) -> list[dict]:
+    from v41_jax.runtime.request_parse import RequestDefaults, parse_file
+
+    rows, engines = [], {}
+    for spec in (False, True):
+        engines[spec] = Engine.from_checkpoint(args.checkpoint, numerics=args.numerics, max_batch=max(args.batches),
+                                               chunk=args.chunk, speculative=None if spec else False,
+                                               compile_cache_dir=args.compile_cache, progress=False)
+        engines[spec].warmup()
+    if not engines[True].speculative:
+        raise SystemExit(f"{args.checkpoint}: no DSpark draft stages, nothing to compare")
+    parsed = parse_file(args.prompts, vocab_size=engines[True].cfg.vocab_size,
+                        defaults=RequestDefaults(max_new_tokens=args.new, ignore_eos=True),
+                        tokenizer=engines[True].tokenizer)
+    prompts = [p for p in parsed if not isinstance(p, Exception)]
+    for b in args.batches:
+        row = {"batch": b}
+        for spec, engine in engines.items():
+            engine.reset()
+            reqs = [prompts[i % len(prompts)] for i in range(b)]
+            reqs = [type(r)(r.prompt, args.new, r.sampling, ignore_eos=True, request_id=i) for i, r in enumerate(reqs)]
+            engine.generate(reqs)                 # untimed: first-call costs outside the figures
+            engine.reset()
+            stats = Stats()
+            engine.generate(reqs, stats=stats)
+            key = "spec" if spec else "plain"
+            row[f"{key}_tokens_per_s"] = stats.tokens_per_s
+            row[f"{key}_steps"] = stats.steps
+            if spec:
+                row.update(tokens_per_verify=stats.tokens_per_verify, acceptance_at=stats.acceptance_at,
+                           drafts_proposed=stats.drafts_proposed, drafts_accepted=stats.drafts_accepted)
+        row["speedup"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _steps(args) -> list[dict]:
+    from scripts.bench_step import engram_token_map, param_leaf_specs, random_params
+    from v41_jax.cache.geometry import EngineSettings, typed_format
+    from v41_jax.config import ModelConfig
+    from v41_jax.runtime.metadata import Bucket, BucketSet, build_step
+    from v41_jax.runtime.sampling import SamplingParams
+
+    cfg = ModelConfig.from_file(args.config)
+    if not cfg.n_mtp_layers:
+        raise SystemExit(f"{args.config}: no DSpark draft stages")
+    blk, page, r_max = cfg.dspark_block_size, 16, max(args.batches)
+    numerics = NUMERICS[args.numerics]()
+    fmt = typed_format(numerics.act_dtype)
+    context = -(-(args.position + blk + 2) // page) * page
+    buckets = BucketSet(tuple(Bucket(b * w, b, b * w) for b in args.batches for w in (1, blk + 1)))
+    params = random_params(cfg, 0, param_leaf_specs(cfg, args.experts))
+    token_map = np.asarray(engram_token_map(cfg)) if cfg.engram_layer_ids else None
+    settings = EngineSettings(page_tokens=page, num_pages=r_max * context // page + 1, slots=r_max,
+                              max_context=context, kv_format=fmt, index_format=fmt, draft_slack=blk)
+    plain, spec = (Engine(params, cfg, settings=settings, buckets=buckets, numerics=numerics, token_map=token_map,
+                          speculative=on) for on in (False, True))
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in args.batches:
+        toks = [rng.integers(3, cfg.vocab_size - 1, args.position + blk + 1).tolist() for _ in range(b)]
+        pos = args.position
+        row = {"batch": b, "block": blk, "position": pos}
+        for name, engine, width in (("plain_decode", plain, 1), ("spec_decode", spec, 1), ("verify", spec, blk + 1)):
+            runner = engine.runner
+            pages = [np.arange(1 + i * (context // page), 1 + (i + 1) * (context // page)) for i in range(b)]
+            if width == 1:
+                spans = [runner.span(i, i, pos, toks[i][pos:pos + 1], pages[i], runner.cursor_row(toks[i], pos),
+                                     draft=engine.speculative) for i in range(b)]
+            else:
+                spans = [runner.verify_span(i, i, pos, toks[i][:pos], toks[i][pos:pos + width], pages[i],
+                                            runner.cursor_row(toks[i], pos), SamplingParams()) for i in range(b)]
+            bucket = Bucket(b * width, b, b * width)
+            built = build_step(engine.geom, cfg, bucket, spans)
+            batch = runner.send(bucket, built.batch)
+            compiled = runner.step_fn.lower(engine.params, runner.cache, batch, layout=runner.layout(bucket)).compile(
+                compiler_options=compile_cache.compiler_options())
+
+            def call():
+                out = compiled(engine.params, runner.cache, batch)
+                runner.cache = out.cache
+            call()
+            jax.block_until_ready(runner.cache)
+            t = time.perf_counter()
+            for _ in range(args.iters):
+                call()
+            jax.block_until_ready(runner.cache)
+            row[f"{name}_ms"] = (time.perf_counter() - t) / args.iters * 1e3
+        row["draft_ms"] = row["spec_decode_ms"] - row["plain_decode_ms"]
+        row["verify_over_plain"] = row["verify_ms"] / row["plain_decode_ms"]
+        row["breakeven_tokens_per_verify"] = row["verify_over_plain"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.batches = sorted(int(b) for b in args.batches.split(","))
+    start = time.perf_counter()
+    compile_cache.enable(args.compile_cache)
+    rows = _generate(args) if args.mode == "generate" else _steps(args)
+    out = {"mode": args.mode, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+           "args": vars(args), "process_s": time.perf_counter() - start, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
