@@ -3,6 +3,8 @@ then export it in the published checkpoint format.
 
     python -m scripts.train_demo --data build/demo_data --work DIR --lm-seconds 300 --draft-seconds 90
     python -m scripts.train_demo --data build/demo_data --work DIR --export models/demo --metadata models/demo
+    python -m scripts.train_demo --data build/demo_data --work DIR --init-from models/demo --draft-seconds 90
+        (the draft stages alone, continued on the shipped target)
 
 The model is the project's own: `model.forward.forward` for the backbone, `model.dspark.draft` for
 the draft stages; the parameters are the params pytree `checkpoint.load_params` builds, in fp32,
@@ -30,9 +32,9 @@ inference has and training needs differently:
     whose labels are the target's next `dspark_block_size` greedy tokens (Markov chain teacher
     forced on them), the confidence head learning whether each draft is right.
 
-Training resumes from the latest orbax checkpoint in DIR/ckpt (phase, step, seconds spent,
-optimizer state); budgets are in seconds, and the learning rate follows the fraction of its
-budget spent, so an interrupted run continues its schedule. DIR/log.json holds the loss log.
+Each phase resumes from its latest orbax checkpoint (DIR/ckpt_lm, DIR/ckpt_draft: step, seconds
+spent, optimizer state); budgets are in seconds, and the learning rate follows the fraction of
+its budget spent, so an interrupted run continues its schedule. DIR/log.json holds the loss log.
 """
 
 from __future__ import annotations
@@ -181,12 +183,13 @@ def draft_loss(mtp, frozen, cfg, ctx_hidden, anchors, tokens, numerics):
     continuation); the Markov chain is teacher-forced on them."""
     import jax
     import jax.numpy as jnp
+    import optax
 
     from v41_jax.model.dspark import context_x, draft
 
     blk = cfg.dspark_block_size
     params = {**frozen, "mtp": mtp}
-    b, a = anchors.shape
+    a = anchors.shape[1]
     ctx = jnp.repeat(context_x(params, cfg, ctx_hidden, numerics), a, axis=0)      # [B*A, S, D]
     anchor = anchors.reshape(-1)
     seq = jnp.repeat(tokens, a, axis=0)
@@ -195,14 +198,8 @@ def draft_loss(mtp, frozen, cfg, ctx_hidden, anchors, tokens, numerics):
     labels = follow[:, 1:]
     nll = token_nll(out.logits, labels)
     right = (jnp.argmax(out.logits, -1) == labels).astype(jnp.float32)
-    conf = jnp.mean(optax_sigmoid_bce(out.confidence, jax.lax.stop_gradient(right)))
+    conf = jnp.mean(optax.sigmoid_binary_cross_entropy(out.confidence, jax.lax.stop_gradient(right)))
     return jnp.mean(nll) + 0.1 * conf, jnp.mean(right, 0)
-
-
-def optax_sigmoid_bce(logits, labels):
-    import optax
-
-    return optax.sigmoid_binary_cross_entropy(logits, labels)
 
 
 # ---- the trainer -----------------------------------------------------------------------------
@@ -410,7 +407,7 @@ class Trainer:
     def continuations_and_taps(self, target: dict, n: int) -> tuple[np.ndarray, np.ndarray]:
         """n training prefixes of PREFIX tokens continued greedily by `target` for CONT tokens ->
         (tokens int32 [n, PREFIX + CONT], the target's taps on them fp32 [n, PREFIX + CONT, nT*D]).
-        The Engram ids of each new token are hashed on the host."""
+        The Engram ids are hashed on the host."""
         import jax
         import jax.numpy as jnp
 
@@ -422,8 +419,17 @@ class Trainer:
             return jnp.argmax(logits[:, pos], -1).astype(jnp.int32), inter["main_hidden"]
 
         seqs = self.train_tokens[self.rng.integers(0, len(self.train_tokens), n), :PREFIX + CONT].copy()
+        # prefix hashed per sequence once, then every new token of all sequences in one call (the
+        # rows after `pos` are never read by a causal forward at `pos`, so they stay 0 until filled)
+        ids = np.zeros((n, PREFIX + CONT, len(cfg.engram_layer_ids), cfg.engram_hash_cols), np.int32)
+        cursors = []
+        for i, seq in enumerate(seqs[:, :PREFIX]):
+            ids[i, :PREFIX], cursor = self.hasher.hash_ids(self.hasher.start(), seq)
+            cursors.append(cursor.as_row())
+        cursors = np.stack(cursors)
         for pos in range(PREFIX - 1, PREFIX + CONT - 1):
-            seqs[:, pos + 1] = np.asarray(run(target, seqs, engram_ids(self.hasher, seqs), pos)[0])
+            seqs[:, pos + 1] = np.asarray(run(target, seqs, ids, pos)[0])
+            ids[:, pos + 1], cursors = self.hasher.next_token_ids(cursors, seqs[:, pos + 1])
         return seqs, run(target, seqs, engram_ids(self.hasher, seqs), 0)[1]
 
     def train_draft(self, seconds: float):
@@ -574,6 +580,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=200, help="held-out perplexity every N steps (a multiple of 25)")
     ap.add_argument("--eval-windows", type=int, default=32, help="held-out windows of 257 tokens for perplexity")
     ap.add_argument("--max-windows", type=int, default=0, help="train on this many windows only (0: all)")
+    ap.add_argument("--init-from", help="with --draft-seconds alone: the target (and draft stages to "
+                    "continue) from this published checkpoint instead of WORK's orbax backbone")
     ap.add_argument("--export", help="write the published checkpoint's shards here from WORK/weights.npz")
     ap.add_argument("--metadata", help="write config, tokenizer, token map and aliases here")
     ap.add_argument("--plot", help="draw WORK/log.json's curves into this PNG")
@@ -583,6 +591,8 @@ def main(argv=None) -> int:
             tr = Trainer(args)
             if args.lm_seconds:
                 tr.train_lm(args.lm_seconds)
+            elif args.init_from:   # the draft phase alone, on a shipped target
+                tr.params = from_checkpoint(args.init_from)
             else:   # the draft phase alone continues from a finished backbone
                 tr.params = {**tr.params, "model": {**tr.params["model"], **_restored_backbone(tr)}}
             ppl32 = tr.held_ppl(tr.params)
@@ -603,6 +613,23 @@ def main(argv=None) -> int:
     if args.plot:
         plot_log(os.path.join(args.work, "log.json"), args.plot)
     return 0
+
+
+def from_checkpoint(ckpt: str) -> dict:
+    """A published checkpoint (read by the reader) as `init_params`' pytree: the published values
+    in fp32, the host Engram tables dequantized into trainable arrays. Exporting it again gives
+    back the same values (each lies on its format's grid)."""
+    import jax
+    import jax.numpy as jnp
+
+    from v41_jax import quant
+    from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
+
+    _, params = load_params(ckpt, progress=False, experts="bf16")
+    tables = params.pop(ENGRAM_KEY)
+    return {"model": jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), params),
+            "engram": {str(l): quant.dequant_fp8_rows(tables.weight[l], tables.scale[l], 32, jnp.float32)
+                       for l in tables.weight}}
 
 
 def _restored_backbone(tr: Trainer) -> dict:
