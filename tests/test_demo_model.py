@@ -30,10 +30,15 @@ def engine():
     return small_engine(DEMO)
 
 
-def test_published_layout_and_size():
+@pytest.fixture(scope="module")
+def loaded():
+    return load_params(DEMO, progress=False)   # every tensor checked against the schema
+
+
+def test_published_layout_and_size(loaded):
     shards = sorted(DEMO.glob("model*.safetensors"))
     assert shards and sum(p.stat().st_size for p in shards) <= 20_000_000
-    cfg, params = load_params(DEMO, progress=False)   # every tensor checked against the schema
+    cfg, params = loaded
     assert params["embed"]["weight"].shape == (cfg.vocab_size, cfg.dim)
     tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
     assert tok.get_vocab_size() == cfg.vocab_size
@@ -43,8 +48,8 @@ def test_published_layout_and_size():
                                   token_map_from_tokenizer(tok, cfg.engram_compressed_vocab_size))
 
 
-def test_every_feature_is_exercised():
-    cfg, _ = load_params(DEMO, progress=False)
+def test_every_feature_is_exercised(loaded):
+    cfg, _ = loaded
     seen = {(t.ratio, t.mode, t.candidates) for t in resolve_topology(cfg) if not t.is_draft}
     for want in [(0, Mode.WINDOW, Candidates.NONE),        # window only
                  (2, Mode.FULL, Candidates.NONE),          # ratio-2 kv / index source
