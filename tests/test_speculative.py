@@ -12,6 +12,7 @@ The later drafts after the wrong one stay right: acceptance must stop at the fir
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,8 @@ import numpy as np
 import pytest
 
 from tests.engine_common import FP32, SETTINGS, build_model, make_engine
-from v41_jax.checkpoint.load import ENGRAM_KEY
-from v41_jax.engram_hash import EngramHasher
+from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
+from v41_jax.engram_hash import EngramHasher, load_token_map
 from v41_jax.model import dspark
 from v41_jax.model.engram import sequence_rows
 from v41_jax.model.forward import forward
@@ -29,9 +30,18 @@ from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module", params=["tiny", "modes"])
+FARM_F03 = Path(__file__).parent / "fixtures/dsv41_farm/f03_h6_ix8_dspark3_b5_engram0/checkpoint"
+
+
+@pytest.fixture(scope="module", params=["tiny", "modes", "farm_f03"])
 def model(request, tmp_path_factory):
-    cfg, params, token_map = build_model(tmp_path_factory.mktemp(request.param), request.param, seed=0)
+    """tiny / modes (block 4) and the fixture farm's official-reference checkpoint with the
+    released block of 5 (acceptance lengths 0..5)."""
+    if request.param == "farm_f03":
+        cfg, params = load_params(FARM_F03, progress=False)
+        token_map = load_token_map(FARM_F03 / "engram_token_map.json")
+    else:
+        cfg, params, token_map = build_model(tmp_path_factory.mktemp(request.param), request.param, seed=0)
     settings = replace(SETTINGS, draft_slack=cfg.dspark_block_size)
     # one engine per config (one compile); plain runs turn speculation off per request
     engine = make_engine(cfg, params, token_map, settings=settings, prefill_chunk=7)
@@ -69,6 +79,7 @@ class Oracle:
         self.full = {rid: list(prompts[rid]) + list(toks) for rid, toks in reference.items()}
         self.forced: dict = {}              # rid -> the accepted count its current drafts force
         self.turns: dict = {}               # rid -> drafts replaced so far (m cycles per request)
+        self.offset = {rid: i for i, rid in enumerate(reference)}
         self.seen: list[tuple[int, int]] = []   # (drafts checked, accepted) per verify
         self.device_drafts: list = []       # (rid, committed tokens, first, drafts) before replacement
         self.collect = engine.runner.collect
@@ -91,7 +102,9 @@ class Oracle:
             c = sp.position + 1 + int(res.accepted[b]) if sp.verify else sp.position + sp.length
             full = self.full[sp.rid]
             self.device_drafts.append((sp.rid, full[:c], full[c], res.drafts[b].copy()))
-            m = self.blk - self.turns.get(sp.rid, 0) % (self.blk + 1)     # all right first
+            # all right first, then one fewer each time; each request starts the cycle elsewhere so
+            # that short budgets still cover every length between them
+            m = self.blk - (self.turns.get(sp.rid, 0) + self.offset[sp.rid]) % (self.blk + 1)
             self.turns[sp.rid] = self.turns.get(sp.rid, 0) + 1
             right = np.asarray((full + [0] * (self.blk + 1))[c + 1: c + 1 + self.blk])
             right[m:m + 1] = (right[m:m + 1] + 1) % self.engine.cfg.vocab_size
