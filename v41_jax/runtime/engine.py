@@ -13,6 +13,11 @@ next step queued and host work overlaps it. When the Engram tables are too large
 (the released model), N+1's decode tokens and Engram rows are filled in on the host from N's
 output before N+1 is launched: the device then waits for that short hand-off.
 
+A speculative request (DSpark, docs/CACHE.md §4.1) is not pipelined: where its next verify span
+starts depends on how many drafts the step in flight accepts, so while one waits for that step
+`step()` reads the step's results before it plans the next (the device idles for the host's
+planning; plain requests in the same loop wait with it).
+
 Servers use `add` / `abort` / `step`; `generate` and `stream` are loops over `step`.
 """
 
@@ -257,7 +262,8 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """One pipelined iteration: plan and launch the next step, then apply the previous one's
-        results -> the events they produced."""
+        results -> the events they produced. A speculative request waiting for the step in flight
+        has that step's results applied first (module docstring)."""
         early = []
         if self._flight is not None and self.scheduler.awaiting:
             # a speculative request's next span starts where the step in flight's acceptance ends
