@@ -3,10 +3,9 @@ fixture passes forward (with the free-running comparison) and through the engine
 is exact on the reference's own taps, and injected defects fail wherever they change the
 computation (docs/MODEL.md §6).
 
-Each fixture costs one XLA compile per path (~25 s of CPU), so by default the suite runs the farm
-on a subset that covers every shape feature once (FORWARD / FREE / ENGINE / MUTANT_ON below, eleven
-compiles); V41_FARM=all runs every fixture on every path and every mutant on every fixture (what
-docs/MODEL.md §6.5 reports).
+Each fixture costs one XLA compile per path and per mutant (~25 s of CPU each), so by default the
+suite runs a small subset (FORWARD / FREE / ENGINE / MUTANT_ON / MUTATE below: six compiles);
+V41_FARM=all runs every fixture on every path and every mutant on every fixture.
 """
 
 import hashlib
@@ -26,14 +25,16 @@ from v41_jax.tools.check_reference import (CONDITIONING_RUNS, CPU, OUTPUTS, chec
 FARM = Path(__file__).parent / "fixtures" / "dsv41_farm"
 NAMES = sorted(p.name for p in FARM.iterdir() if (p / OUTPUTS).exists())
 ALL = os.environ.get("V41_FARM") == "all"
-# the default subset: two heads-and-groups shapes with 1 / 2 / 3 DSpark stages, both ratio-2
-# phases, one and eight index heads, window wrap, few and many experts
-FORWARD = NAMES if ALL else ["f01_h3_og3_two_r2_s57", "f03_h6_ix8_dspark3_b5_engram0", "f11_h1_ix1_hd64_few_experts",
-                             "f12_h7_og7_w8_many_experts_s51"]
+# the default subset: 6 heads / 3 groups with 8 index heads, 3 DSpark stages of 5 and Engram on layer 0
+# only (its head is not bit-exact on the reference's taps), and 1 head / 1 index head / 2 experts
+# (its taps are not bit-exact); the farm run in full is reported in docs/MODEL.md §6
+FORWARD = NAMES if ALL else ["f03_h6_ix8_dspark3_b5_engram0", "f11_h1_ix1_hd64_few_experts"]
 FREE = NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"]   # a second (unforced) compile each
-ENGINE = NAMES if ALL else ["f12_h7_og7_w8_many_experts_s51"]
-# a FORWARD fixture: its unmutated run is compiled already
+ENGINE = NAMES if ALL else ["f03_h6_ix8_dspark3_b5_engram0"]
+# a FORWARD fixture (its unmutated run is compiled already); by default the two mutants only the
+# selection rules can catch (the other three move the bf16 tensors by far more than any profile)
 MUTANT_ON = NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"]
+MUTATE = list(MUTANTS) if ALL else ["ties_to_higher_index", "candidate_mask_skipped"]
 NUMERICS = Numerics.reference()
 
 
@@ -106,9 +107,9 @@ def test_mutants_fail_wherever_they_change_the_computation(name, fixtures):
     fx, _ = fixtures(name)
     base = _own(run_model(fx.cfg, fx.params, fx.z, fx.hasher, NUMERICS))
     changed, caught = [], []
-    for mutant, patch in MUTANTS.items():
+    for mutant in MUTATE:
         jax.clear_caches()  # jit caches by function identity: retrace under the patch
-        with patch():
+        with MUTANTS[mutant]():
             out = _own(run_model(fx.cfg, fx.params, fx.z, fx.hasher, NUMERICS))
             if any(not np.array_equal(out[k], base[k]) for k in base):
                 changed.append(mutant)
@@ -117,4 +118,4 @@ def test_mutants_fail_wherever_they_change_the_computation(name, fixtures):
     jax.clear_caches()
     assert caught == changed
     # every mutant but the tie rule changes every fixture; ties need an exact boundary tie
-    assert set(MUTANTS) - {"ties_to_higher_index"} <= set(changed)
+    assert set(MUTATE) - {"ties_to_higher_index"} <= set(changed)
