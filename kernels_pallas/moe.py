@@ -600,16 +600,28 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
                                 capacity=block_m or capacity_rows(idx.size, w1.shape[0]))
     d, f = x.shape[1], w1.shape[1]
 
+    def fit(default: int) -> int:
+        """The largest power of two <= default dividing both D and F: each tile size splits D in
+        one GEMM and F in the other (D=256, F=96 takes 32, where min(default, D, F) = 96 does not
+        divide D)."""
+        t = default
+        while t > 1 and (d % t or f % t):
+            t //= 2
+        return t
+
     def tiles(bn: int, bk: int) -> dict:
         if d % bn or f % bn or d % bk or f % bk:
             raise ValueError(f"D={d}, F={f}: need multiples of block_n={bn} and block_k={bk}")
+        if min(bn, bk) < 16:
+            raise ValueError(f"D={d}, F={f}: no tile of >= 16 (Triton's smallest dot) divides both; "
+                             "use the XLA fallback (V41_KERNELS=xla)")
         if any(isinstance(w_, Fp4Weight) for w_ in (w1, w3, w2)) and bk % 32:
             raise ValueError(f"FP4 experts: block_k={bk} must cover whole 32-input scale groups")
         return dict(bn=bn, bk=bk)
 
     if impl == "gemv":
         # 32 x 256 weight tiles, 8 warps: the fastest of the H200 sweep at 1 and 8 tokens
-        return _routed_gemv(x, idx, w, w1, w3, w2, **tiles(min(block_n or 32, d, f), min(block_k or 256, d, f)),
+        return _routed_gemv(x, idx, w, w1, w3, w2, **tiles(block_n or fit(32), block_k or fit(256)),
                             num_warps=num_warps or 8, num_stages=num_stages or 3,
                             interpret=_backend.interpret(), **kw)
     if impl != "pallas":
@@ -617,7 +629,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
     bm = block_m or default_block_m(idx.size, w1.shape[0])
     cfg = launch_config(bm)
     return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm,
-                          **tiles(min(block_n or 128, d, f), block_k or min(cfg["block_k"], d, f)),
+                          **tiles(block_n or fit(128), block_k or fit(cfg["block_k"])),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],
                           interpret=_backend.interpret(), **kw)

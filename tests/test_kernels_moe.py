@@ -154,6 +154,21 @@ def test_the_loader_keeps_fp4_where_fp8_rows_cannot_hold_it():
     assert kept is packed
 
 
+@pytest.mark.parametrize("impl", ["gemv", "pallas"])
+def test_default_tiles_divide_widths_that_are_not_powers_of_two(impl):
+    """The demo model's widths (D=256, F=96): the default tiles must divide both (32 here)."""
+    rng, seed = fresh_rng()
+    case = _case(rng, t=3 if impl == "gemv" else 17, d=256, f=96, held="fp4")
+    got = kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl=impl)
+    _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
+
+
+def test_widths_without_a_16_tile_are_refused():
+    case = _case(np.random.default_rng(0), d=72, f=40)
+    with pytest.raises(ValueError, match="no tile of >= 16"):
+        kmoe.routed_experts(*case, FAST, 10.0, backend="pallas", impl="pallas")
+
+
 def test_skewed_groups_span_tiles():
     """One expert takes every token (several 16-row tiles, the last partial), most are empty."""
     rng, seed = fresh_rng()
