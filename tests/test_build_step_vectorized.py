@@ -274,8 +274,9 @@ def _mutate(geom, cfg, bucket, spans, what: str, b: int, rng):
     elif what == "past_max_context":
         sp = replace(sp, position=geom.max_context - len(tok) + int(rng.integers(1, 3)))
     elif what in ("token_low", "token_high"):
-        tok[rng.integers(len(tok))] = -1 if what == "token_low" else cfg.vocab_size
-        sp = replace(sp, tokens=tok)
+        if len(tok):                                  # an earlier mutation may have emptied it
+            tok[rng.integers(len(tok))] = -1 if what == "token_low" else cfg.vocab_size
+            sp = replace(sp, tokens=tok)
     elif what == "few_pages":
         sp = replace(sp, pages=pages[: -(-sp.end // s.page_tokens) - 1])
     elif what == "many_pages":

@@ -144,9 +144,13 @@ def files_opened():
 
 
 def outside(opened: list[str], folder: Path) -> list[str]:
-    """The opened paths that are not inside `folder` once symlinks are resolved."""
-    root = os.path.realpath(folder)
-    return [p for p in opened if os.path.commonpath([root, os.path.realpath(p)]) != root]
+    """The opened paths that are not inside `folder` once symlinks are resolved, leaving out jax's
+    persistent compilation cache: the engine's own files, where the loader's small jitted checks
+    look up their executables (a clean clone's first run reads and writes them there)."""
+    cache = jax.config.jax_compilation_cache_dir
+    allowed = [os.path.realpath(folder)] + ([os.path.realpath(cache)] if cache else [])
+    return [p for p in opened
+            if not any(os.path.commonpath([a, os.path.realpath(p)]) == a for a in allowed)]
 
 
 def index_path(folder: Path) -> Path:
