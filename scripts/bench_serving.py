@@ -8,9 +8,11 @@ token for token against offline generate.
 Random prompt lengths (1..--max-prompt) and output lengths (1..--max-new), a third greedy and the
 rest sampled with their own seeds, half of them over each protocol. The offline references are
 generated first on the same engine (before the server owns it). Reported: throughput, client-side
-TTFT and inter-token latency p50/p99, the server's resident memory after warm-up (the first 10 %
-of requests) and at the end, and the checks: mismatches, unexpected errors, engine errors
-(stale-state refusals among them), pages / slots / request records left after the load drains.
+TTFT and inter-token latency p50/p99, the process's resident memory after warm-up (the first 10 %
+of requests) and at the end (server and clients: the clients' `Outcome`s, ~0.9 KB a request, are
+in it; the server's heap bound is tests/test_serving_memory.py's), and the checks: mismatches,
+unexpected errors, engine errors (stale-state refusals among them), pages / slots / request
+records left after the load drains.
 Exit code 1 if a check fails. tests/test_serving_load.py runs a small version of this in CI.
 """
 

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Latency buckets in seconds: a CPU-hosted tiny model steps in tens of ms, a GPU model in ms.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 10.0                 # tokens/s is measured over this trailing window
+RATE_SAMPLE_S = 0.25                 # at most one (time, count) sample per this: the window holds <= 41
 
 
 class Metrics:
@@ -77,7 +78,11 @@ class Metrics:
         with self._lock:
             total = self._generated
             w = self._window
-            w.append((now, total))
+            # the loop publishes after every step (tens a second): sampling each would hold a
+            # window of hundreds of tuples whose number follows the step rate; one per RATE_SAMPLE_S
+            # bounds it by RATE_WINDOW_S / RATE_SAMPLE_S + 1 whatever the load
+            if not w or now - w[-1][0] >= RATE_SAMPLE_S:
+                w.append((now, total))
             while len(w) > 1 and now - w[0][0] > RATE_WINDOW_S:
                 w.popleft()
             t0, n0 = w[0]
