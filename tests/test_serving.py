@@ -590,7 +590,9 @@ def test_sigterm_under_load_drains_and_exits_0(served, model):
         firsts = [next(c).chunk.token_ids for c in calls]
         resps = [c.getresponse() for c in conns]
         events = [sse_events(r) for r in resps]
-        firsts += [next(e)["choices"][0]["token_ids"] for e in events]
+        heads = [next(e) for e in events]
+        assert all("choices" in h for h in heads), heads        # an error event says why
+        firsts += [h["choices"][0]["token_ids"] for h in heads]
         proc.send_signal(signal.SIGTERM)
         wait_for(lambda: any("shutting down" in l for l in lines))
         with pytest.raises(grpc.RpcError) as err:
