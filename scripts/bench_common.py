@@ -40,6 +40,18 @@ PALLAS_KERNELS = ("sparse_latent_attn", "index_scores", "moe_gemv_gate_up", "moe
                   "moe_gate_up", "moe_down", "moe_dispatch", "moe_mgpu_gate_up", "moe_mgpu_down")
 
 
+def back_to_back_s(call, drained, iters: int) -> float:
+    """Seconds per call of `call` run `iters` times back to back, after one untimed call, the
+    device drained (`block_until_ready(drained())`) before the clock starts and before it stops."""
+    call()
+    jax.block_until_ready(drained())
+    t = time.perf_counter()
+    for _ in range(iters):
+        call()
+    jax.block_until_ready(drained())
+    return (time.perf_counter() - t) / iters
+
+
 def kernel_group(name: str) -> str:
     """A kernel's report name: the Pallas kernel it launches, else its name without the numeric
     suffix XLA gives each fusion (`loop_fusion_12` -> `loop_fusion`)."""

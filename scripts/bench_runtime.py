@@ -32,6 +32,7 @@ import time
 import jax
 import numpy as np
 
+from scripts.bench_common import back_to_back_s
 from scripts.bench_step import engram_token_map, param_leaf_specs, random_params
 from v41_jax.cache.geometry import EngineSettings, typed_format
 from v41_jax.config import ModelConfig
@@ -146,13 +147,7 @@ def main(argv=None) -> int:
             out = fn(engine.params, runner.cache, dev_batch)
             calls.append(time.perf_counter() - t)
             runner.cache = out.cache
-        alone()
-        jax.block_until_ready(runner.cache)
-        t = time.perf_counter()
-        for _ in range(args.iters):
-            alone()
-        jax.block_until_ready(runner.cache)
-        alone_s = (time.perf_counter() - t) / args.iters
+        alone_s = back_to_back_s(alone, lambda: runner.cache, args.iters)
 
         host_batch = build_step(engine.geom, cfg, bucket, spans()).batch
         fresh_calls = []

@@ -30,6 +30,7 @@ import time
 import jax
 import numpy as np
 
+from scripts.bench_common import back_to_back_s
 from v41_jax.runtime import compile_cache
 from v41_jax.runtime.engine import NUMERICS, Engine, Stats
 
@@ -137,13 +138,7 @@ def _steps(args) -> list[dict]:
             def call():
                 out = compiled(engine.params, runner.cache, batch)
                 runner.cache = out.cache
-            call()
-            jax.block_until_ready(runner.cache)
-            t = time.perf_counter()
-            for _ in range(args.iters):
-                call()
-            jax.block_until_ready(runner.cache)
-            row[f"{name}_ms"] = (time.perf_counter() - t) / args.iters * 1e3
+            row[f"{name}_ms"] = back_to_back_s(call, lambda: runner.cache, args.iters) * 1e3
         row["draft_ms"] = row["spec_decode_ms"] - row["plain_decode_ms"]
         row["verify_over_plain"] = row["verify_ms"] / row["plain_decode_ms"]
         row["breakeven_tokens_per_verify"] = row["verify_over_plain"]
