@@ -3,6 +3,7 @@ the stale-state check (never false over a long pipelined run; a moved cursor cau
 request alone), logprobs, and compile-once across process starts."""
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -199,11 +200,25 @@ print(json.dumps({"warmup_s": warm, "xla_compiles": CompileMeter.xla_compiles() 
 
 def test_second_start_compiles_nothing(model, tmp_path):
     """Two processes, one fresh cache folder: the second runs no XLA compilation from warm-up
-    through generation, warms up in <= 10 % of the first's time, and generates the same tokens."""
+    through generation, warms up in <= 10 % of the first's time, and generates the same tokens.
+    Then a start whose executable key changed but whose programs did not (a V41_* variable the
+    key covers) is served by jax's cache, and the start after it still runs: an executable jax's
+    cache served is not stored again (on XLA:CPU its re-serialized copy fails at run time with
+    "Function ... not found")."""
     path, _ = model
-    run = lambda: json.loads(subprocess.run([sys.executable, "-c", SECOND_START, str(path), str(tmp_path / "cc")],
-                                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+
+    def run(**env):
+        done = subprocess.run([sys.executable, "-c", SECOND_START, str(path), str(tmp_path / "cc")], cwd=ROOT,
+                              capture_output=True, text=True, env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
     first, second = run(), run()
     assert first["xla_compiles"] > 0 and second["xla_compiles"] == 0
     assert second["warmup_s"] <= 0.1 * first["warmup_s"], (first, second)
     assert second["tokens"] == first["tokens"]
+    stored = set(os.listdir(tmp_path / "cc" / "executables"))
+    served, again = run(V41_KEY_PROBE="1"), run(V41_KEY_PROBE="1")
+    assert served["xla_compiles"] == again["xla_compiles"] == 0
+    assert set(os.listdir(tmp_path / "cc" / "executables")) == stored
+    assert served["tokens"] == again["tokens"] == first["tokens"]

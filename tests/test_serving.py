@@ -571,13 +571,8 @@ def test_speculative_requests_and_cancel_mid_verify(spec_served):
 def test_sigterm_under_load_drains_and_exits_0(served, model):
     """`python -m serving.server` on the checkpoint: requests in flight over both protocols when
     SIGTERM comes all finish in full (equal to offline); new ones are refused; exit code 0."""
-    # The process compiles afresh (no compile cache): XLA:CPU can fail at run time when a process
-    # deserializes several executables that share a function name (seen here: the step's
-    # "compare_reduce_fusion not found" after the loader's checks came from the same cache), a
-    # known CPU limit of the executable store that this test of SIGTERM is not about.
     cmd = [sys.executable, "-m", "serving.server", "--checkpoint", str(model[0]), "--grpc-port", "0",
-           "--http-port", "0", "--status-every", "0.2", "--compile-cache", "",
-           *ENGINE_FLAGS]
+           "--http-port", "0", "--status-every", "0.2", *ENGINE_FLAGS]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)

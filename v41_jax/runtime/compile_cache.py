@@ -14,13 +14,17 @@ everything the program depends on (this package's source, jax and jaxlib, the de
 geometry, numerics, bucket, the params' and cache's shapes and dtypes, and the V41_* / XLA_* /
 JAX_* environment), so a start whose key matches loads the executable without tracing anything,
 and any change compiles afresh. Only bytes are stored (no pickle); a file that fails to load is
-ignored and rewritten.
+ignored and rewritten. Only an executable XLA compiled in this process is stored: one that jax's
+persistent cache served (our key changed, the program did not) was itself deserialized, and on
+XLA:CPU (jaxlib 0.10) serializing such a copy again drops its code — a process that loads it fails
+at its first run with "Function <fusion> not found".
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import jax
@@ -124,7 +128,23 @@ def load_executable(key: str, in_tree, out_tree):
         return None
 
 
-def save_executable(key: str, compiled) -> None:
+def compile_and_save(key: str | None, lowered):
+    """`lowered` compiled with this backend's options (`compiler_options`), kept under `key`
+    (None: not kept) when XLA compiled it here rather than jax's persistent cache serving it (see
+    the module's note); a served one is still reused for the rest of this process."""
+    hits = CompileMeter.hits_in_this_thread()
+    compiled = lowered.compile(compiler_options=compiler_options())
+    if key is not None:
+        if CompileMeter.hits_in_this_thread() == hits:
+            _save_executable(key, compiled)
+        else:
+            _loaded[key] = compiled
+    return compiled
+
+
+def _save_executable(key: str, compiled) -> None:
+    """Keep `compiled` under `key`, in this process and on disk. Only for an executable XLA
+    compiled in this process (see the module's note)."""
     from jax.experimental import serialize_executable
 
     _loaded[key] = compiled
@@ -147,6 +167,13 @@ class CompileMeter:
     compile_events = 0
     cache_hits = 0
     seconds = 0.0
+    # jax reports a hit in the thread that compiles, so a compile can tell whether it was served
+    # even while others run in a pool
+    _here = threading.local()
+
+    @classmethod
+    def hits_in_this_thread(cls) -> int:
+        return getattr(cls._here, "hits", 0)
 
     @classmethod
     def xla_compiles(cls) -> int:
@@ -161,7 +188,9 @@ class CompileMeter:
 
     @classmethod
     def _event(cls, event: str, **_):
-        cls.cache_hits += event == HIT
+        if event == HIT:
+            cls.cache_hits += 1
+            cls._here.hits = cls.hits_in_this_thread() + 1
 
 
 jax.monitoring.register_event_duration_secs_listener(CompileMeter._duration)

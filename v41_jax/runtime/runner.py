@@ -300,10 +300,7 @@ class Runner:
         def compile_one(item):
             bucket, batch, key = item
             lowered = self.step_fn.lower(self.params, self.cache, batch, layout=self.layout(bucket))
-            compiled = lowered.compile(compiler_options=compile_cache.compiler_options())
-            if key:
-                compile_cache.save_executable(key, compiled)
-            return bucket, compiled
+            return bucket, compile_cache.compile_and_save(key, lowered)
 
         if missing:
             with ThreadPoolExecutor(max_workers=len(missing) if concurrent else 1) as pool:
