@@ -68,7 +68,7 @@ class _Open:
     last: float | None = None
     tokens: int = 0
     drafted: int = 0                  # DSpark drafts its verify spans checked
-    accepted: int = 0                 # of those, accepted (and delivered)
+    accepted: int = 0                 # of those, accepted by the target
     in_engine: bool = False
 
 
@@ -315,31 +315,18 @@ class EngineLoop:
             self._abort(op.rid, "deadline exceeded")
 
     def _step(self) -> None:
-        sched = self.engine.scheduler
-        # the plans whose results this step applies leave in_flight: their verify spans say how many
-        # drafts each request's verify checked (the events say how many tokens came of it)
-        planned = dict(sched.in_flight)
-        spec0 = (sched.spec_stats.proposed_at[:], sched.spec_stats.accepted_at[:])
         try:
             events = self.engine.step()
         except Exception as err:                        # noqa: BLE001 - one bad step must not kill the server
             self._step_failed(err)
             return
         self._failed_in_row = 0
-        verified = {sp.rid: sp.verify for sid, plan in planned.items() if sid not in sched.in_flight
-                    for sp in plan.spans if sp.verify}
-        if verified and self.metrics is not None:
-            st = sched.spec_stats
-            self.metrics.add_drafts(sum(st.proposed_at) - sum(spec0[0]), sum(st.accepted_at) - sum(spec0[1]))
         now = time.perf_counter()
         for ev in events:
             op = self._open.get(ev.rid)
             if op is None:
                 continue
             if isinstance(ev, TokenEvent):
-                if ev.rid in verified:
-                    op.drafted += verified[ev.rid]
-                    op.accepted += len(ev.tokens) - 1
                 self._on_tokens(op, ev, now)
             else:
                 self._deliver_finish(op, ev)
@@ -351,6 +338,10 @@ class EngineLoop:
             else:
                 self.metrics.itl.observe(now - op.last)
             self.metrics.add_tokens(len(ev.tokens))
+            if ev.drafted:
+                self.metrics.add_drafts(ev.drafted, ev.accepted)
+        op.drafted += ev.drafted
+        op.accepted += ev.accepted
         op.first = op.first if op.first is not None else now
         op.last = now
         op.tokens += len(ev.tokens)
@@ -360,8 +351,8 @@ class EngineLoop:
         res = ev.result
         if res.finish_reason == "abort" and res.error is None:
             res.error = op.note
-        # the scheduler keeps every request it saw by id; a server that runs for days must not
-        self.engine.scheduler.by_id.pop(op.rid, None)
+        if op.in_engine:
+            self.engine.forget(op.rid)
         with self._lock:
             self._open.pop(op.rid, None)
         self._finished += 1
@@ -389,6 +380,7 @@ class EngineLoop:
             if seq is not None and seq.done:            # aborted or finished, its event not delivered yet
                 self._deliver_finish(op, FinishEvent(op.rid, seq.result))
             elif seq is not None:
+                self.engine.abort(op.rid)               # ended in the scheduler; the reset below drops it
                 seq.result.finish_reason, seq.result.error = "error", msg
                 self._deliver_finish(op, FinishEvent(op.rid, seq.result))
             else:

@@ -28,6 +28,7 @@ from v41_jax.model.forward import forward
 from v41_jax.runtime.engine import Engine, Stats
 from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams
+from v41_jax.runtime.scheduler import TokenEvent
 
 
 FARM_F03 = Path(__file__).parent / "fixtures/dsv41_farm/f03_h6_ix8_dspark3_b5_engram0/checkpoint"
@@ -127,9 +128,12 @@ def test_greedy_with_drafts_equals_plain_greedy(model):
     assert stats.verifies > 0 and stats.drafts_proposed == sum(stats.proposed_at) > 0
     engine.reset()
     oracle = Oracle(engine, want, {q.request_id: q.prompt for q in reqs})
-    stats = Stats()
-    got = engine.generate(mixed, stats=stats)
+    stats, events = Stats(), []
+    got = engine.generate(mixed, stats=stats, on_event=events.append)
     assert {r.request_id: r.tokens for r in got} == want
+    # each token event carries its own verify's counts (what a server reports per request)
+    counted = [(e.drafted, e.accepted) for e in events if isinstance(e, TokenEvent) and e.drafted]
+    assert sorted(counted) == sorted(oracle.seen)
     accepted = {n for _, n in oracle.seen}
     assert accepted == set(range(cfg.dspark_block_size + 1)), accepted
     assert stats.drafts_accepted == sum(n for _, n in oracle.seen)

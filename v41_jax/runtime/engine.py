@@ -255,6 +255,10 @@ class Engine:
     def abort(self, rid) -> bool:
         return self.scheduler.abort(rid)
 
+    def forget(self, rid) -> None:
+        """Drop a finished request's record (see `Scheduler.forget`)."""
+        self.scheduler.forget(rid)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._flight is not None

@@ -110,6 +110,8 @@ class TokenEvent:
     rid: Any
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None
+    drafted: int = 0                                 # DSpark drafts the verify behind these tokens checked
+    accepted: int = 0                                # of those, accepted by the target
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,14 @@ class Scheduler:
         self._finish(seq, "abort")
         return True
 
+    def forget(self, rid) -> None:
+        """Drop a finished request's record (`by_id` keeps every request until then, so that a
+        caller can read its result; a server that runs for days forgets each once delivered)."""
+        seq = self.by_id.get(rid)
+        if seq is not None and not seq.done:
+            raise ValueError(f"request {rid!r} is still running: abort it first")
+        self.by_id.pop(rid, None)
+
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.done = True
         seq.result.finish_reason, seq.result.error = reason, error
@@ -306,13 +316,15 @@ class Scheduler:
             if sp.draft:
                 seq.drafts, seq.awaiting = res.drafts[b].tolist(), False
             self._emit(seq, res.tokens[first: first + n + 1],
-                       None if res.logprobs is None else res.logprobs[first: first + n + 1], now)
+                       None if res.logprobs is None else res.logprobs[first: first + n + 1], now,
+                       drafted=sp.verify, accepted=n)
             if seq.spec:
                 seq.planned_emits = len(seq.result.tokens)
         self.pages.retire(completed_step=res.step_id)
         return self.drain()
 
-    def _emit(self, seq: Sequence, tokens: np.ndarray, logprobs: np.ndarray | None, now: float) -> None:
+    def _emit(self, seq: Sequence, tokens: np.ndarray, logprobs: np.ndarray | None, now: float,
+              drafted: int = 0, accepted: int = 0) -> None:
         """The request's new tokens in order, up to the first that finishes it (the rest dropped)."""
         r, toks, lps, reason = seq.result, [], [], ""
         for i, tok in enumerate(int(t) for t in tokens):
@@ -328,7 +340,8 @@ class Scheduler:
                 break
         if r.ttft_s is None:
             r.ttft_s = now - seq.submitted
-        self.outbox.append(TokenEvent(seq.rid, tuple(toks), tuple(lps) if seq.req.logprobs else None))
+        self.outbox.append(TokenEvent(seq.rid, tuple(toks), tuple(lps) if seq.req.logprobs else None,
+                                      drafted, accepted))
         if reason:
             self._finish(seq, reason)
 
