@@ -57,7 +57,7 @@ def to_request(fields: dict, rid) -> Request:
     return Request(list(fields["prompt_ids"]), fields["max_new_tokens"],
                    SamplingParams(**{k: fields[k] for k in SAMPLING if k in fields}),
                    tuple(fields.get("stop_ids", ())), fields.get("ignore_eos", False), rid,
-                   speculative=fields.get("speculative"))
+                   logprobs=fields.get("logprobs", False), speculative=fields.get("speculative"))
 
 
 def http_body(fields: dict) -> dict:

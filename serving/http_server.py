@@ -39,8 +39,8 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-          "user", "top_k", "stop_token_ids", "ignore_eos", "speculative")
-KNOWN = {"completions": COMMON + ("prompt",), "chat": COMMON + ("messages", "max_completion_tokens")}
+          "user", "top_k", "stop_token_ids", "ignore_eos", "speculative", "logprobs")
+KNOWN = {"completions": COMMON + ("prompt",), "chat": COMMON + ("messages", "max_completion_tokens", "top_logprobs")}
 # OpenAI's name -> request_parse's (and back, for refusals)
 RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop_token_ids": "stop_ids"}
 PASS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop", "speculative")
@@ -273,6 +273,7 @@ class _Handler(BaseHTTPRequestHandler):
                             "model_not_found")
         if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
             raise Refused("invalid", "only n = 1 is served", "n")
+        logprobs = self._wants_logprobs(body, chat)
         if "user" in body and not isinstance(body["user"], str):
             raise Refused("invalid", "must be a string", "user")
         stream = body.get("stream", False)
@@ -285,6 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
         if "max_tokens" in body and "max_completion_tokens" in body:
             raise Refused("invalid", "give one of max_tokens and max_completion_tokens", "max_completion_tokens")
         fields = {RENAME.get(k, k): v for k, v in body.items() if k in PASS or k in RENAME}
+        fields["logprobs"] = logprobs
         names = {RENAME[k]: k for k in body if k in RENAME}
         if chat:
             fields["prompt"] = chat_prompt(body.get("messages"))
@@ -299,6 +301,44 @@ class _Handler(BaseHTTPRequestHandler):
                 fields["prompt_ids" if isinstance(prompt, list) else "prompt"] = prompt
             names["prompt_ids"] = "prompt"
         return fields, names, stream, bool(opts.get("include_usage", False))
+
+    @staticmethod
+    def _wants_logprobs(body: dict, chat: bool) -> bool:
+        """OpenAI's log-probability fields -> whether to return the sampled tokens' log-probabilities.
+        Only those are computed (the step returns no alternatives), so a request for the top
+        alternatives is refused rather than answered with fewer than asked."""
+        none = "only the sampled tokens' log-probabilities are served (no top alternatives)"
+        if chat:
+            want = body.get("logprobs", False)
+            if want is None:
+                want = False
+            if not isinstance(want, bool):
+                raise Refused("invalid", "must be true or false", "logprobs")
+            top = body.get("top_logprobs")
+            if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+                raise Refused("invalid", "must be a non-negative integer", "top_logprobs")
+            if top:
+                raise Refused("invalid", f"{none}: top_logprobs must be 0", "top_logprobs")
+            return want
+        want = body.get("logprobs")
+        if want is None:
+            return False
+        if isinstance(want, bool) or not isinstance(want, int) or want < 0:
+            raise Refused("invalid", "must be a non-negative integer or null", "logprobs")
+        if want:
+            raise Refused("invalid", f"{none}: logprobs must be 0", "logprobs")
+        return True
+
+    def _logprobs(self, ids, lps, chat: bool) -> dict | None:
+        """The OpenAI form of the tokens' log-probabilities (None when not asked for)."""
+        if lps is None:
+            return None
+        tok = self.front.api.tokenizer
+        pieces = [tok.decode([t]) if tok is not None else "" for t in ids]
+        if chat:
+            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+                                for p, lp in zip(pieces, lps)]}
+        return {"tokens": pieces, "token_logprobs": list(lps), "top_logprobs": None}
 
     def _generate(self, chat: bool):
         front = self.front
@@ -340,12 +380,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _whole(self, stream, job, rid, chat):
         text = self.front.api.text(job.stop)
-        parts, ids, finish = [], [], None
+        parts, ids, lps, finish = [], [], [] if job.request.logprobs else None, None
         for ev in stream.events(self._connected):
             if isinstance(ev, FinishEvent):
                 finish = ev.result
             elif not text.stopped:
                 ids += ev.tokens
+                if lps is not None:
+                    lps += ev.logprobs
                 parts.append(text.push(ev.tokens))
                 if text.stopped:
                     stream.cancel("stop string")
@@ -357,11 +399,11 @@ class _Handler(BaseHTTPRequestHandler):
         parts.append(text.flush())
         reason = "stop" if text.stopped else FINISH[finish.finish_reason]
         content = "".join(parts)
-        choice = {"index": 0, "finish_reason": reason, "token_ids": ids}
+        choice = {"index": 0, "finish_reason": reason, "token_ids": ids, "logprobs": self._logprobs(ids, lps, chat)}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
         else:
-            choice.update(text=content, logprobs=None)
+            choice["text"] = content
         out = self._envelope(rid, chat, chunk=False)
         out.update(choices=[choice], usage=self._usage(stream.prompt_len, len(ids)))
         self._json(200, out)
@@ -380,12 +422,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
             self.wfile.flush()
 
-        def chunk(delta_text: str, ids, reason=None) -> dict:
-            choice = {"index": 0, "finish_reason": reason, "token_ids": list(ids)}
+        def chunk(delta_text: str, ids, reason=None, lps=None) -> dict:
+            choice = {"index": 0, "finish_reason": reason, "token_ids": list(ids),
+                      "logprobs": self._logprobs(ids, lps, chat)}
             if chat:
                 choice["delta"] = {"content": delta_text} if delta_text or reason is None else {}
             else:
-                choice.update(text=delta_text, logprobs=None)
+                choice["text"] = delta_text
             out = self._envelope(rid, chat, chunk=True)
             out["choices"] = [choice]
             return out
@@ -414,7 +457,7 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
             delta = text.push(ev.tokens)
             n += len(ev.tokens)
-            send(chunk(delta, ev.tokens))
+            send(chunk(delta, ev.tokens, lps=ev.logprobs))
             if text.stopped:
                 stream.cancel("stop string")
         self.close_connection = True                       # the client left mid-stream

@@ -81,8 +81,9 @@ def served(model):
     engine = engine_for(model)
     engine.warmup()
     tok = model[2]
-    compared = dict(COMPARED, chat={"prompt_ids": tok.encode(chat_prompt(MESSAGES)).ids, "max_new_tokens": 7,
-                                    "ignore_eos": True})
+    chat = {"prompt_ids": tok.encode(chat_prompt(MESSAGES)).ids, "max_new_tokens": 7, "ignore_eos": True}
+    compared = dict(COMPARED, chat=chat, chat_lp={**chat, "logprobs": True},
+                    sampled_lp={**COMPARED["sampled"], "logprobs": True})
     refs = offline(engine, compared)          # before the server owns the engine
     gate, real = threading.Event(), engine.warmup
     engine.warmup = lambda: gate.wait(300) and real()
@@ -188,6 +189,39 @@ def test_openai_client(served):
     assert err.value.body["param"] == "max_tokens"
 
 
+def test_openai_client_logprobs(served):
+    """The sampled tokens' log-probabilities, equal to offline generate's (JSON carries a float's
+    repr, so equal to the bit), whole and streamed, completions and chat."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0)
+    f, ref = COMPARED["sampled"], served.refs["sampled_lp"]
+    assert ref.tokens == served.tokens("sampled") and len(ref.logprobs) == len(ref.tokens)
+    kw = dict(model="tiny", prompt=f["prompt_ids"], max_tokens=f["max_new_tokens"], temperature=f["temperature"],
+              seed=f["seed"], logprobs=0, extra_body={"ignore_eos": True, "top_k": f["top_k"]})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.token_ids == ref.tokens and whole.logprobs.token_logprobs == ref.logprobs
+    assert whole.logprobs.tokens == [served.tokenizer.decode([t]) for t in ref.tokens]
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert [lp for c in chunks for lp in (c.choices[0].logprobs.token_logprobs if c.choices[0].logprobs else [])] \
+        == ref.logprobs
+    assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
+    ref = served.refs["chat_lp"]
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=7, logprobs=True, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert [c.logprob for c in whole.logprobs.content] == ref.logprobs and whole.token_ids == ref.tokens
+    streamed = [c.logprob for ch in client.chat.completions.create(stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert streamed == ref.logprobs
+    # alternatives are not computed: asking for them is refused, naming the field
+    for call, extra, field in ((client.completions.create, dict(prompt=[1, 2], logprobs=2), "logprobs"),
+                               (client.chat.completions.create, dict(messages=MESSAGES, logprobs=True,
+                                                                     top_logprobs=3), "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as err:
+            call(model="tiny", max_tokens=2, **extra)
+        assert err.value.body["param"] == field and "top alternatives" in err.value.body["message"]
+
+
 # body (dict, or raw bytes), path, content type -> the status and the field the refusal names
 HTTP_BAD = [
     (b'{"prompt": [1, 2', "/v1/completions", "application/json", 400, "json"),
@@ -214,6 +248,9 @@ HTTP_BAD = [
     ({"prompt": [1, 2], "stop": [""]}, "/v1/completions", "application/json", 400, "stop"),
     ({"prompt": [1, 2], "speculative": True}, "/v1/completions", "application/json", 400, "speculative"),
     ({"prompt": [1, 2], "n": 2}, "/v1/completions", "application/json", 400, "n"),
+    ({"prompt": [1, 2], "logprobs": True}, "/v1/completions", "application/json", 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "w1"}], "logprobs": 1}, "/v1/chat/completions",
+     "application/json", 400, "logprobs"),
     ({"prompt": [1, 2], "stream": "yes"}, "/v1/completions", "application/json", 400, "stream"),
     ({"prompt": [1, 2], "model": "gpt-4"}, "/v1/completions", "application/json", 404, "model"),
     ({"messages": []}, "/v1/chat/completions", "application/json", 400, "messages"),
