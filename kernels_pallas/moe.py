@@ -122,9 +122,9 @@ def _padded_weights(w_t: jax.Array) -> jax.Array:
     return jnp.concatenate([w_t.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
 
 
-def combine(y_sorted: jax.Array, order: jax.Array, t: int, k: int) -> jax.Array:
-    """Pair outputs in sorted order [T*k, D] -> fp32 [T, D] (`ref.add_slots`)."""
-    return ref.add_slots(y_sorted[where_is(order, order.shape[0])].reshape(t, k, -1))
+def unsort(y_sorted: jax.Array, order: jax.Array, t: int, k: int) -> jax.Array:
+    """Pair outputs in sorted order [T*k, D] -> [T, k, D], each token's picks in ascending expert id."""
+    return y_sorted[where_is(order, order.shape[0])].reshape(t, k, -1)
 
 
 # ---- expert weight tiles: as held (bf16, FP8 rows, FP4), decoded in registers --------------------
@@ -300,7 +300,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_wa
         out_specs=_full((t * k + bm, d)), out_shape=jax.ShapeDtypeStruct((t * k + bm, d), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_down",
     )(te, tf, tend, order, a, w2)
-    return ref.add_slots(y[:t * k].reshape(t, k, d))
+    return y[:t * k].reshape(t, k, d)
 
 
 # ---- decode: one weight stream per (token, expert) pair ------------------------------------------
@@ -378,7 +378,7 @@ def _routed_gemv(x, idx, w, w1, w3, w2, *, numerics, limit, bn, bk, num_warps, n
                   interpret=interpret)
     a = gemv_gate_up(pe, pw, _act_in(x, numerics), w1, w3, limit=limit, **launch)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
-    return ref.add_slots(gemv_down(pe, a, w2, **launch).reshape(t, k, d))
+    return gemv_down(pe, a, w2, **launch).reshape(t, k, d)
 
 
 # ---- XLA alternatives (benchmarked against the kernel) ----------------------------------------
@@ -401,7 +401,7 @@ def _routed_ragged_dot(x, idx, w, w1, w3, w2, *, numerics, limit):
     pw = w_t.reshape(-1)[order].astype(jnp.float32)
     a = _swiglu_epilogue(_ragged(xs, w1, sizes), _ragged(xs, w3, sizes), pw, numerics, limit)
     y = numerics.act(_ragged(_act_in(a, numerics), w2, sizes))
-    return combine(y, order, t, k)
+    return unsort(y, order, t, k)
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit"))
@@ -423,7 +423,7 @@ def _routed_dense(x, idx, w, w1, w3, w2, *, numerics, limit):
     y = numerics.act(jnp.einsum("tef,edf->ted", aq, w2.astype(aq.dtype), precision=HIGHEST,
                                 preferred_element_type=jnp.float32))
     # ascending expert order per token: only the k routed terms are nonzero
-    return ref.add_slots(jnp.take_along_axis(y, idx_t[..., None], axis=1))  # [T, k, D]
+    return jnp.take_along_axis(y, idx_t[..., None], axis=1)  # [T, k, D]
 
 
 def _dispatch_kernel(te_ref, tok_ref, x_ref, xs_ref, *, tile_m, bd):
@@ -480,7 +480,7 @@ def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, steps, refer
     # back to pair order by a gather (an XLA scatter of the [M_pad, D] rows took 0.5 ms at 2K
     # tokens on the H200, more than the down GEMM)
     y = gemm(a, w2, tile_n=cfg["down_n"], **tiles)
-    return ref.add_slots(y[where_is(pair, n_pairs)].reshape(t, k, -1))
+    return y[where_is(pair, n_pairs)].reshape(t, k, -1)
 
 
 def capacity_rows(n_pairs: int, n_experts: int) -> int:
@@ -526,7 +526,7 @@ def _routed_capacity(x, idx, w, w1, w3, w2, *, numerics, limit, capacity):
 
     rounds = (jnp.max(sizes) + capacity - 1) // capacity
     y = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((n_pairs, x.shape[1]), numerics.act_dtype))
-    return ref.add_slots(y.reshape(t, k, -1))
+    return y.reshape(t, k, -1)
 
 
 def choose_impl(tokens: int, mosaic: bool = False) -> str:
@@ -568,20 +568,28 @@ def launch_config(block_m: int) -> dict:
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
-                   w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
-                   backend: str | None = None, impl: str | None = None, block_m: int | None = None,
-                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None) -> jax.Array:
+                   w2: jax.Array, numerics: Numerics, swiglu_limit: float, **kw) -> jax.Array:
     """x [T, D], idx [T, k] int32, w [T, k] fp32 routing weights, w1/w3 [E, F, D], w2 [E, D, F]
     (each bf16 / fp32, `Fp8RowWeight` or `Fp4Weight`) -> fp32 [T, D]: Σ over each token's experts
-    (ascending id) of the SwiGLU expert output.
+    (ascending id) of the SwiGLU expert output (`ref.add_slots` of `routed_pairs`; kw as there)."""
+    return ref.add_slots(routed_pairs(x, idx, w, w1, w3, w2, numerics, swiglu_limit, **kw))
+
+
+def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
+                 w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
+                 backend: str | None = None, impl: str | None = None, block_m: int | None = None,
+                 block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> jax.Array:
+    """The SwiGLU output of every (token, pick) pair before the combine -> [T, k, D] in the
+    activation dtype, each token's picks in ascending expert id (ties in the given order: every
+    path sorts stably). Expert parallelism sums these across devices (`model/expert_parallel.py`).
 
     backend "xla" (or numerics.block_gemm) -> the reference's per-token loop; "pallas" -> `impl`
     ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity" | "mgpu"; None = `choose_impl`, the fastest exact
     one measured on the H200). Launch parameters default to `launch_config(block_m)`; for
     "capacity", block_m is the rows per expert and round (default `capacity_rows`)."""
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
-        return ref.routed_experts(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
+        return ref.routed_pairs(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
     impl = impl or auto_impl(x.shape[0], w1, w3, w2, numerics)
     kw = dict(numerics=numerics, limit=float(swiglu_limit))
     if impl == "ragged_dot":

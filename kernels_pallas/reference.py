@@ -29,6 +29,8 @@ Routed experts (docs/MODEL.md §3.10; kernels: `kernels_pallas.moe`, `kernels_pa
       each token's k expert outputs (act dtype) summed in fp32 in ascending expert id, the order
       the reference's expert loop adds them. The expert weights are bf16 arrays or
       `quant.Fp4Weight`s (held as published, dequantized per pick).
+  routed_pairs(same) -> [T, k, D]   the k expert outputs before that sum (expert parallelism
+      sums them across devices first)
   add_slots(pairs [T, k, D]) -> fp32 [T, D]   that sum
 """
 
@@ -151,7 +153,13 @@ def swiglu_ffn(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, numeri
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
                    w2: jax.Array, numerics: Numerics, swiglu_limit: float) -> jax.Array:
-    order = jnp.argsort(idx, axis=-1)
+    return add_slots(routed_pairs(x, idx, w, w1, w3, w2, numerics, swiglu_limit))
+
+
+def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
+                 w2: jax.Array, numerics: Numerics, swiglu_limit: float) -> jax.Array:
+    """Each (token, pick) pair's expert output [T, k, D], picks in ascending expert id (stable)."""
+    order = jnp.argsort(idx, axis=-1, stable=True)
     idx = jnp.take_along_axis(idx, order, axis=-1)
     w = jnp.take_along_axis(w, order, axis=-1)
 
@@ -159,7 +167,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
         return swiglu_ffn(xt[None], held(w1[e]), held(w3[e]), held(w2[e]), numerics, swiglu_limit,
                           wt)[0]
 
-    return add_slots(jnp.stack([jax.vmap(one_token)(x, idx[:, j], w[:, j]) for j in range(idx.shape[-1])], 1))
+    return jnp.stack([jax.vmap(one_token)(x, idx[:, j], w[:, j]) for j in range(idx.shape[-1])], 1)
 
 
 def add_slots(pairs: jax.Array) -> jax.Array:

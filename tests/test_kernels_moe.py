@@ -287,8 +287,8 @@ def test_tile_table():
 
 def test_block_gemm_numerics_take_the_reference_path(monkeypatch):
     """The kernels sum each GEMM in one fp32 dot; the reference's K-block order is the XLA path's."""
-    monkeypatch.setattr(kmoe.ref, "routed_experts", lambda *a: "reference path")
-    assert kmoe.routed_experts(*[None] * 6, Numerics.reference(), 10.0, backend="pallas") == "reference path"
+    monkeypatch.setattr(kmoe.ref, "routed_pairs", lambda *a: "reference path")
+    assert kmoe.routed_pairs(*[None] * 6, Numerics.reference(), 10.0, backend="pallas") == "reference path"
 
 
 def test_the_model_moe_layer_dispatches_here(monkeypatch):

@@ -6,6 +6,10 @@
   write it, and handing it to a new request at once would let that step's writes land in the new
   owner's rows.
 * `SlotAllocator`: one STATE entry per in-flight request; unique by construction (docs/CACHE.md INV-9).
+* `RankedPages` / `RankedSlots`: the same split in equal ranges, one per data-parallel rank of a
+  mesh (docs/PARALLEL.md §3): a request's slot and pages all come from its rank's range, the
+  first page of each range is that rank's null page. Both allocators take the rank as an
+  argument (the single-rank ones only rank 0), so the scheduler places requests one way.
 * `check_cursor`: a span that does not start at 0 must find its slot's committed position equal to
   its own first position, else `StaleStateError` (docs/CACHE.md INV-1: the seed's "needs state at 828, found 818"
   can never pass silently).
@@ -42,7 +46,12 @@ class PageAllocator:
     def quarantined(self) -> int:
         return sum(len(p) for _, p in self._quarantine)
 
-    def allocate(self, n: int) -> list[int]:
+    def available_on(self, rank: int) -> int:
+        return self.available if rank == 0 else 0
+
+    def allocate(self, n: int, rank: int = 0) -> list[int]:
+        if rank != 0:
+            raise ValueError(f"rank {rank}: this pool has one rank")
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free ({self.quarantined} quarantined)")
         return [self._free.popleft() for _ in range(n)]
@@ -69,7 +78,12 @@ class SlotAllocator:
     def available(self) -> int:
         return len(self._free)
 
-    def acquire(self, request_id) -> int:
+    def available_on(self, rank: int) -> int:
+        return self.available if rank == 0 else 0
+
+    def acquire(self, request_id, rank: int = 0) -> int:
+        if rank != 0:
+            raise ValueError(f"rank {rank}: this pool has one rank")
         if not self._free:
             raise RuntimeError("no free STATE slot")
         slot = self._free.popleft()
@@ -81,6 +95,62 @@ class SlotAllocator:
             raise ValueError(f"slot {slot} is not held")
         del self._owner[slot]
         self._free.append(slot)
+
+
+class RankedPages:
+    """`ranks` PageAllocators over equal ranges of the page ids: rank r owns [r * per, (r + 1) * per),
+    its first page its null page (the page 0 of its device's share of the cache)."""
+
+    def __init__(self, num_pages: int, ranks: int):
+        if num_pages % ranks:
+            raise ValueError(f"num_pages: {num_pages} does not split over {ranks} ranks")
+        self.per = num_pages // ranks
+        self.pools = [PageAllocator(self.per) for _ in range(ranks)]
+
+    @property
+    def available(self) -> int:
+        return sum(p.available for p in self.pools)
+
+    @property
+    def quarantined(self) -> int:
+        return sum(p.quarantined for p in self.pools)
+
+    def available_on(self, rank: int) -> int:
+        return self.pools[rank].available
+
+    def allocate(self, n: int, rank: int = 0) -> list[int]:
+        return [rank * self.per + p for p in self.pools[rank].allocate(n)]
+
+    def free(self, pages: list[int], last_step: int) -> None:
+        for r, pool in enumerate(self.pools):
+            pool.free([p - r * self.per for p in pages if p // self.per == r], last_step)
+
+    def retire(self, completed_step: int) -> None:
+        for pool in self.pools:
+            pool.retire(completed_step)
+
+
+class RankedSlots:
+    """`ranks` SlotAllocators over equal ranges of the slot ids (rank r owns [r * per, (r + 1) * per))."""
+
+    def __init__(self, slots: int, ranks: int):
+        if slots % ranks:
+            raise ValueError(f"slots: {slots} do not split over {ranks} ranks")
+        self.per = slots // ranks
+        self.pools = [SlotAllocator(self.per) for _ in range(ranks)]
+
+    @property
+    def available(self) -> int:
+        return sum(p.available for p in self.pools)
+
+    def available_on(self, rank: int) -> int:
+        return self.pools[rank].available
+
+    def acquire(self, request_id, rank: int = 0) -> int:
+        return rank * self.per + self.pools[rank].acquire(request_id)
+
+    def release(self, slot: int) -> None:
+        self.pools[slot // self.per].release(slot % self.per)
 
 
 def check_cursor(request_id, position: int, found: int) -> None:

@@ -45,7 +45,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NoReturn
+from typing import Any, Callable, Mapping, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -207,6 +207,28 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
     return out.astype(HELD_DTYPES[held])
 
 
+def _convert_sharded(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str, sharding):
+    """A stack of routed experts straight into `sharding` (split along the expert axis): each
+    distinct block of experts is read from the memory-mapped files and converted alone, then put
+    on the devices that hold it, so the host never holds more than one block of the stack."""
+    n = len(unit.names)
+    shape = (n, *spec.shape[:-1], spec.shape[-1] * (2 if spec.dtype == "I8" else 1))
+    blocks: dict[tuple[int, int], list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        first, stop, _ = index[0].indices(n)
+        blocks.setdefault((first, stop), []).append(device)
+    shards = []
+    for (first, stop), devices in blocks.items():
+        held = _convert(ckpt, Unit(unit.names[first:stop], True), spec, experts)
+        shards += [(d, jax.device_put(held, d)) for d in devices]
+    order = {d: i for i, d in enumerate(sharding.addressable_devices)}
+    shards.sort(key=lambda x: order[x[0]])
+    leaves = [jax.tree.leaves(h) for _, h in shards]
+    whole = [jax.make_array_from_single_device_arrays((n, *parts[0].shape[1:]), sharding, list(parts))
+             for parts in zip(*leaves)]
+    return jax.tree.unflatten(jax.tree.structure(shards[0][1]), whole)
+
+
 def nest(flat: Mapping[str, Any]) -> dict:
     """Dotted names -> nested dicts; a dict whose keys are all integers becomes a list."""
     tree: dict = {}
@@ -240,7 +262,7 @@ def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[s
     flags = {path: jnp.isfinite(leaf).all() for path, leaf in flat.items() if isinstance(leaf, jax.Array)}
     if not flags:
         return
-    ok = np.asarray(jnp.stack(list(flags.values())))
+    ok = np.asarray(jax.device_get(list(flags.values())))     # leaves on one device or on a mesh
     if ok.all():
         return
     unit = units[list(flags)[int(np.argmin(ok))]]
@@ -282,10 +304,14 @@ def config_path(ckpt_dir: str) -> str:
 
 def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
                 progress: bool = True, experts: str = "auto",
-                verify: bool = False) -> tuple[ModelConfig, dict]:
+                verify: bool = False, expert_sharding: Callable[[int], Any] | None = None
+                ) -> tuple[ModelConfig, dict]:
     """Read, check and convert a published checkpoint; see the module docstring for the layout.
     Every refusal is a CheckpointError `<file>: <tensor or field>: <rule>`. `verify` also reads the
-    host Engram tables whole for NaN codes (`verify_engram`), which a plain load never reads."""
+    host Engram tables whole for NaN codes (`verify_engram`), which a plain load never reads.
+    expert_sharding(n_experts) -> a `jax.sharding.Sharding` splitting a stack of that many routed
+    experts along its expert axis, or None (`runtime.mesh.expert_sharding`): such stacks are read
+    block by block straight onto their devices (`_convert_sharded`)."""
     experts = resolve_experts(experts)
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
@@ -294,7 +320,13 @@ def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
     ckpt = Checkpoint(ckpt_dir)
     _, schema = validate_checkpoint(ckpt, cfg)
     units = param_units(schema)
-    flat = {path: _convert(ckpt, unit, schema[unit.names[0]], experts)
+    def convert(unit: Unit):
+        sharding = expert_sharding(len(unit.names)) if unit.stacked and expert_sharding else None
+        if sharding is None:
+            return _convert(ckpt, unit, schema[unit.names[0]], experts)
+        return _convert_sharded(ckpt, unit, schema[unit.names[0]], experts, sharding)
+
+    flat = {path: convert(unit)
             for path, unit in tqdm(units.items(), desc="checkpoint", unit="param", disable=not progress)}
     _check_finite(ckpt, units, schema, flat)
     params = nest(flat)

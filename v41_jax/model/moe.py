@@ -12,7 +12,8 @@ API
   moe(p, cfg, layer, x [T, D], numerics, image_mask=None, forced_idx=None)
       -> (y act dtype [T, D], idx [T, k], select [T, E])   idx: the router's own selection (also
       when forced); select: the scores it was taken from (bias included), for tie diagnostics.
-      p = params["layers"][l]["ffn"] (gate.weight/bias[/bias_vl], experts.{w1,w3,w2}, shared_experts).
+      p = params["layers"][l]["ffn"] (gate.weight/bias[/bias_vl], experts.{w1,w3,w2}, shared_experts,
+      and under a mesh `expert_axis`: the experts are this device's block, `model/expert_parallel.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import moe as kernel_moe
 from kernels_pallas.reference import routed_experts, swiglu_ffn  # routed_experts: re-exported
+from v41_jax.model import expert_parallel
 from v41_jax.model.linear import lin_f32
 from v41_jax.model.numerics import Numerics, exact_div, top_k
 
@@ -67,7 +69,10 @@ def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,
     # The kernels' dispatcher: the reference's per-token loop (`routed_experts`) under the XLA
     # switch or the reference's block GEMM order, else the fastest exact grouped GEMM (the loop
     # gathers a weight copy per pick).
-    y = kernel_moe.routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit)
+    # Under a mesh (`expert_axis`, docs/PARALLEL.md) this device holds a block of the experts.
+    axis = p.get("expert_axis")
+    y = (expert_parallel.routed_experts(x, idx, w, ex, numerics, cfg.swiglu_limit, axis) if axis else
+         kernel_moe.routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit))
     shared = swiglu_ffn(x, sh["w1"]["weight"], sh["w3"]["weight"], sh["w2"]["weight"], numerics,
                         cfg.swiglu_limit)
     return numerics.act(y + shared.astype(jnp.float32)), own, score(logits, cfg) + bias

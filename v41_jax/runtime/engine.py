@@ -36,6 +36,7 @@ from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format
 from v41_jax.config import ModelConfig
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime import compile_cache
+from v41_jax.runtime.mesh import MeshRunner, expert_sharding
 from v41_jax.runtime.metadata import Bucket, BucketSet, Span
 from v41_jax.runtime.request import Request, Result
 from v41_jax.runtime.runner import InFlight, Ran, Runner
@@ -109,10 +110,12 @@ class Engine:
                  numerics: Numerics, token_map: np.ndarray | None = None, prefill_chunk: int | None = None,
                  eos_id: int | None = None, record: bool = False, tokenizer=None,
                  device_engram: bool | None = None, speculative: bool | None = None,
-                 draft_width: int | None = None):
+                 draft_width: int | None = None, mesh=None):
         """speculative: DSpark speculative decoding for the requests that do not turn it off; None =
         on when the checkpoint has draft stages and the settings reserve the draft slack.
-        draft_width: drafts per verify if given, which must be the checkpoint's block."""
+        draft_width: drafts per verify if given, which must be the checkpoint's block.
+        mesh: a `jax.sharding.Mesh` from `runtime.mesh.make_mesh`: data-parallel attention and
+        expert-parallel MoE over its devices (docs/PARALLEL.md §3; slots and pages split evenly)."""
         geom = CacheGeometry.build(cfg, settings)
         self.speculative = resolve_speculative(cfg, settings, speculative, draft_width)
         if buckets.max_requests > settings.slots:
@@ -120,8 +123,13 @@ class Engine:
         self.cfg, self.numerics, self.buckets, self.tokenizer = cfg, numerics, buckets, tokenizer
         self.eos_id = cfg.eos_token_id if eos_id is None else eos_id
         self.prefill_chunk = prefill_chunk or buckets.max_tokens
-        self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record, device_engram,
-                             self.speculative)
+        if mesh is None:
+            self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record, device_engram,
+                                 self.speculative)
+        else:
+            if record or self.speculative:
+                raise ValueError("a mesh runs neither recording nor speculative steps yet (speculative=False)")
+            self.runner = MeshRunner(params, cfg, geom, numerics, buckets, token_map, device_engram, mesh=mesh)
         self.reset()
 
     @classmethod
@@ -130,19 +138,21 @@ class Engine:
                         page_tokens: int = 16, pages: int = 0, slots: int = 0, max_context: int = 0,
                         compile_cache_dir: str | None = None, tokenizer: str | None = None,
                         progress: bool = False, speculative: bool | None = None,
-                        draft_width: int | None = None) -> "Engine":
+                        draft_width: int | None = None, mesh=None) -> "Engine":
         """An engine over a published checkpoint folder. The tokenizer (`tokenizer.json`) and the
         Engram token map (`engram_token_map.json`) are taken from the folder when they are there.
         compile_cache_dir: the persistent compilation cache (None: `compile_cache` default).
         speculative (None: on when the checkpoint has draft stages) reserves the draft slack and
-        widens the default buckets to 1 + block rows per decoding request."""
+        widens the default buckets to 1 + block rows per decoding request. mesh: as `Engine`; each
+        device's routed experts are read from the checkpoint straight onto it."""
         from v41_jax.checkpoint.load import load_params
         from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 
         compile_cache.enable(compile_cache_dir)
         ckpt = Path(ckpt_dir)
         tok = load_tokenizer(tokenizer, ckpt)
-        cfg, params = load_params(ckpt, progress=progress, experts=experts)
+        cfg, params = load_params(ckpt, progress=progress, experts=experts,
+                                  expert_sharding=None if mesh is None else expert_sharding(mesh))
         if (ckpt / "engram_token_map.json").exists():
             token_map = load_token_map(ckpt / "engram_token_map.json")
         elif tok is not None and cfg.engram_layer_ids:
@@ -158,27 +168,29 @@ class Engine:
         width = 1 + cfg.dspark_block_size if spec and cfg.n_mtp_layers else 1
         buckets = buckets or default_buckets(max_batch, chunk, width)
         per_request = -(-max_context // page_tokens)
-        settings = EngineSettings(page_tokens=page_tokens, num_pages=pages or buckets.max_requests * per_request + 1,
-                                  slots=max(slots, buckets.max_requests), max_context=max_context,
+        ranks = 1 if mesh is None else mesh.size          # each rank: its share of the requests
+        share = lambda n: -(-n // ranks)
+        settings = EngineSettings(page_tokens=page_tokens,
+                                  num_pages=pages or ranks * (share(buckets.max_requests) * per_request + 1),
+                                  slots=ranks * share(max(slots, buckets.max_requests)), max_context=max_context,
                                   kv_format=fmt, index_format=fmt,
                                   draft_slack=cfg.dspark_block_size if spec and cfg.n_mtp_layers else 0)
         return cls(params, cfg, settings=settings, buckets=buckets, numerics=num, token_map=token_map,
-                   prefill_chunk=chunk, tokenizer=tok, speculative=speculative, draft_width=draft_width)
+                   prefill_chunk=chunk, tokenizer=tok, speculative=speculative, draft_width=draft_width, mesh=mesh)
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop every request and its state: a zeroed cache, empty allocators (compiled steps stay)."""
-        from v41_jax.cache.buffer import allocate
-
         geom = self.geom
-        self.runner.cache = allocate(geom)
+        self.runner.cache = self.runner.fresh_cache()
         s = geom.settings
         self.scheduler = Scheduler(num_pages=s.num_pages, slots=s.slots, max_requests=self.buckets.max_requests,
                                    max_tokens=self.buckets.max_tokens, prefill_chunk=self.prefill_chunk,
                                    page_tokens=s.page_tokens, max_context=geom.max_context,
                                    check=self.check_request, eos_id=self.eos_id,
                                    spec_block=self.cfg.dspark_block_size if self.speculative else 0,
-                                   max_logits=max(b.logits for b in self.buckets.buckets))
+                                   max_logits=max(b.logits for b in self.buckets.buckets),
+                                   ranks=self.runner.ranks)
         self._flight: InFlight | None = None
         self._flight_plan: StepPlan | None = None
         self._parked: list[Event] = []
@@ -244,8 +256,9 @@ class Engine:
         if req.speculative and not self.speculative:
             return "speculative decoding is off in this engine (no draft stages, or turned off)"
         need = self.scheduler.pages_needed(req)
-        if need > self.geom.settings.num_pages - 1:
-            return f"needs {need} pages, the pool has {self.geom.settings.num_pages - 1}"
+        pool = self.geom.settings.num_pages // self.runner.ranks - 1     # one rank's pages, its null page out
+        if need > pool:
+            return f"needs {need} pages, the pool has {pool}"
         return None
 
     def add(self, req: Request) -> Any:

@@ -63,6 +63,7 @@ class InFlight(NamedTuple):
     step_id: int
     out: StepOutput
     logprobs: bool
+    built: Any = None              # the step's metadata where collect needs it (`mesh.MeshRunner`)
 
 
 class Ran(NamedTuple):
@@ -80,6 +81,8 @@ class Ran(NamedTuple):
 
 
 class Runner:
+    ranks = 1      # data-parallel ranks (`runtime.mesh.MeshRunner`: one per device of its mesh)
+
     def __init__(self, params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics,
                  buckets: BucketSet, token_map: np.ndarray | None = None, record: bool = False,
                  device_engram: bool | None = None, speculative: bool = False):
@@ -95,11 +98,18 @@ class Runner:
                 "scale": tuple(jax.device_put(t.scale[l].view(np.uint8)) for l in cfg.engram_layer_ids)}}
             self.params = params
         self.record, self.speculative = record, speculative
-        self.step_fn = make_step(cfg, geom, numerics, record, speculative)
+        self.step_fn = self.make_step_fn()
         self.compiled: dict[Bucket, Any] = {}
         self.layouts: dict[Bucket, BatchLayout] = {}
-        self.cache = allocate(geom)
+        self.cache = self.fresh_cache()
         self.steps = 0                               # steps dispatched
+
+    def make_step_fn(self):
+        return make_step(self.cfg, self.geom, self.numerics, self.record, self.speculative)
+
+    def fresh_cache(self):
+        """A zeroed cache (every slot freshly reset)."""
+        return allocate(self.geom)
 
     def _device_engram(self, want: bool | None) -> bool:
         """Whether pending decode rows are hashed and gathered on the device (tables copied there):
@@ -157,7 +167,9 @@ class Runner:
         return replace(sp, verify=len(tokens) - 1, prefix_cursors=prefix)
 
     # ---- the pipelined step --------------------------------------------------------------------
-    def prepare(self, plan: StepPlan) -> Prepared:
+    def plan_spans(self, plan: StepPlan) -> tuple[list[Span], list[tuple[int, np.ndarray]]]:
+        """The plan's spans with their metadata and Engram rows, and (span index, cursor row) of
+        every pending decode (its token still on the device)."""
         spans, pending = [], []
         for b, sp in enumerate(plan.spans):
             seq = sp.seq
@@ -173,6 +185,10 @@ class Runner:
                 span = self.span(seq.rid, seq.slot, sp.position, sp.known_tokens(), seq.pages, cursor,
                                  sampling=sp.sampling, draft=sp.draft)
             spans.append(span)
+        return spans, pending
+
+    def prepare(self, plan: StepPlan) -> Prepared:
+        spans, pending = self.plan_spans(plan)
         bucket = self.buckets.pick(len(spans), sum(s.length for s in plan.spans),
                                    sum(1 + s.verify for s in plan.spans))
         built = build_step(self.geom, self.cfg, bucket, spans)
@@ -254,7 +270,8 @@ class Runner:
             self.cache = reset_slots(self.cache, fresh)
         fn = self.compiled.get(bucket) if forced is None else None
         if fn is None:
-            out = self.step_fn(self.params, self.cache, packed, forced, layout=self.layout(bucket))
+            extra = () if forced is None else (forced,)
+            out = self.step_fn(self.params, self.cache, packed, *extra, layout=self.layout(bucket))
         else:
             out = fn(self.params, self.cache, packed)
         self.cache = out.cache

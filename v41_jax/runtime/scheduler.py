@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from v41_jax.cache.bookkeeping import PageAllocator, SlotAllocator, StaleStateError
+from v41_jax.cache.bookkeeping import PageAllocator, RankedPages, RankedSlots, SlotAllocator, StaleStateError
 from v41_jax.runtime.request import Request, Result
 from v41_jax.runtime.sampling import SamplingParams
 
@@ -154,9 +154,11 @@ class Scheduler:
     def __init__(self, *, num_pages: int, slots: int, max_requests: int, max_tokens: int,
                  prefill_chunk: int, page_tokens: int, max_context: int,
                  check: Callable[[Request], str | None], eos_id: int | None, spec_block: int = 0,
-                 max_logits: int | None = None):
-        self.pages = PageAllocator(num_pages)
-        self.slots = SlotAllocator(slots)
+                 max_logits: int | None = None, ranks: int = 1):
+        # ranks > 1: a mesh's data-parallel ranks, each with its own slots and pages (docs/PARALLEL.md §3)
+        self.ranks = ranks
+        self.pages = PageAllocator(num_pages) if ranks == 1 else RankedPages(num_pages, ranks)
+        self.slots = SlotAllocator(slots) if ranks == 1 else RankedSlots(slots, ranks)
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.prefill_chunk, self.page_tokens, self.max_context = prefill_chunk, page_tokens, max_context
         self.check, self.eos_id = check, eos_id
@@ -245,13 +247,19 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_requests and self.slots.available:
             seq = self.waiting[0]
-            need = self.pages_needed(seq.req)
-            if self.pages.available < need:
+            rank = self._rank_for(self.pages_needed(seq.req))
+            if rank is None:
                 break                                # FCFS: nobody overtakes the head
             self.waiting.popleft()
-            seq.slot = self.slots.acquire(seq.rid)
-            seq.pages = self.pages.allocate(need)
+            seq.slot = self.slots.acquire(seq.rid, rank)
+            seq.pages = self.pages.allocate(self.pages_needed(seq.req), rank)
             self.running.append(seq)
+
+    def _rank_for(self, need: int) -> int | None:
+        """The rank a request needing `need` pages joins: of those with a free slot and the pages,
+        the one with the most free pages (then the lowest), or None."""
+        fits = [r for r in range(self.ranks) if self.slots.available_on(r) and self.pages.available_on(r) >= need]
+        return max(fits, key=lambda r: (self.pages.available_on(r), -r)) if fits else None
 
     def schedule(self) -> StepPlan | None:
         """The next step's spans (decodes first, then prefill chunks), or None if nothing runs."""

@@ -1,0 +1,185 @@
+"""The mesh checks, run by tests/test_mesh.py in a child process of 8 CPU devices.
+
+jax fixes its device count when its backend starts, so these run in their own process with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` (the rest of the suite keeps one device). The
+child joins a one-process `jax.distributed` run first (the multi-host path, docs/PARALLEL.md §4),
+runs every check, and prints one JSON report on its last line; the parent asserts on it.
+
+    python -m tests.mesh_child OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from scripts.make_checkpoint import make_checkpoint
+from v41_jax.cache.geometry import EngineSettings
+from v41_jax.checkpoint import load as load_mod
+from v41_jax.engram_hash import load_token_map
+from v41_jax.model.numerics import Numerics
+from v41_jax.runtime.engine import Engine
+from v41_jax.runtime.mesh import initialize_distributed
+from v41_jax.runtime.metadata import Bucket, BucketSet
+from v41_jax.runtime.request import Request
+from tests.engine_common import ROOT  # also: the suite's persistent compilation cache
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _join_one_process_run() -> dict:
+    initialize_distributed(f"127.0.0.1:{free_port()}", num_processes=1, process_id=0)
+    return {"process_count": jax.process_count(), "devices": len(jax.devices())}
+
+
+# the tiny engine both children run: 8 slots, two small buckets, prompts of mixed lengths (their
+# chunked prefills and decodes share steps)
+BUCKETS = BucketSet((Bucket(tokens=8, requests=4, logits=8), Bucket(tokens=24, requests=4, logits=8)))
+SETTINGS = EngineSettings(page_tokens=8, num_pages=96, slots=8, max_context=128, kv_format="f32",
+                          index_format="f32")
+PROMPT_LENGTHS = (5, 23, 40, 9)
+
+
+def tiny_engine(cfg, params, token_map, mesh=None) -> Engine:
+    return Engine(params, cfg, settings=SETTINGS, buckets=BUCKETS, numerics=Numerics.fp32(),
+                  token_map=token_map, prefill_chunk=16, speculative=False, mesh=mesh)
+
+
+def generate(eng: Engine) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, eng.cfg.vocab_size - 1, n).tolist() for n in PROMPT_LENGTHS]
+    return [r.tokens for r in eng.generate([Request(p, 6, ignore_eos=True) for p in prompts])]
+
+
+def main(out: Path) -> dict:
+    report = {"distributed": _join_one_process_run(), "seconds": {}}
+    clock = [time.perf_counter()]
+
+    def lap(name):
+        now = time.perf_counter()
+        report["seconds"][name] = round(now - clock[0], 1)
+        clock[0] = now
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kernels_pallas import backend as kernel_backend
+    from kernels_pallas import moe as kmoe
+    from v41_jax.model import expert_parallel as ep
+    from v41_jax.runtime.mesh import AXIS, expert_sharding, make_mesh
+    from v41_jax.tools import memory_plan
+
+    # ---- expert-parallel MoE alone: one device's result, for every device count ---------------
+    rng = np.random.default_rng(0)
+    t, d, f, e, k = 24, 64, 32, 16, 3
+    idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+    wts = jnp.asarray(rng.random((t, k)), jnp.float32)
+    experts = {n: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.bfloat16)
+               for n, s in (("w1", (e, f, d)), ("w3", (e, f, d)), ("w2", (e, d, f)))}
+    moe = {}
+    for name, numerics in (("fast", Numerics.fast()), ("fp32", Numerics.fp32())):
+        x = jnp.asarray(rng.standard_normal((t, d)), numerics.act_dtype)
+        for backend in ("xla", "pallas"):
+            with kernel_backend.use_backend(backend):
+                pairs = kmoe.routed_pairs(x, idx, wts, experts["w1"], experts["w3"], experts["w2"], numerics, 10.0)
+                one = np.asarray(kmoe.ref.add_slots(pairs))
+                # two fp32 sums of the same k terms in any order (or with a term's own rounding fused
+                # away into the GEMM epilogue) differ by at most (2k - 1) u sum|y|, u = 2^-24
+                bound = (2 * k - 1) * 2.0 ** -24 * float(np.abs(np.asarray(pairs, np.float32)).sum(1).max())
+                for n in (2, 4, 8) if backend == "xla" else (8,):      # interpret mode is slow
+                    mesh = make_mesh(n)
+                    axis = ep.ExpertAxis(AXIS, n)
+                    fn = jax.jit(jax.shard_map(lambda x, i, w, ex: ep.routed_experts(x, i, w, ex, numerics, 10.0, axis),
+                                               mesh=mesh, in_specs=(P(AXIS),) * 4, out_specs=P(AXIS), check_vma=False))
+                    got = np.asarray(fn(x, idx, wts, experts))
+                    moe[f"{name}/{backend}/{n}"] = {"equal": bool(np.array_equal(got, one)),
+                                                    "max_abs": float(np.abs(got - one).max()),
+                                                    "bound": bound}
+    report["moe"] = moe
+    lap("moe")
+
+    # ---- tiny through generate and teacher-forced runs, meshes of 2, 4, 8 ---------------------
+    make_checkpoint(str(ROOT / "v41_jax/configs/tiny.config.json"), str(out / "tiny"), 0)
+    cfg, params = load_mod.load_params(out / "tiny", progress=False)
+    token_map = load_token_map(out / "tiny/engram_token_map.json")
+    tf_tokens = rng.integers(3, cfg.vocab_size - 1, 24)
+    engine = lambda mesh=None: tiny_engine(cfg, params, token_map, mesh)
+
+    def teacher_forced(eng, slot):
+        """24 tokens in spans of 8 on `slot` (its rank's pages), every row's logits -> [24, V]."""
+        rank = slot // (SETTINGS.slots // eng.runner.ranks)
+        pages = eng.pages.allocate(eng.geom.pages_for(len(tf_tokens)), rank)
+        out = []
+        for pos in range(0, len(tf_tokens), 8):
+            span = eng.make_span("tf", slot, pos, tf_tokens[pos: pos + 8], pages, eng.cursors()[slot], all_logits=True)
+            out.append(np.asarray(eng.run([span]).logits[:8]))
+        return np.concatenate(out)
+
+    single = engine()
+    want_tokens, want_logits = generate(single), teacher_forced(single, SETTINGS.slots - 1)
+    lap("tiny/1")
+    tiny = {}
+    for n in (1, 2, 4, 8):
+        eng = engine(make_mesh(n))
+        got = generate(eng)
+        before = eng.cache.window
+        logits = teacher_forced(eng, SETTINGS.slots - 1)       # the last rank's last slot
+        spec = NamedSharding(eng.runner.mesh, P(AXIS))
+        tiny[n] = {"tokens_equal": got == want_tokens, "tokens": got,
+                   "logits_max_abs": float(np.abs(logits - want_logits).max()),
+                   "donated": before.is_deleted(),
+                   "cache_split": all(a.sharding.is_equivalent_to(spec, a.ndim) for a in jax.tree.leaves(eng.cache)),
+                   "experts_split": eng.params["layers"][0]["ffn"]["experts"]["w1"].sharding.is_equivalent_to(spec, 3)}
+        lap(f"tiny/{n}")
+    report["tiny"] = {"want_tokens": want_tokens, "meshes": tiny}
+
+    # ---- loading: each device's experts read alone, values equal, bytes as the plan ----------
+    reads = []
+    real = load_mod._convert
+    load_mod._convert = lambda ckpt, unit, spec, experts: (reads.append((unit.stacked, len(unit.names))),
+                                                            real(ckpt, unit, spec, experts))[1]
+    mesh = make_mesh(8)
+    _, sharded = load_mod.load_params(out / "tiny", progress=False, experts="fp4",
+                                      expert_sharding=expert_sharding(mesh))
+    load_mod._convert = real
+    _, whole = load_mod.load_params(out / "tiny", progress=False, experts="fp4")
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(whole)))
+    per_device = {dev: 0 for dev in mesh.devices.flat}
+    for layer in sharded["layers"]:
+        for leaf in jax.tree.leaves(layer["ffn"]["experts"]):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device] += shard.data.nbytes
+    plan = memory_plan.param_bytes(memory_plan.param_leaves(cfg), "fp4", "dp", 8)["routed_experts"]
+    report["load"] = {"stack_reads": sorted({n for stacked, n in reads if stacked}), "values_equal": same,
+                      "expert_bytes_per_device": sorted(set(per_device.values())), "plan_bytes": plan}
+    lap("load")
+
+    # ---- the demo model from its checkpoint, mesh of 8 vs one device --------------------------
+    demo = {}
+    kw = dict(numerics="fp32", max_batch=4, chunk=32, max_context=128, speculative=False)
+    texts = ["The module provides", "If you do much work on computers,"]
+    one = Engine.from_checkpoint(ROOT / "models/demo", **kw)
+    want = [r.tokens for r in one.generate(texts, max_new_tokens=6, ignore_eos=True)]
+    lap("demo/1")
+    eng = Engine.from_checkpoint(ROOT / "models/demo", mesh=make_mesh(8), **kw)
+    got = [r.tokens for r in eng.generate(texts, max_new_tokens=6, ignore_eos=True)]
+    demo = {"tokens_equal": got == want, "tokens": got, "want": want}
+    report["demo"] = demo
+    lap("demo/8")
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(Path(sys.argv[1])), default=str))
