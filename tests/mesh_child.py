@@ -175,7 +175,14 @@ def main(out: Path) -> dict:
     lap("demo/1")
     eng = Engine.from_checkpoint(ROOT / "models/demo", mesh=make_mesh(8), **kw)
     got = [r.tokens for r in eng.generate(texts, max_new_tokens=6, ignore_eos=True)]
-    demo = {"tokens_equal": got == want, "tokens": got, "want": want}
+    held = {dev: 0 for dev in eng.runner.mesh.devices.flat}        # every params leaf's shards
+    for leaf in jax.tree.leaves(eng.params):
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    experts = load_mod.resolve_experts("auto")
+    plan = (sum(memory_plan.param_bytes(memory_plan.param_leaves(eng.cfg), experts, "dp", 8).values())
+            + memory_plan.engram_table_bytes(eng.cfg))
+    demo = {"tokens": got, "want": want, "device_bytes": sorted(set(held.values())), "plan_bytes": plan}
     report["demo"] = demo
     lap("demo/8")
     return report

@@ -2,8 +2,8 @@
 
 import pytest
 
-from v41_jax.cache.bookkeeping import (NULL_PAGE, OutOfPages, PageAllocator, SlotAllocator,
-                                       StaleStateError, check_cursor)
+from v41_jax.cache.bookkeeping import (NULL_PAGE, OutOfPages, PageAllocator, RankedPages, RankedSlots,
+                                       SlotAllocator, StaleStateError, check_cursor)
 
 
 def test_null_page_never_allocated():
@@ -57,3 +57,40 @@ def test_stale_cursor_is_a_hard_error():
     check_cursor("r", 828, 828)
     with pytest.raises(StaleStateError, match="needs state at 828, found 818"):
         check_cursor("r", 828, 818)
+
+
+def test_ranked_pages_and_slots_stay_in_their_rank():
+    """A mesh's ranks (docs/PARALLEL.md §3): rank r owns pages [4r, 4r + 4) and slots [2r, 2r + 2);
+    page 4r is its null page, never handed out or freed; quarantine holds per rank."""
+    pa, sa = RankedPages(12, 3), RankedSlots(6, 3)
+    assert pa.available == 9 and [pa.available_on(r) for r in range(3)] == [3, 3, 3]
+    got = pa.allocate(3, rank=1)
+    assert sorted(got) == [5, 6, 7]
+    with pytest.raises(OutOfPages):
+        pa.allocate(1, rank=1)
+    with pytest.raises(ValueError, match="null page"):
+        pa.free([8], last_step=0)               # rank 2's null page
+    pa.free(got, last_step=4)
+    assert pa.available_on(1) == 0 and pa.quarantined == 3
+    pa.retire(completed_step=4)
+    assert sorted(pa.allocate(3, rank=1)) == [5, 6, 7]
+    assert [sa.acquire(i, rank=2) for i in "ab"] == [4, 5] and sa.available_on(2) == 0
+    sa.release(5)
+    assert sa.acquire("c", rank=2) == 5
+    with pytest.raises(ValueError, match="split"):
+        RankedPages(10, 3)
+    with pytest.raises(ValueError, match="one rank"):
+        PageAllocator(4).allocate(1, rank=1)
+
+
+def test_scheduler_places_a_request_on_the_rank_with_most_free_pages():
+    from v41_jax.runtime.request import Request
+    from v41_jax.runtime.scheduler import Scheduler
+    sch = Scheduler(num_pages=12, slots=4, max_requests=4, max_tokens=64, prefill_chunk=64, page_tokens=4,
+                    max_context=64, check=lambda r: None, eos_id=None, ranks=2)
+    for n in (9, 1, 1):                         # 3 pages, then 1, then 1 (prompt + 1 new token)
+        sch.add(Request(list(range(2, 2 + n)), max_new_tokens=2))
+    sch.schedule()
+    ranks = [(s.slot // 2, min(s.pages) // 6, max(s.pages) // 6) for s in sch.running]
+    # the first goes to rank 0 (a tie, the lower rank), the next two to rank 1 (5 - 3 free < 5)
+    assert ranks == [(0, 0, 0), (1, 1, 1), (1, 1, 1)]
