@@ -52,9 +52,10 @@ SETTINGS = EngineSettings(page_tokens=8, num_pages=96, slots=8, max_context=128,
 PROMPT_LENGTHS = (5, 23, 40, 9)
 
 
-def tiny_engine(cfg, params, token_map, mesh=None) -> Engine:
+def tiny_engine(cfg, params, token_map, mesh=None, device_engram=None) -> Engine:
     return Engine(params, cfg, settings=SETTINGS, buckets=BUCKETS, numerics=Numerics.fp32(),
-                  token_map=token_map, prefill_chunk=16, speculative=False, mesh=mesh)
+                  token_map=token_map, prefill_chunk=16, speculative=False, mesh=mesh,
+                  device_engram=device_engram)
 
 
 def generate(eng: Engine) -> list[list[int]]:
@@ -114,7 +115,7 @@ def main(out: Path) -> dict:
     cfg, params = load_mod.load_params(out / "tiny", progress=False)
     token_map = load_token_map(out / "tiny/engram_token_map.json")
     tf_tokens = rng.integers(3, cfg.vocab_size - 1, 24)
-    engine = lambda mesh=None: tiny_engine(cfg, params, token_map, mesh)
+    engine = lambda mesh=None, **kw: tiny_engine(cfg, params, token_map, mesh, **kw)
 
     def teacher_forced(eng, slot):
         """24 tokens in spans of 8 on `slot` (its rank's pages), every row's logits -> [24, V]."""
@@ -142,7 +143,11 @@ def main(out: Path) -> dict:
                    "cache_split": all(a.sharding.is_equivalent_to(spec, a.ndim) for a in jax.tree.leaves(eng.cache)),
                    "experts_split": eng.params["layers"][0]["ffn"]["experts"]["w1"].sharding.is_equivalent_to(spec, 3)}
         lap(f"tiny/{n}")
-    report["tiny"] = {"want_tokens": want_tokens, "meshes": tiny}
+    # the released model's path: Engram tables on the host, decode tokens handed off through it
+    handoff = engine(make_mesh(8), device_engram=False)
+    report["tiny"] = {"want_tokens": want_tokens, "meshes": tiny, "handoff_tokens": generate(handoff),
+                      "handoff_feedback": handoff.runner.device_feedback}
+    lap("tiny/8 host hand-off")
 
     # ---- loading: each device's experts read alone, values equal, bytes as the plan ----------
     reads = []

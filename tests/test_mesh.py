@@ -90,6 +90,13 @@ def test_sharded_tiny_gives_the_one_device_tokens_and_logits(report, n):
     assert r["logits_max_abs"] <= ATOL
 
 
+def test_host_engram_hand_off_on_a_mesh(report):
+    """Engram tables kept on the host (as the released model's must be): each step's decode tokens
+    and their Engram rows are filled into every rank's batch on the host, the same tokens."""
+    assert report["tiny"]["handoff_feedback"] is False
+    assert report["tiny"]["handoff_tokens"] == report["tiny"]["want_tokens"]
+
+
 @pytest.mark.parametrize("n", ["2", "4", "8"])       # a one-device mesh splits nothing
 def test_cache_and_experts_stay_split_and_the_cache_donated(report, n):
     r = report["tiny"]["meshes"][n]

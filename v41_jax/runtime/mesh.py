@@ -17,8 +17,7 @@ One mesh axis, `AXIS`, of N devices; device r is data-parallel rank r:
   shardings, the cache donated. Every rank's batch has the same bucket (the smallest that holds
   the busiest rank), so one executable serves every step of that bucket.
 
-Not yet under a mesh (refused): DSpark speculation, recording intermediates, teacher forcing,
-and Engram tables too large for the device (the host hand-off of decode rows).
+Not yet under a mesh (refused): DSpark speculation, recording intermediates, teacher forcing.
 
 Multi-host: `initialize_distributed` wraps `jax.distributed.initialize`; after it `jax.devices()`
 lists every host's devices and `make_mesh` spans them (docs/PARALLEL.md §4).
@@ -172,9 +171,6 @@ class MeshRunner(Runner):
         self.local_geom = local_geometry(cfg, geom, self.ranks)
         super().__init__(expert_blocks(params, self.ranks), cfg, geom, numerics, buckets, token_map,
                          device_engram=device_engram)
-        if not self.device_feedback:
-            raise ValueError("a mesh needs the Engram tables on the device (the host hand-off of decode "
-                             f"rows is not sharded yet); these take more than the device limit")
         self.specs = param_specs(self.params)
         self.params = jax.tree.map(place, self.params, named(mesh, self.specs))
         self.step_fn = make_mesh_step(cfg, self.local_geom, numerics, mesh, self.specs)
@@ -226,24 +222,38 @@ class MeshRunner(Runner):
 
     # ---- the pipelined step --------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> Prepared:
+        """As `Runner.prepare`; a pending decode's token and request rows are (rank, row) pairs."""
         spans, pending = self.plan_spans(plan)
         ranked = self.split(spans)
-        if pending:
-            b = np.asarray([i for i, _ in pending], np.int64)
-            cursors = np.stack([c for _, c in pending])
+        b = np.asarray([i for i, _ in pending], np.int64)
+        cursors = np.stack([c for _, c in pending]) if pending else np.zeros((0, self.geom.history + 1), np.int64)
+        rank, req = ranked.rank[b], ranked.index[b]
+        if self.device_feedback:
             for r, built in enumerate(ranked.built):
-                on = ranked.rank[b] == r
-                if on.any():
-                    self._mark_pending(built.batch, ranked.index[b[on]].astype(np.int32), cursors[on])
+                if (rank == r).any():
+                    self._mark_pending(built.batch, req[rank == r].astype(np.int32), cursors[rank == r])
+        rows = np.asarray([ranked.built[r].batch.req_offset[j] for r, j in zip(rank, req)], np.int64)
         fresh = np.zeros(self.geom.settings.slots, bool)
         fresh[[sp.slot for sp in plan.spans if sp.position == 0]] = True
-        none = np.zeros(0, np.int32)
-        return Prepared(plan, ranked, self.send(ranked.bucket, [b.batch for b in ranked.built]),
-                        none, none, (), np.zeros((0, self.geom.history + 1)), fresh,
+        handoff = bool(len(b)) and not self.device_feedback     # the batches are complete only in dispatch
+        return Prepared(plan, ranked, None if handoff else self.send(ranked.bucket, [x.batch for x in ranked.built]),
+                        np.stack([rank, rows], 1), np.stack([rank, req], 1),
+                        tuple(plan.spans[i].rid for i in b), cursors, fresh,
                         any(sp.seq.req.logprobs for sp in plan.spans))
 
     def dispatch(self, prep: Prepared, feedback=None) -> InFlight:
-        out = self._launch(prep.built.bucket, prep.device_batch, prep.fresh)
+        """As `Runner.dispatch`: with the host hand-off, the previous step's tokens (feedback:
+        request id -> token) and their Engram rows go into each rank's batch first."""
+        ranked, device_batch = prep.built, prep.device_batch
+        if device_batch is None:
+            toks = np.asarray([feedback[rid] for rid in prep.pending_ids], np.int32)
+            codes, scales, nxt = self.fed_rows(prep.pending_cursors, toks)
+            for r, built in enumerate(ranked.built):
+                on = prep.pending_rows[:, 0] == r
+                self.feed(built.batch, prep.pending_rows[on, 1], prep.pending_reqs[on, 1], toks[on],
+                          tuple(c[on] for c in codes), tuple(s[on] for s in scales), nxt[on])
+            device_batch = self.send(ranked.bucket, [x.batch for x in ranked.built])
+        out = self._launch(ranked.bucket, device_batch, prep.fresh)
         for a in (out.tokens, out.found) + ((out.logprobs,) if prep.logprobs else ()):
             a.copy_to_host_async()
         return InFlight(prep.plan.step_id, out, prep.logprobs, prep.built)

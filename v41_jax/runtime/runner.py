@@ -232,17 +232,7 @@ class Runner:
         batch, device_batch = prep.built.batch, prep.device_batch
         if len(prep.pending_rows) and not self.device_feedback:
             toks = np.asarray([feedback[rid] for rid in prep.pending_ids], np.int32)
-            batch.tokens[prep.pending_rows] = toks
-            if self.hasher is None:
-                nxt = prep.pending_cursors.copy()
-                nxt[:, 0] += 1
-            else:
-                ids, nxt = self.hasher.next_token_ids(prep.pending_cursors, toks)
-                for i, layer in enumerate(self.cfg.engram_layer_ids):
-                    codes, scales = self.tables.gather(layer, ids[:, i])
-                    batch.engram_codes[i][prep.pending_rows] = codes.view(np.uint8)
-                    batch.engram_scales[i][prep.pending_rows] = scales.view(np.uint8)
-            batch.cursor_rows[prep.pending_reqs] = nxt
+            self.feed(batch, prep.pending_rows, prep.pending_reqs, toks, *self.fed_rows(prep.pending_cursors, toks))
             device_batch = self.send(prep.built.bucket, batch)
         out = self._launch(prep.built.bucket, device_batch, prep.fresh)
         out.tokens.copy_to_host_async()
@@ -253,6 +243,28 @@ class Runner:
         if prep.logprobs:
             out.logprobs.copy_to_host_async()
         return InFlight(prep.plan.step_id, out, prep.logprobs)
+
+    def fed_rows(self, cursors: np.ndarray, toks: np.ndarray) -> tuple[tuple, tuple, np.ndarray]:
+        """Pending decodes whose tokens are now known (host hand-off): their Engram rows per
+        Engram layer (codes, scales) and their next cursor rows, all at once."""
+        if self.hasher is None:
+            nxt = cursors.copy()
+            nxt[:, 0] += 1
+            return (), (), nxt
+        ids, nxt = self.hasher.next_token_ids(cursors, toks)
+        rows = [self.tables.gather(layer, ids[:, i]) for i, layer in enumerate(self.cfg.engram_layer_ids)]
+        return tuple(c.view(np.uint8) for c, _ in rows), tuple(s.view(np.uint8) for _, s in rows), nxt
+
+    @staticmethod
+    def feed(batch, rows: np.ndarray, reqs: np.ndarray, toks: np.ndarray, codes: tuple, scales: tuple,
+             nxt: np.ndarray) -> None:
+        """Write pending decodes' tokens, Engram rows (token rows `rows`) and next cursors (request
+        rows `reqs`) into a host batch."""
+        batch.tokens[rows] = toks
+        for i in range(len(codes)):
+            batch.engram_codes[i][rows] = codes[i]
+            batch.engram_scales[i][rows] = scales[i]
+        batch.cursor_rows[reqs] = nxt
 
     def layout(self, bucket: Bucket) -> BatchLayout:
         """How a batch of this bucket is packed (every bucket-shaped batch has the same)."""
