@@ -179,7 +179,7 @@ def token_nll(logits, targets):
 
 def draft_loss(mtp, frozen, cfg, ctx_hidden, anchors, tokens, numerics):
     """ctx_hidden [B, S, nT*D] (the frozen target's taps), anchors [B, A], tokens [B, S] ->
-    (loss, per-position agreement [blk]). Labels: the tokens after anchor + 1 (the target's greedy
+    (loss, right [B*A, blk]: 1.0 where a draft equals its label). Labels: the tokens after anchor + 1 (the target's greedy
     continuation); the Markov chain is teacher-forced on them."""
     import jax
     import jax.numpy as jnp
@@ -199,7 +199,18 @@ def draft_loss(mtp, frozen, cfg, ctx_hidden, anchors, tokens, numerics):
     nll = token_nll(out.logits, labels)
     right = (jnp.argmax(out.logits, -1) == labels).astype(jnp.float32)
     conf = jnp.mean(optax.sigmoid_binary_cross_entropy(out.confidence, jax.lax.stop_gradient(right)))
-    return jnp.mean(nll) + 0.1 * conf, jnp.mean(right, 0)
+    return jnp.mean(nll) + 0.1 * conf, right
+
+
+def acceptance(right: np.ndarray) -> dict:
+    """Per-example draft hits [N, blk] (the chain teacher-forced on the target's tokens) -> per
+    position: agreement (each position on its own), accepted (the first k drafts all right: what
+    greedy verification accepts, since with all earlier drafts right the model's own chain is the
+    teacher-forced one), and the tokens per verify step that implies (1 + accepted drafts)."""
+    right = np.asarray(right, np.float64)
+    accepted = np.cumprod(right, axis=1)
+    return {"agree": np.round(right.mean(0), 3).tolist(), "accepted": np.round(accepted.mean(0), 3).tolist(),
+            "tokens_per_verify": round(float(1 + accepted.sum(1).mean()), 3)}
 
 
 # ---- the trainer -----------------------------------------------------------------------------
@@ -240,7 +251,7 @@ class Trainer:
               f"hashed in {time.time() - t0:.1f}s", flush=True)
         self.params = jax.tree.map(jnp.asarray, init_params(self.cfg, args.seed))
         self.formats = published_formats(self.cfg, self.params)
-        self._eval = self._quantize = None
+        self._eval = self._quantize = self._greedy = None
 
     # -- optimizers: one per phase; weight decay on matrices that get gradients
     def _optimizer(self, lr: float):
@@ -404,33 +415,65 @@ class Trainer:
         self.params = {"model": {**trained["model"], "mtp": mtp}, "engram": trained["engram"]}
 
     # -- phase 2: the draft stages on the frozen target
-    def continuations_and_taps(self, target: dict, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """n training prefixes of PREFIX tokens continued greedily by `target` for CONT tokens ->
-        (tokens int32 [n, PREFIX + CONT], the target's taps on them fp32 [n, PREFIX + CONT, nT*D]).
-        The Engram ids are hashed on the host."""
+    def greedy_fns(self):
+        """(next_token(target, tokens, ids, pos) -> the target's greedy token after `pos` [B],
+        taps(target, tokens, ids) -> its taps [B, S, nT*D]), jitted, training numerics. next_token
+        applies the head to row `pos` alone (the other rows' logits are dead code to XLA)."""
         import jax
         import jax.numpy as jnp
+
+        from v41_jax.model.head import lm_head
 
         cfg, numerics = self.cfg, self.fp32
 
         @jax.jit
-        def run(params, tokens, ids, pos):
-            logits, inter = lm_logits(params, cfg, tokens, ids, numerics, True)
-            return jnp.argmax(logits[:, pos], -1).astype(jnp.int32), inter["main_hidden"]
+        def next_token(target, tokens, ids, pos):
+            normed = lm_logits(target, cfg, tokens, ids, numerics, True)[1]["final_normed"][:, pos]
+            return jnp.argmax(lm_head(target["model"]["head"]["weight"], normed), -1).astype(jnp.int32)
 
-        seqs = self.train_tokens[self.rng.integers(0, len(self.train_tokens), n), :PREFIX + CONT].copy()
-        # prefix hashed per sequence once, then every new token of all sequences in one call (the
-        # rows after `pos` are never read by a causal forward at `pos`, so they stay 0 until filled)
-        ids = np.zeros((n, PREFIX + CONT, len(cfg.engram_layer_ids), cfg.engram_hash_cols), np.int32)
+        @jax.jit
+        def taps(target, tokens, ids):
+            return lm_logits(target, cfg, tokens, ids, numerics, True)[1]["main_hidden"]
+        return next_token, taps
+
+    def continue_greedily(self, target, prefixes: np.ndarray):
+        """Up to --draft-gen-batch prefixes [n, >= PREFIX] (their first PREFIX tokens) continued
+        greedily by `target` for CONT tokens -> (tokens int32 [n, PREFIX + CONT], the target's taps
+        on them [n, PREFIX + CONT, nT*D], on the device). Every call runs --draft-gen-batch rows (the
+        prefixes repeated to fill it): one compiled shape. Engram ids are hashed on the host: the
+        prefix once per sequence, then each new token of all sequences in one call (the rows after
+        `pos` are never read by a causal forward at `pos`, so they stay 0 until filled)."""
+        cfg, g, n = self.cfg, self.args.draft_gen_batch, len(prefixes)
+        if n > g:
+            raise ValueError(f"{n} prefixes exceed --draft-gen-batch {g}")
+        self._greedy = self._greedy or self.greedy_fns()
+        next_token, taps = self._greedy
+        seqs = np.zeros((g, PREFIX + CONT), np.int32)
+        seqs[:, :PREFIX] = np.resize(prefixes[:, :PREFIX], (g, PREFIX))
+        ids = np.zeros((g, PREFIX + CONT, len(cfg.engram_layer_ids), cfg.engram_hash_cols), np.int32)
         cursors = []
         for i, seq in enumerate(seqs[:, :PREFIX]):
             ids[i, :PREFIX], cursor = self.hasher.hash_ids(self.hasher.start(), seq)
             cursors.append(cursor.as_row())
         cursors = np.stack(cursors)
         for pos in range(PREFIX - 1, PREFIX + CONT - 1):
-            seqs[:, pos + 1] = np.asarray(run(target, seqs, ids, pos)[0])
+            seqs[:, pos + 1] = np.asarray(next_token(target, seqs, ids, pos))
             ids[:, pos + 1], cursors = self.hasher.next_token_ids(cursors, seqs[:, pos + 1])
-        return seqs, run(target, seqs, engram_ids(self.hasher, seqs), 0)[1]
+        return seqs[:n], taps(target, seqs, ids)[:n]
+
+    def draft_data(self, target, prefixes: np.ndarray, seconds: float):
+        """Greedy continuations of `prefixes` a --draft-gen-batch at a time, stopping at the first
+        batch boundary after `seconds` (0: all) -> (tokens [m, PREFIX + CONT], taps), on the device."""
+        import jax.numpy as jnp
+
+        t0, tokens, taps = time.time(), [], []
+        for start in range(0, len(prefixes), self.args.draft_gen_batch):
+            seqs, hidden = self.continue_greedily(target, prefixes[start: start + self.args.draft_gen_batch])
+            tokens.append(seqs)
+            taps.append(hidden)
+            if seconds and time.time() - t0 >= seconds:
+                break
+        return jnp.asarray(np.concatenate(tokens)), jnp.concatenate(taps)
 
     def train_draft(self, seconds: float):
         import jax
@@ -438,35 +481,52 @@ class Trainer:
         import optax
 
         # the target as it ships (published weights): the drafts chase its greedy tokens
-        cfg, numerics = self.cfg, self.fp32
+        cfg, numerics, args = self.cfg, self.fp32, self.args
         target = self.quantized(self.params)
         frozen = {k: v for k, v in target["model"].items() if k != "mtp"}
         mtp = self.params["model"]["mtp"]
-        opt = self._optimizer(self.args.draft_lr)
+        opt = self._optimizer(args.draft_lr)
         state = {"mtp": mtp, "opt": opt.init(mtp), "step": 0, "spent": 0.0}
         mgr = self._manager("ckpt_draft")
         state = self._restore(mgr, state) or state
         mtp, opt_state, step, spent = state["mtp"], state["opt"], int(state["step"]), float(state["spent"])
-        t0 = time.time()
-        seqs, hidden = self.continuations_and_taps(target, self.args.draft_sequences)
-        held_seqs, held_hidden = seqs[:64], hidden[:64]   # agreement measured on unseen continuations
-        seqs, hidden = jnp.asarray(seqs[64:]), hidden[64:]
-        print(f"draft data: {len(seqs)} continuations in {time.time() - t0:.1f}s", flush=True)
         lo, hi = PREFIX - 1, PREFIX + CONT - cfg.dspark_block_size - 2   # anchors whose labels are all greedy
+
+        # held out: the held-out documents' prefixes (the demo_eval grid), continued by the target
+        t0 = time.time()
+        held_prefixes = windows(np.load(os.path.join(args.data, "heldout.npy")), SEQ + 1, SEQ // 2)
+        held_seqs, held_hidden = self.draft_data(target, held_prefixes[:args.draft_held], 0)
+        n_train = -(-args.draft_sequences // args.draft_gen_batch) * args.draft_gen_batch
+        rows, starts = (self.rng.integers(0, hi_, n_train) for hi_ in (len(self.train_tokens), SEQ + 2 - PREFIX))
+        prefixes = self.train_tokens[rows[:, None], starts[:, None] + np.arange(PREFIX)]   # any offset: all distinct
+        seqs, hidden = self.draft_data(target, prefixes, args.draft_data_seconds)
+        print(f"draft data: {len(seqs)} training and {len(held_seqs)} held-out continuations in "
+              f"{time.time() - t0:.1f}s", flush=True)
 
         @jax.jit
         def step_fn(mtp, opt_state, frozen, hidden, anchors, tokens):
-            (loss, agree), grads = jax.value_and_grad(draft_loss, has_aux=True)(
+            (loss, right), grads = jax.value_and_grad(draft_loss, has_aux=True)(
                 mtp, frozen, cfg, hidden, anchors, tokens, numerics)
             updates, opt_state = opt.update(grads, opt_state, mtp)
-            return optax.apply_updates(mtp, updates), opt_state, loss, agree
+            return optax.apply_updates(mtp, updates), opt_state, loss, jnp.mean(right, 0)
 
         held_fn = jax.jit(lambda m, f, h, a, t: draft_loss(m, f, cfg, h, a, t, numerics)[1])
-        b, a = self.args.draft_batch, self.args.draft_anchors
-        held_anchors = np.tile(np.arange(lo, hi + 1), (len(held_seqs), 1)).astype(np.int32)
+        chunk = min(32, len(held_seqs))             # held-out sequences per call (all their anchors)
+        anchors_all = np.tile(np.arange(lo, hi + 1, dtype=np.int32), (chunk, 1))
+
+        def held_out(mtp) -> dict:
+            right = np.concatenate([np.asarray(held_fn(mtp, frozen, held_hidden[i: i + chunk], anchors_all,
+                                                       held_seqs[i: i + chunk]))
+                                    for i in range(0, len(held_seqs) - chunk + 1, chunk)])
+            return acceptance(right)
+
+        if step == 0:
+            self.log["draft_held_before"] = held_out(mtp)
+            print(f"draft stages before: held-out {self.log['draft_held_before']}", flush=True)
+        b, a = args.draft_batch, args.draft_anchors
         last = time.time()
         while spent < seconds:
-            opt_state[1].hyperparams["learning_rate"] = jnp.asarray(self._lr(self.args.draft_lr, spent / seconds),
+            opt_state[1].hyperparams["learning_rate"] = jnp.asarray(self._lr(args.draft_lr, spent / seconds),
                                                                     jnp.float32)
             pick = jnp.asarray(self.rng.integers(0, len(seqs), b))
             anchors = self.rng.integers(lo, hi + 1, (b, a)).astype(np.int32)
@@ -477,14 +537,19 @@ class Trainer:
                 last = time.time()
             spent += time.time() - last
             last = time.time()
-            if step % 50 == 0 or spent >= seconds:
-                held = np.asarray(held_fn(mtp, frozen, held_hidden, held_anchors, held_seqs))
+            if step % args.draft_eval_every == 0 or spent >= seconds:
+                held = held_out(mtp)
                 self.log["draft"].append({"step": step, "seconds": round(spent, 1), "loss": round(float(loss), 4),
+                                          "examples": step * b * a,
                                           "train_agree": [round(float(x), 3) for x in agree],
-                                          "held_agree": [round(float(x), 3) for x in held]})
-                print(f"draft step {step} {spent:.0f}s loss {float(loss):.3f} held agree {np.round(held, 3)}", flush=True)
+                                          "held_agree": held["agree"], "held_accepted": held["accepted"],
+                                          "held_tokens_per_verify": held["tokens_per_verify"]})
+                print(f"draft step {step} {spent:.0f}s loss {float(loss):.3f} held-out agree {held['agree']} "
+                      f"tokens/verify {held['tokens_per_verify']}", flush=True)
                 last = time.time()
         self._save(mgr, step, {"mtp": mtp, "opt": opt_state, "step": step, "spent": spent})
+        self.log["result"].update(draft_train_continuations=len(seqs), draft_held_continuations=len(held_seqs),
+                                  draft_steps=step, draft_examples=step * b * a)
         self.params = {"model": {**frozen, "mtp": mtp}, "engram": self.params["engram"]}
 
     def _write_log(self):
@@ -574,9 +639,17 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--qat-fraction", type=float, default=0.15)
     ap.add_argument("--draft-lr", type=float, default=2e-3)
-    ap.add_argument("--draft-batch", type=int, default=32, help="sequences per draft step")
-    ap.add_argument("--draft-anchors", type=int, default=16, help="anchors per sequence per draft step")
-    ap.add_argument("--draft-sequences", type=int, default=1024, help="greedy continuations to train on")
+    ap.add_argument("--draft-batch", type=int, default=64, help="sequences per draft step")
+    ap.add_argument("--draft-anchors", type=int, default=32, help="anchors per sequence per draft step")
+    ap.add_argument("--draft-sequences", type=int, default=4096,
+                    help="greedy continuations of training prefixes to train on (at most)")
+    ap.add_argument("--draft-data-seconds", type=float, default=0.0,
+                    help="stop generating continuations after this long (0: all --draft-sequences)")
+    ap.add_argument("--draft-gen-batch", type=int, default=1024, help="continuations generated per call")
+    ap.add_argument("--draft-held", type=int, default=256, help="held-out continuations the drafts are measured on")
+    ap.add_argument("--draft-eval-every", type=int, default=500, help="draft steps between held-out measurements")
+    ap.add_argument("--fresh-drafts", action="store_true",
+                    help="with --init-from: train the draft stages from their initialisation, not the checkpoint's")
     ap.add_argument("--eval-every", type=int, default=200, help="held-out perplexity every N steps (a multiple of 25)")
     ap.add_argument("--eval-windows", type=int, default=32, help="held-out windows of 257 tokens for perplexity")
     ap.add_argument("--max-windows", type=int, default=0, help="train on this many windows only (0: all)")
@@ -592,14 +665,17 @@ def main(argv=None) -> int:
             if args.lm_seconds:
                 tr.train_lm(args.lm_seconds)
             elif args.init_from:   # the draft phase alone, on a shipped target
-                tr.params = from_checkpoint(args.init_from)
+                shipped = from_checkpoint(args.init_from)
+                mtp = tr.params["model"]["mtp"] if args.fresh_drafts else shipped["model"]["mtp"]
+                tr.params = {**shipped, "model": {**shipped["model"], "mtp": mtp}}
             else:   # the draft phase alone continues from a finished backbone
                 tr.params = {**tr.params, "model": {**tr.params["model"], **_restored_backbone(tr)}}
-            ppl32 = tr.held_ppl(tr.params)
-            pplq = tr.held_ppl(tr.quantized(tr.params))
-            tr.log["result"].update(heldout_ppl_fp32=ppl32, heldout_ppl_published_weights=pplq,
-                                    eval_windows=len(tr.eval_tokens), eval_seq=SEQ)
-            print(f"held-out ppl: fp32 {ppl32:.3f}, published weights {pplq:.3f}", flush=True)
+            if not args.init_from:   # a shipped target's perplexity was measured when it shipped
+                ppl32 = tr.held_ppl(tr.params)
+                pplq = tr.held_ppl(tr.quantized(tr.params))
+                tr.log["result"].update(heldout_ppl_fp32=ppl32, heldout_ppl_published_weights=pplq,
+                                        eval_windows=len(tr.eval_tokens), eval_seq=SEQ)
+                print(f"held-out ppl: fp32 {ppl32:.3f}, published weights {pplq:.3f}", flush=True)
             tr._write_log()
             tr.save_params()
             if args.draft_seconds:
