@@ -29,7 +29,7 @@ $(TINY)/config.json: $(VENV)/.installed v41_jax/configs/tiny.config.json
 	$(VPY) -m scripts.make_checkpoint --config v41_jax/configs/tiny.config.json --out $(TINY) --seed 0
 
 generate: $(VENV)/.runtime
-	$(VPY) -m scripts.generate --checkpoint $(DEMO) --prompts scripts/demo_prompts.jsonl --max-new-tokens 32
+	$(VPY) -m scripts.generate --checkpoint $(DEMO) --prompts scripts/demo_prompts.jsonl --max-new-tokens 32 --one-bucket
 
 test: $(VENV)/.installed
 	$(VPY) -m pytest tests

@@ -11,8 +11,9 @@ through the schema-checked reader, run by the engine.
     (engine, text in, text out);
   * DSpark agreement: held-out prefixes continued greedily by the target, then at every anchor
     inside a continuation the draft stages' greedy tokens against the target's, per draft
-    position 1..dspark_block_size (`model.dspark.draft`; speculative decoding is not in the
-    engine yet).
+    position 1..dspark_block_size (`model.dspark.draft`, each position on its own);
+  * DSpark in the engine ("spec"): greedy generation with speculative decoding from held-out
+    prefixes and from the demo prompts: tokens per verify step and acceptance per draft position.
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--golden", help="write the golden tokens of GOLDEN_PROMPT and the perplexity of "
                     "tests/fixtures/demo_heldout.txt (the test's engine) to this JSON, then stop")
-    ap.add_argument("--parts", default="forward,drafts,engine",
+    ap.add_argument("--spec-prompts", type=int, default=32, help="held-out prefixes for the DSpark measurement")
+    ap.add_argument("--spec-numerics", default="fast", help="the engine's numerics for the DSpark measurement")
+    ap.add_argument("--parts", default="forward,drafts,spec,engine",
                     help="which measurements (comma-separated; the forward and the drafts are slow on CPU)")
     args = ap.parse_args(argv)
 
@@ -163,6 +166,16 @@ def main(argv=None) -> int:
         prefixes = windows(np.load(os.path.join(args.data, "heldout.npy")), SEQ + 1, SEQ // 2)[:args.draft_prefixes]
         out["draft_agreement_per_position"] = draft_agreement(cfg, params, fwd, ref, prefixes)
         save(out)
+    if "spec" in parts:   # DSpark in the engine: held-out prefixes, then the demo prompts (text)
+        engine = Engine.from_checkpoint(args.checkpoint, numerics=args.spec_numerics, max_batch=8, chunk=64)
+        with open(args.prompts) as f:
+            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        out["speculative"] = {
+            "numerics": args.spec_numerics,
+            f"heldout_prefixes_of_{PREFIX}": speculative_acceptance(engine, held[:args.spec_prompts, :PREFIX].tolist(),
+                                                                    args.new_tokens),
+            "demo_prompts": speculative_acceptance(engine, texts, args.new_tokens)}
+        save(out)
     if "engine" not in parts:
         return 0
 
@@ -181,6 +194,19 @@ def main(argv=None) -> int:
                             for p, r in zip(prompts, results)]
     save(out)
     return 0
+
+
+def speculative_acceptance(engine, prompts: list, new_tokens: int) -> dict:
+    """Greedy generation with DSpark -> tokens per verify step (drafts accepted + 1) and the
+    acceptance per draft position over `prompts` (token lists or text), `new_tokens` each."""
+    from v41_jax.runtime.engine import Stats
+    from v41_jax.runtime.sampling import SamplingParams
+
+    stats = Stats()
+    engine.generate(prompts, SamplingParams(temperature=0.0), max_new_tokens=new_tokens, ignore_eos=True, stats=stats)
+    return {"prompts": len(prompts), "new_tokens": new_tokens, "verifies": stats.verifies,
+            "tokens_per_verify": round(stats.tokens_per_verify, 3),
+            "acceptance_at": [round(a, 3) for a in stats.acceptance_at]}
 
 
 def jax_log_softmax(x):

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=_positive("--max-batch"), default=4, help="requests per step")
     ap.add_argument("--chunk", type=_positive("--chunk"), default=64, help="prefill rows per step")
     ap.add_argument("--buckets", help="explicit step shapes TxRxO,... (tokens x requests x logits rows)")
+    ap.add_argument("--one-bucket", action="store_true",
+                    help="one step shape, the prefill bucket, for decode steps too: half the compiling of a "
+                         "first run, decode steps padded to it (make generate on a CPU)")
     ap.add_argument("--page-tokens", type=_positive("--page-tokens"), default=16, help="tokens per cache page")
     ap.add_argument("--pages", type=_positive("--pages", True), default=0,
                     help="page pool size (default: max-batch full contexts)")
@@ -116,6 +119,8 @@ def _validate(args):
         raise UsageError(f"{args.prompts}: prompts file not found")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UsageError(f"--out {args.out}: its folder does not exist")
+    if args.buckets and args.one_bucket:
+        raise UsageError("--one-bucket: not with --buckets (it picks the buckets)")
     if args.buckets:
         try:
             parse_buckets(args.buckets)
@@ -222,7 +227,7 @@ def _run(args, tokenizer, requests):
                                     max_context=args.max_context, compile_cache_dir=args.compile_cache,
                                     tokenizer=args.tokenizer, progress=not args.quiet,
                                     speculative=None if args.speculative == "on" else False,
-                                    draft_width=args.draft_width)
+                                    draft_width=args.draft_width, decode_bucket=not args.one_bucket)
     stats = Stats()
     runnable = [r for r in requests if engine.check_request(r) is None]    # the others end at once
     for req in runnable:

@@ -12,6 +12,7 @@ from scripts import generate as generate_script
 from tests.engine_common import ROOT, SETTINGS, build_model
 from v41_jax.checkpoint import load as load_module
 from v41_jax.runtime.compile_cache import CompileMeter
+from v41_jax.runtime.engine import default_buckets
 from v41_jax.runtime.request_parse import FIELDS
 
 S = SETTINGS
@@ -170,6 +171,7 @@ def test_usage_errors_before_the_checkpoint_loads(model, tmp_path, capsys, load_
         (base + ["--buckets", "80x4"], "--buckets"),
         (base + ["--buckets", "0x4x4"], "--buckets"),
         (base + ["--top-p", "2"], "--top-p"),
+        (base + ["--one-bucket"], "--one-bucket"),               # ENGINE_FLAGS give --buckets
         (base + ["--out", tmp_path / "nowhere" / "o.jsonl"], "--out"),
     ]
     for argv, named in cases:
@@ -201,3 +203,10 @@ def test_help_documents_every_flag_and_the_schema(capsys):
     for field in FIELDS:
         assert re.search(rf"\b{field}\b", stdout), field
     assert "--stream" in stdout and "Example line" in stdout
+
+
+def test_one_bucket_is_the_prefill_bucket():
+    """--one-bucket (make generate): decode steps run in the prefill bucket, nothing else compiles."""
+    both, one = default_buckets(4, 64, 6), default_buckets(4, 64, 6, decode_bucket=False)
+    assert len(both.buckets) == 2 and one.buckets == both.buckets[1:]
+    assert (one.max_tokens, one.max_requests, one.buckets[0].logits) == (64 + 4 * 6, 4, 4 * 6)

@@ -46,12 +46,15 @@ from v41_jax.runtime.scheduler import Event, FinishEvent, Scheduler, SpecStats, 
 NUMERICS = {"reference": Numerics.reference, "fast": Numerics.fast, "fp32": Numerics.fp32}
 
 
-def default_buckets(max_requests: int, chunk: int, width: int = 1) -> BucketSet:
+def default_buckets(max_requests: int, chunk: int, width: int = 1, decode_bucket: bool = True) -> BucketSet:
     """One decode bucket and one prefill bucket, both at the full request width: two compiles,
     and a step never waits for a bucket (padding rows cost little next to a recompile). width:
-    token and logits rows per decoding request (1 + the draft block when speculating)."""
+    token and logits rows per decoding request (1 + the draft block when speculating).
+    decode_bucket=False: the prefill bucket alone, decode steps padded to it: one compile, for a
+    run whose compiling outweighs its decoding (a first short run on a CPU)."""
     rows = max_requests * width
-    return BucketSet((Bucket(rows, max_requests, rows), Bucket(chunk + rows, max_requests, rows)))
+    prefill = Bucket(chunk + rows, max_requests, rows)
+    return BucketSet(((Bucket(rows, max_requests, rows),) if decode_bucket else ()) + (prefill,))
 
 
 def parse_buckets(spec: str) -> BucketSet:
@@ -138,13 +141,14 @@ class Engine:
                         page_tokens: int = 16, pages: int = 0, slots: int = 0, max_context: int = 0,
                         compile_cache_dir: str | None = None, tokenizer: str | None = None,
                         progress: bool = False, speculative: bool | None = None,
-                        draft_width: int | None = None, mesh=None) -> "Engine":
+                        draft_width: int | None = None, mesh=None, decode_bucket: bool = True) -> "Engine":
         """An engine over a published checkpoint folder. The tokenizer (`tokenizer.json`) and the
         Engram token map (`engram_token_map.json`) are taken from the folder when they are there.
         compile_cache_dir: the persistent compilation cache (None: `compile_cache` default).
         speculative (None: on when the checkpoint has draft stages) reserves the draft slack and
         widens the default buckets to 1 + block rows per decoding request. mesh: as `Engine`; each
-        device's routed experts are read from the checkpoint straight onto it."""
+        device's routed experts are read from the checkpoint straight onto it. decode_bucket: see
+        `default_buckets` (with `buckets` given, unused)."""
         from v41_jax.checkpoint.load import load_params
         from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 
@@ -166,7 +170,7 @@ class Engine:
             buckets = parse_buckets(buckets)
         spec = bool(cfg.n_mtp_layers) if speculative is None else speculative
         width = 1 + cfg.dspark_block_size if spec and cfg.n_mtp_layers else 1
-        buckets = buckets or default_buckets(max_batch, chunk, width)
+        buckets = buckets or default_buckets(max_batch, chunk, width, decode_bucket)
         per_request = -(-max_context // page_tokens)
         ranks = 1 if mesh is None else mesh.size          # each rank: its share of the requests
         share = lambda n: -(-n // ranks)
