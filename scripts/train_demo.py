@@ -3,8 +3,9 @@ then export it in the published checkpoint format.
 
     python -m scripts.train_demo --data build/demo_data --work DIR --lm-seconds 300 --draft-seconds 90
     python -m scripts.train_demo --data build/demo_data --work DIR --export models/demo --metadata models/demo
-    python -m scripts.train_demo --data build/demo_data --work DIR --init-from models/demo --draft-seconds 90
-        (the draft stages alone, continued on the shipped target)
+    python -m scripts.train_demo --data build/demo_data --work DIR --init-from models/demo --fresh-drafts \
+        --draft-seconds 110 --draft-data-seconds 80 --draft-sequences 65536 --draft-gen-batch 2048
+        (the draft stages alone, trained again on the shipped target)
 
 The model is the project's own: `model.forward.forward` for the backbone, `model.dspark.draft` for
 the draft stages; the parameters are the params pytree `checkpoint.load_params` builds, in fp32,
@@ -27,10 +28,13 @@ inference has and training needs differently:
     formats (FP8 32x32 blocks, FP4 experts, BF16, FP8 Engram rows) and applied to the masters.
     Activations stay fp32 in training (the engine's bf16 rounding and FP8 activation fake-quant
     have zero gradient); the export's cost in perplexity is measured, not assumed.
-  * DSpark stages (phase "draft", target frozen): self-distillation. Held training prefixes are
-    continued greedily by the target; every anchor inside a continuation is a draft example
-    whose labels are the target's next `dspark_block_size` greedy tokens (Markov chain teacher
-    forced on them), the confidence head learning whether each draft is right.
+  * DSpark stages (phase "draft", target frozen): self-distillation. Training prefixes (PREFIX
+    tokens at random offsets) are continued greedily by the target, --draft-gen-batch at a time
+    for --draft-data-seconds; every anchor inside a continuation is a draft example whose labels
+    are the target's next `dspark_block_size` greedy tokens (Markov chain teacher forced on them:
+    with every earlier draft right, the model's own chain is that one), the confidence head
+    learning whether each draft is right. Measured on the held-out documents' continuations: per
+    position the agreement, the accepted prefix and the tokens per verify step it implies.
 
 Each phase resumes from its latest orbax checkpoint (DIR/ckpt_lm, DIR/ckpt_draft: step, seconds
 spent, optimizer state); budgets are in seconds, and the learning rate follows the fraction of
@@ -619,7 +623,7 @@ def plot_log(log_json: str, png: str) -> None:
     for k in range(len(log["draft"][0]["held_agree"]) if log["draft"] else 0):
         ax2.plot([r["step"] for r in log["draft"]], [r["held_agree"][k] for r in log["draft"]], label=f"draft {k + 1}")
     ax2.set(xlabel="draft step", ylabel="agreement with the target's greedy token",
-            title="DSpark stages (continuations not trained on)", ylim=(0, 1))
+            title="DSpark stages (held-out documents' continuations)", ylim=(0, 1))
     ax2.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
