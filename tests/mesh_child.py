@@ -77,6 +77,7 @@ def main(out: Path) -> dict:
 
     from kernels_pallas import backend as kernel_backend
     from kernels_pallas import moe as kmoe
+    from v41_jax.checkpoint import converted
     from v41_jax.model import expert_parallel as ep
     from v41_jax.runtime.mesh import AXIS, expert_sharding, make_mesh
     from v41_jax.tools import memory_plan
@@ -167,8 +168,15 @@ def main(out: Path) -> dict:
             for shard in leaf.addressable_shards:
                 per_device[shard.device] += shard.data.nbytes
     plan = memory_plan.param_bytes(memory_plan.param_leaves(cfg), "fp4", "dp", 8)["routed_experts"]
+    # the orbax cache of converted params: saved sharded, restored into the same shardings
+    cached = [converted.load_params_cached(out / "tiny", out / "orbax", progress=False, experts="fp4",
+                                           expert_sharding=expert_sharding(mesh))[1] for _ in range(2)]
+    codes = cached[1]["layers"][0]["ffn"]["experts"]["w1"].codes
     report["load"] = {"stack_reads": sorted({n for stacked, n in reads if stacked}), "values_equal": same,
-                      "expert_bytes_per_device": sorted(set(per_device.values())), "plan_bytes": plan}
+                      "expert_bytes_per_device": sorted(set(per_device.values())), "plan_bytes": plan,
+                      "restored_equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                                            zip(jax.tree.leaves(cached[1]), jax.tree.leaves(whole))),
+                      "restored_split": codes.sharding.is_equivalent_to(NamedSharding(mesh, P(AXIS)), codes.ndim)}
     lap("load")
 
     # ---- the demo model from its checkpoint, mesh of 8 vs one device --------------------------

@@ -113,6 +113,10 @@ def test_each_device_reads_only_its_experts(report):
     assert r["expert_bytes_per_device"] == [r["plan_bytes"]]
 
 
+def test_orbax_cache_saves_and_restores_sharded(report):
+    assert report["load"]["restored_split"] and report["load"]["restored_equal"]
+
+
 def test_sharded_demo_model_gives_the_one_device_tokens(report):
     assert report["demo"]["tokens"] == report["demo"]["want"]
 

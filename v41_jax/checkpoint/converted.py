@@ -7,6 +7,9 @@ tables) with orbax into `cache_dir/params`, next to `cache_dir/source.json`, whi
 fingerprint of the source checkpoint (config.json, the index and every shard's size and header)
 and the config and expert format used. A later call whose fingerprint matches restores the params bit-exactly and
 re-attaches the Engram tables as memmaps of the source shards; a mismatch reconverts.
+With `expert_sharding` (as `load_params`; docs/PARALLEL.md §3) the routed-expert stacks are saved
+as the sharded arrays they are and restored straight into their shardings, each device's block
+read alone.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import shutil
 
+import jax
 import orbax.checkpoint as ocp
 
 from ..config import ModelConfig
@@ -59,10 +63,29 @@ def save_converted(cache_dir: str | os.PathLike, params: dict, source: str) -> N
         json.dump({"fingerprint": source}, f)
 
 
-def restore_converted(cache_dir: str | os.PathLike) -> dict:
-    """The saved device params, as saved (structure, dtypes and values), without Engram tables."""
+def restore_converted(cache_dir: str | os.PathLike, expert_sharding=None) -> dict:
+    """The saved device params, as saved (structure, dtypes and values), without Engram tables;
+    the routed experts in `expert_sharding(n_experts)` where it gives one (`load_params`)."""
+    path = os.path.join(os.path.abspath(os.fspath(cache_dir)), _PARAMS)
     with ocp.StandardCheckpointer() as ckptr:
-        return _rewrap(ckptr.restore(os.path.join(os.path.abspath(os.fspath(cache_dir)), _PARAMS)))
+        target = None if expert_sharding is None else _targets(ckptr.metadata(path).item_metadata.tree,
+                                                                expert_sharding)
+        return _rewrap(ckptr.restore(path, target))
+
+
+def _targets(meta, expert_sharding):
+    """Restore targets from the saved metadata: a leaf under an `experts` node in its expert
+    sharding when the stack splits, every other leaf on this process's first device (as a load)."""
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def walk(node, experts: bool):
+        if isinstance(node, dict):
+            return {k: walk(v, experts or k == "experts") for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, experts) for v in node]
+        sharding = expert_sharding(node.shape[0]) if experts else None
+        return jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=sharding or one)
+    return walk(meta, False)
 
 
 def _rewrap(node):
@@ -87,7 +110,7 @@ def cached_fingerprint(cache_dir: str | os.PathLike) -> str | None:
 
 def load_params_cached(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike,
                        cfg: ModelConfig | None = None, *, progress: bool = True,
-                       experts: str = "auto") -> tuple[ModelConfig, dict]:
+                       experts: str = "auto", expert_sharding=None) -> tuple[ModelConfig, dict]:
     """`load_params`, served from the orbax cache when it was made from this same checkpoint."""
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
@@ -95,9 +118,10 @@ def load_params_cached(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike
     experts = resolve_experts(experts)
     source = fingerprint(ckpt_dir, cfg, experts)
     if cached_fingerprint(cache_dir) != source:
-        cfg, params = load_params(ckpt_dir, cfg, progress=progress, experts=experts)
+        cfg, params = load_params(ckpt_dir, cfg, progress=progress, experts=experts,
+                                  expert_sharding=expert_sharding)
         save_converted(cache_dir, params, source)
         return cfg, params
-    params = restore_converted(cache_dir)
+    params = restore_converted(cache_dir, expert_sharding)
     params[ENGRAM_KEY] = EngramTables.from_checkpoint(Checkpoint(ckpt_dir), cfg)
     return cfg, params
