@@ -4,10 +4,12 @@ is exact on the reference's own taps, and injected defects fail wherever they ch
 computation (docs/MODEL.md §6).
 
 Each fixture costs one XLA compile per path and per mutant (~25 s of CPU each), so by default the
-suite runs a small subset (FORWARD / FREE / ENGINE / MUTANT_ON / MUTATE below: six compiles);
-V41_FARM=all runs every fixture on every path and every mutant on every fixture.
+suite runs a small subset (FORWARD / FREE / ENGINE / MUTANT_ON / MUTATE below: seven compiles,
+~5.5 min of one idle core); V41_FARM=all runs every fixture on every path and every mutant on
+every fixture.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,10 +19,11 @@ import jax
 import numpy as np
 import pytest
 
-from reference_mutants import MUTANTS
+from reference_mutants import CACHE_PATH, MUTANTS
 from v41_jax.model.numerics import Numerics
-from v41_jax.tools.check_reference import (CONDITIONING_RUNS, CPU, OUTPUTS, check_folder, load_fixture, run_model,
-                                           selection_conditioning)
+from v41_jax.tools.check_reference import (CONDITIONING_RUNS, CPU, OUTPUTS, TAPS_ALL, check_folder, load_fixture,
+                                           run_model, selection_conditioning)
+from v41_jax.tools.engine_replay import run_engine
 
 FARM = Path(__file__).parent / "fixtures" / "dsv41_farm"
 NAMES = sorted(p.name for p in FARM.iterdir() if (p / OUTPUTS).exists())
@@ -31,11 +34,29 @@ ALL = os.environ.get("V41_FARM") == "all"
 FORWARD = NAMES if ALL else ["f03_h6_ix8_dspark3_b5_engram0", "f11_h1_ix1_hd64_few_experts"]
 FREE = NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"]   # a second (unforced) compile each
 ENGINE = NAMES if ALL else ["f03_h6_ix8_dspark3_b5_engram0"]
-# a FORWARD fixture (its unmutated run is compiled already); by default the two mutants only the
-# selection rules can catch (the other three move the bf16 tensors by far more than any profile)
-MUTANT_ON = NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"]
-MUTATE = list(MUTANTS) if ALL else ["ties_to_higher_index", "candidate_mask_skipped"]
+# where each path's mutants run: by default a FORWARD (resp. ENGINE) fixture, whose unmutated run
+# is made already, and the mutants only the selection rules can catch (the other three move the
+# bf16 tensors by far more than any profile) plus the cache-path one
+MUTANT_ON = {"forward": NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"],
+             "engine": NAMES if ALL else ["f03_h6_ix8_dspark3_b5_engram0"]}
+MUTATE = list(MUTANTS) if ALL else ["ties_to_higher_index", "candidate_mask_skipped", "decode_fix_reverted"]
+RUNNER = {"forward": run_model, "engine": run_engine}
+# the official fixtures that keep the reference's unfixed decode (~6 min of CPU each)
+RELEASED = ["small_a"] if ALL else []
 NUMERICS = Numerics.reference()
+
+
+@pytest.fixture(scope="module")
+def runs(fixtures):
+    """(name, path) -> the unmutated run (`run_model`'s result), made once for the check and the mutants."""
+    cache = {}
+
+    def get(name, path):
+        if (name, path) not in cache:
+            fx, _ = fixtures(name)
+            cache[name, path] = RUNNER[path](fx.cfg, fx.params, fx.z, fx.hasher, NUMERICS)
+        return cache[name, path]
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +90,16 @@ def _failed(checks):
     return {c.key: c.stats for c in checks if not c.passed}
 
 
+def _made(out: dict):
+    """A runner that returns a run made already."""
+    return lambda *_: out
+
+
 @pytest.mark.parametrize("name", FORWARD)
-def test_farm_forward(name, fixtures):
+def test_farm_forward(name, fixtures, runs):
     fx, cond = fixtures(name)
-    checks = check_folder(fx, NUMERICS, CPU, conditioning=cond, free=name in FREE)
+    checks = check_folder(fx, NUMERICS, CPU, runner=_made(runs(name, "forward")), conditioning=cond,
+                          free=name in FREE)
     assert not _failed(checks)
     by_key = {c.key: c for c in checks}
     # the draft head reads reference context on every step, and on the reference's taps it is the
@@ -84,11 +111,9 @@ def test_farm_forward(name, fixtures):
 
 
 @pytest.mark.parametrize("name", ENGINE)
-def test_farm_engine(name, fixtures):
-    from v41_jax.tools.engine_replay import run_engine
-
+def test_farm_engine(name, fixtures, runs):
     fx, cond = fixtures(name)
-    assert not _failed(check_folder(fx, NUMERICS, CPU, runner=run_engine, conditioning=cond))
+    assert not _failed(check_folder(fx, NUMERICS, CPU, runner=_made(runs(name, "engine")), conditioning=cond))
 
 
 def _own(out: dict) -> dict:
@@ -102,20 +127,44 @@ def _own(out: dict) -> dict:
     return own
 
 
-@pytest.mark.parametrize("name", MUTANT_ON)
-def test_mutants_fail_wherever_they_change_the_computation(name, fixtures):
-    fx, _ = fixtures(name)
-    base = _own(run_model(fx.cfg, fx.params, fx.z, fx.hasher, NUMERICS))
+@pytest.mark.parametrize("name,path", [(n, p) for p, names in MUTANT_ON.items() for n in names])
+def test_mutants_fail_wherever_they_change_the_computation(name, path, fixtures, runs):
+    fx, cond = fixtures(name)
+    base = _own(runs(name, path))
+    mutants = [m for m in MUTATE if (m in CACHE_PATH) == (path == "engine")]
     changed, caught = [], []
-    for mutant in MUTATE:
+    for mutant in mutants:
         jax.clear_caches()  # jit caches by function identity: retrace under the patch
         with MUTANTS[mutant]():
-            out = _own(run_model(fx.cfg, fx.params, fx.z, fx.hasher, NUMERICS))
+            out = RUNNER[path](fx.cfg, fx.params, fx.z, fx.hasher, NUMERICS)
             if any(not np.array_equal(out[k], base[k]) for k in base):
                 changed.append(mutant)
-                if _failed(check_folder(fx, NUMERICS, CPU)):
+                # the forward's conditioning is measured under the mutant (it is the model checked);
+                # the cache-path mutant leaves the forward, and so that measurement, unchanged
+                if _failed(check_folder(fx, NUMERICS, CPU, runner=_made(out),
+                                        conditioning=cond if path == "engine" else None)):
                     caught.append(mutant)
     jax.clear_caches()
     assert caught == changed
     # every mutant but the tie rule changes every fixture; ties need an exact boundary tie
-    assert set(MUTATE) - {"ties_to_higher_index"} <= set(changed)
+    assert set(mutants) - {"ties_to_higher_index"} <= set(changed)
+
+
+@pytest.mark.parametrize("name", RELEASED)
+def test_decode_fix_mutant_is_the_released_reference(name):
+    """The cache-path mutant is the released reference's defect, not just some defect: against the
+    reference's unfixed decode (`outputs_as_released_lowest_index_ties.npz`, same prefill and taps)
+    the mutated engine passes every check and the unmutated one fails, on index picks alone."""
+    folder = FARM.parent / "dsv41_official" / name
+    fx = load_fixture(str(folder))
+    with np.load(folder / "outputs_as_released_lowest_index_ties.npz") as f:
+        fx = fx._replace(z={**{k: f[k] for k in f.files}, TAPS_ALL: fx.z[TAPS_ALL]})
+    cond = selection_conditioning(fx, NUMERICS, CONDITIONING_RUNS)
+    failed = {}
+    for mutated in (True, False):
+        jax.clear_caches()
+        with MUTANTS["decode_fix_reverted"]() if mutated else contextlib.nullcontext():
+            failed[mutated] = _failed(check_folder(fx, NUMERICS, CPU, runner=run_engine, conditioning=cond))
+    jax.clear_caches()
+    assert not failed[True]
+    assert failed[False] and all(".index_topk." in k for k in failed[False])
