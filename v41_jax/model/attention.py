@@ -128,6 +128,11 @@ def index_select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c
     -> (the top-k, the scores it was taken from, candidates)."""
     scores = score(index_query(p["indexer"], cfg, c_q, positions, numerics),
                    index_weights(p["indexer"], cfg, h, numerics))
+    # one materialised copy feeds the candidate blocks, the top-k and the recorded scores: XLA
+    # would otherwise recompute the scores inside each consumer's fusion, whose fp contraction can
+    # differ in the last bit, and an exact tie that the reference breaks to the lower block could
+    # then go to the higher one (seen through the cache path on farm v4, prefill row 22, L5)
+    scores = jax.lax.optimization_barrier(scores)
     if topo.candidates is Candidates.PRODUCE:
         blocks = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
         candidates = _publish(candidates, topo.layer, blocks)
@@ -136,9 +141,6 @@ def index_select(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, c
         # whose picks differ when fewer than k kept rows are visible)
         keep = candidate_mask(candidates[cfg.candidate_source_layer], scores.shape[-1], cfg.candidate_block_size)
         scores = jnp.where(keep, scores, -jnp.inf)
-    # one materialised copy feeds the top-k and the recorded scores: XLA would otherwise recompute
-    # the scores inside two fusions whose fp contraction can differ in the last bit
-    scores = jax.lax.optimization_barrier(scores)
     return select_topk(scores, visible, cfg.index_topk), scores, candidates
 
 
