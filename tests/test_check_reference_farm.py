@@ -136,12 +136,13 @@ def test_mutants_fail_wherever_they_change_the_computation(name, path, fixtures,
     for mutant in mutants:
         jax.clear_caches()  # jit caches by function identity: retrace under the patch
         with MUTANTS[mutant]():
-            out = RUNNER[path](fx.cfg, fx.params, fx.z, fx.hasher, NUMERICS)
+            run = RUNNER[path](fx.cfg, fx.params, fx.z, fx.hasher, NUMERICS)
+            out = _own(run)
             if any(not np.array_equal(out[k], base[k]) for k in base):
                 changed.append(mutant)
                 # the forward's conditioning is measured under the mutant (it is the model checked);
                 # the cache-path mutant leaves the forward, and so that measurement, unchanged
-                if _failed(check_folder(fx, NUMERICS, CPU, runner=_made(out),
+                if _failed(check_folder(fx, NUMERICS, CPU, runner=_made(run),
                                         conditioning=cond if path == "engine" else None)):
                     caught.append(mutant)
     jax.clear_caches()
