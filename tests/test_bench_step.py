@@ -60,7 +60,7 @@ def test_specs_take_the_writers_scales():
     assert held("auto").held == "bf16"                                               # on CPU
     assert held("fp4").held == "fp4" and held("fp4").nbytes == n // 2 + n // 32      # + E8M0 per 32
     assert held("bf16").held == "bf16" and held("bf16").nbytes == 2 * n
-    assert specs["head.weight"].held == "f32" and specs["embed.weight"].scale == 1
+    assert specs["head.weight"].held == "bf16" and specs["embed.weight"].scale == 1
 
 
 def test_expected_experts_and_decode_bytes():

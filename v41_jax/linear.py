@@ -10,7 +10,8 @@ API (x [..., K], w [N, K]; outputs [..., N])
   lin8(x, w, numerics) -> act dtype   FP8 dense site: fp8_act_qdq(x) per 32, GEMM, one rounding.
   lin4                                 FP4 expert site; identical once the weight is dequantized.
   lin_bf(x, w, numerics) -> act dtype  plain bf16 linear with fp32 accumulation (no quant).
-  lin_f32(x, w) -> fp32                 fp32 linear (router, LM head, ratio-2 compressor, ...).
+  lin_f32(x, w) -> fp32                 fp32 linear (router, LM head, ratio-2 compressor, ...): when x
+                                        and w are both bf16, one bf16 GEMM accumulating in fp32.
   k_block_dot(x, w) -> fp32             the block-ordered fp32 GEMM itself.
 """
 
@@ -59,4 +60,9 @@ def lin_bf(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
 
 
 def lin_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    # A bf16 x bf16 product is exact in fp32 (8 + 8 significand bits), so the bf16 GEMM that
+    # accumulates in fp32 is the fp32 GEMM of the same values (only the backend's accumulation
+    # order is its own, as for any fp32 GEMM), on the tensor cores and from half the weight bytes.
+    if x.dtype == w.dtype == jnp.bfloat16:
+        return _dot_f32(x, w)
     return _dot_f32(x.astype(jnp.float32), w.astype(jnp.float32))

@@ -6,13 +6,13 @@
   * every tensor checked against `checkpoint_schema(cfg)` before any data is read;
   * params are nested dicts mirroring the checkpoint names, `layers` and `mtp` Python lists:
       params["embed"]["weight"]                          bf16 [V, D]
-      params["head"]["weight"]                           f32  [V, D]
+      params["head"]["weight"]                           bf16 [V, D]
       params["layers"][i]["attn"]["wq_a"]["weight"]      bf16 [Q, D]   (FP8 blocks dequantized)
       params["layers"][i]["hc_attn_fn"]                  f32  [24, 4D]
       params["layers"][i]["ffn"]["gate"]["bias"]         f32  [E]
       params["layers"][i]["ffn"]["experts"]              {"w1": [E, F, D], "w3": [E, F, D], "w2": [E, D, F]}
                                                          as `quant.Fp8RowWeight`s, `Fp4Weight`s or bf16
-      params["mtp"][m]["markov_head"]["head"]["weight"]  f32  [V, R]
+      params["mtp"][m]["markov_head"]["head"]["weight"]  bf16 [V, R]
     A quantized weight's `.scale` is consumed by its dequantization and has no leaf. Routed experts
     are stacked along a new leading axis (`.weight` dropped), as DESIGN.md specifies.
   * routed experts (`experts=`), each format holding the same exact values, so all give identical
@@ -27,9 +27,10 @@
       "bf16"  dequantized (2 bytes a weight: the fastest prefill measured; the released
               model's experts do not fit one 8-GPU node this way).
   * dtypes: every dequantized weight and every BF16 tensor is bf16 (exact: e4m3 / e2m1 times a
-    power of two fits in bf16), except the tensors the reference holds in fp32 (`head`,
-    `markov_head.head`, ratio > 1 `compressor.wkv/wgate`, `confidence_head.proj`), which are fp32;
-    the F32 tensors (`hc_*`, `attn_sink`, `gate.bias[_vl]`) stay fp32. `TensorSpec.held` owns this.
+    power of two fits in bf16), the BF16 tensors the reference holds in fp32 (`head`,
+    `markov_head.head`, ratio > 1 `compressor.wkv/wgate`, `confidence_head.proj`) included: their
+    fp32 GEMMs (`linear.lin_f32`) see the same values from half the bytes. The F32 tensors
+    (`hc_*`, `attn_sink`, `gate.bias[_vl]`) stay fp32. `TensorSpec.held` owns this.
   * Engram tables (`layers.L.engram.embed.weight/scale`) are NOT device arrays: they stay on the host
     as read-only memmaps (FP8 E4M3 rows, one E8M0 per 32 lanes) in `params["engram_tables"]`, an
     `EngramTables` registered as a static pytree node. It has no leaves, so `jax.jit`,

@@ -16,8 +16,9 @@ modules, and the official fixture checkpoints (tests/fixtures/dsv41_official) ar
     (`parameter_aliases.json`).
 
 `TensorSpec.held` is the dtype a tensor has in the params pytree after load (DESIGN.md,
-"Checkpoint -> params"): "bf16" (also every dequantized weight), "f32" (fp32 in the file, or
-bf16 in the file but held in fp32 by the reference), "scale" (consumed by dequantization) or
+"Checkpoint -> params"): "bf16" (also every dequantized weight, and the BF16 tensors the
+reference holds in fp32: their fp32 GEMMs take bf16 values, `linear.lin_f32`), "f32" (fp32 in
+the file), "scale" (consumed by dequantization) or
 "host" (Engram tables, kept as FP8 + E8M0 on the host). The routed experts' "bf16" is the
 dequantized choice; `load.held_as` swaps in the format the loader was asked for.
 
@@ -79,8 +80,8 @@ class _Table:
     def norm(self, name: str, dim: int) -> None:
         self.add(f"{name}.weight", (dim,), "BF16", "bf16")
 
-    def bf16(self, name: str, out_f: int, in_f: int, held: str = "bf16") -> None:
-        self.add(f"{name}.weight", (out_f, in_f), "BF16", held)
+    def bf16(self, name: str, out_f: int, in_f: int) -> None:
+        self.add(f"{name}.weight", (out_f, in_f), "BF16", "bf16")
 
     def fp8(self, name: str, out_f: int, in_f: int) -> None:
         """A default-dtype Linear: FP8 32x32 blocks in the published (quantized) format."""
@@ -113,11 +114,11 @@ def _attention(t: _Table, p: str, layer, opts: SchemaOptions) -> None:
     wo_a(f"{p}.wo_a", cfg.o_groups * cfg.o_lora_rank, hd // cfg.o_groups)
     t.fp8(f"{p}.wo_b", cfg.dim, cfg.o_groups * cfg.o_lora_rank)
     if layer.mode == Mode.FULL:
-        # ratio 1 is a plain bf16 projection; the ratio > 1 softmax pooling runs in fp32
-        held = "f32" if layer.ratio > 1 else "bf16"
-        t.bf16(f"{p}.compressor.wkv", cfg.head_dim, cfg.dim, held)
+        # ratio 1 is a plain bf16 projection; at ratio > 1 the reference holds both in fp32 and
+        # pools fp32 projections (`lin_f32` of the same bf16 values)
+        t.bf16(f"{p}.compressor.wkv", cfg.head_dim, cfg.dim)
         if layer.ratio > 1:
-            t.bf16(f"{p}.compressor.wgate", cfg.head_dim, cfg.dim, held)
+            t.bf16(f"{p}.compressor.wgate", cfg.head_dim, cfg.dim)
         t.norm(f"{p}.compressor.norm", cfg.head_dim)
         t.bf16(f"{p}.indexer.wk", cfg.index_head_dim, cfg.head_dim)
         t.norm(f"{p}.indexer.k_norm", cfg.index_head_dim)
@@ -176,9 +177,9 @@ def _draft_extras(t: _Table, p: str, stage: int) -> None:
     if stage == cfg.n_mtp_layers - 1:
         t.norm(f"{p}.norm", cfg.dim)
         t.bf16(f"{p}.markov_head.embed", cfg.vocab_size, cfg.dspark_markov_rank)
-        # bf16 in the file; the reference holds these two in fp32 (fp32 logits / confidence)
-        t.bf16(f"{p}.markov_head.head", cfg.vocab_size, cfg.dspark_markov_rank, "f32")
-        t.bf16(f"{p}.confidence_head.proj", 1, cfg.dim + cfg.dspark_markov_rank, "f32")
+        # the reference holds these two in fp32 (fp32 logits / confidence): `lin_f32` of their bf16 values
+        t.bf16(f"{p}.markov_head.head", cfg.vocab_size, cfg.dspark_markov_rank)
+        t.bf16(f"{p}.confidence_head.proj", 1, cfg.dim + cfg.dspark_markov_rank)
 
 
 def checkpoint_schema(cfg: ModelConfig, opts: SchemaOptions = SchemaOptions(),
@@ -187,7 +188,7 @@ def checkpoint_schema(cfg: ModelConfig, opts: SchemaOptions = SchemaOptions(),
     raise SchemaTooLarge as soon as the schema would hold more tensors than that."""
     t = _Table(cfg, limit)
     t.bf16("embed", cfg.vocab_size, cfg.dim)
-    t.bf16("head", cfg.vocab_size, cfg.dim, "f32")
+    t.bf16("head", cfg.vocab_size, cfg.dim)   # fp32 in the reference: `lin_f32` of its bf16 values
     t.norm("norm", cfg.dim)
     for layer in resolve_topology(cfg):
         if layer.is_draft:

@@ -97,8 +97,7 @@ def compress(p: dict, cfg: ModelConfig, ratio: int, h: jax.Array, state: Compres
 
 def projections(p: dict, h: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The fp32 inputs of the pooling: raw wkv (the values) and wgate (the pooling scores)."""
-    x = h.astype(jnp.float32)
-    return lin_f32(x, p["wkv"]["weight"]), lin_f32(x, p["wgate"]["weight"])
+    return lin_f32(h, p["wkv"]["weight"]), lin_f32(h, p["wgate"]["weight"])
 
 
 def group_latent(p: dict, cfg: ModelConfig, pooled: jax.Array, numerics: Numerics) -> jax.Array:
