@@ -106,6 +106,7 @@ def kernel_profile(run, calls: int, top: int = 12) -> dict:
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     per_call = lambda ns: round(ns / calls / 1e6, 4)
     return {"calls": calls, "lines": sorted(set(lines)), "device_ms_per_call": per_call(total_ns),
+            "launches_per_call": sum(c for _, c in totals.values()) / calls,
             "kernels": [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
                          "share": round(t / total_ns, 4) if total_ns else 0.0} for n, (t, c) in ranked[:top]],
             "pallas_ms_per_call": {k: per_call(totals[k][0]) for k in PALLAS_KERNELS if k in totals}}

@@ -1,6 +1,6 @@
 """Benchmark the Pallas kernels against their XLA paths at real V4.1 widths (bench_slice config).
 
-    python scripts/bench_kernels.py --out bench.json [--sections peak,attn,indexer,moe]
+    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe]
                                     [--budget SECONDS] [--smoke]
 
 Every case: after warm-up, five rounds of `--reps` calls queued back to back with one
@@ -32,6 +32,7 @@ from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth  # noqa: E402
+from v41_jax.linear import lin_f32  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
 from v41_jax.checkpoint.load import held_bytes  # noqa: E402
 from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
@@ -339,6 +340,28 @@ def bench_indexer(b: Bench, cfg: dict):
         shape_case(kind, bsz, s, ctx, reindex=reindex, sweep=[("best", best)], xla=bsz * s <= 1024)
 
 
+# ---- LM head ------------------------------------------------------------------------------------
+
+def bench_head(b: Bench, cfg: dict):
+    """The LM head (`linear.lin_f32`, bf16 normed rows) with the weight held in fp32 (an fp32 GEMM:
+    before) and in bf16 (one bf16 GEMM accumulating in fp32: the same products), interleaved per
+    row count; the largest |difference| of the two logits beside the largest |logit|."""
+    v, d = (1024, 256) if b.smoke else (cfg["vocab_size"], cfg["hidden_size"])
+    w16 = (jax.random.normal(jax.random.key(0), (v, d), jnp.float32) * d ** -0.5).astype(jnp.bfloat16)
+    w32 = w16.astype(jnp.float32)
+    head = jax.jit(lin_f32)
+    diffs = {}
+    for m in (1, 8, 32, 64):
+        x = jax.random.normal(jax.random.key(m), (m, d), jnp.bfloat16)
+        for name, w in (("fp32", w32), ("bf16", w16)):
+            b.case(f"head {name} weight M={m}", head, (x, w), layers=1, flops=2.0 * m * v * d,
+                   bytes_=w.nbytes + x.nbytes + 4 * m * v, rows=m, weight=name)
+        got, want = np.asarray(head(x, w16)), np.asarray(head(x, w32))
+        diffs[m] = {"max_abs_diff": float(np.abs(got - want).max()), "max_abs_logit": float(np.abs(want).max())}
+    b.results["head_check"] = diffs
+    b.save()
+
+
 # ---- MoE ----------------------------------------------------------------------------------------
 
 def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False,
@@ -520,7 +543,7 @@ def main(argv=None):
         cfg["n_routed_experts"] = args.experts
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
-    funcs = {"peak": bench_peak, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
+    funcs = {"peak": bench_peak, "head": bench_head, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
     for name in args.sections.split(","):
@@ -551,7 +574,7 @@ def print_table(res):
             print(f"{c['name']:<48} {c['ms']:>9.4f} ms {c['tflops']:>7.1f} TF/s {c['gbs']:>8.1f} GB/s{extra}")
         else:
             print(f"{c['name']:<48} {c.get('error') or c.get('skipped')}"[:160])
-    for k in ("attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups"):
+    for k in ("head_check", "attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups"):
         if k in res:
             print(k, res[k])
 

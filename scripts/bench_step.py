@@ -645,13 +645,14 @@ def main(argv=None) -> int:
             jax.block_until_ready((state["logits"], state["cache"]))
 
         try:
-            row["profile"] = prof = kernel_profile(run, args.profile)
+            row["profile"] = prof = kernel_profile(run, args.profile, top=30)
         except Exception as err:  # noqa: BLE001
             row["profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
             refill()
             continue
         res.save()
-        clock.log(f"profile {name}: {prof.get('device_ms_per_call')} ms of kernels per step; "
+        clock.log(f"profile {name}: {prof.get('device_ms_per_call')} ms of kernels per step in "
+                  f"{prof.get('launches_per_call')} launches; "
                   + ", ".join(f"{k['name']} {k['ms_per_call']:.3f}" for k in prof.get("kernels", [])[:8]))
 
     res.data["wall_s"] = round(clock(), 1)
