@@ -91,3 +91,25 @@ def test_kernel_profile_attributes_device_time_to_kernels():
     assert kernel_group("gemm_fusion_dot.3") == "gemm_fusion_dot"
     assert all(kernel_group(f"{k}_kernel_0") == k for k in PALLAS_KERNELS)
     assert kernel_group("moe_gemv_down") == "moe_gemv_down" and kernel_group("moe_down") == "moe_down"
+
+
+def test_bench_compile_cuts_configs_and_matches_the_loaders_layout():
+    """scripts/bench_compile.py: every cut of the released config is a valid config whose layers
+    are the released ones; its abstract params have the loader's layout (bench_step's specs)."""
+    from scripts import bench_compile as bc
+    from v41_jax.topology import resolve_topology
+    full = ModelConfig.from_file(str(ROOT / "v41_jax/configs/deepseek_v41_flash.config.json"))
+    whole = resolve_topology(full)
+    for n in (1, 2, 3, 6, 20, 21, 40):
+        cut = bc.cut(full, n)                        # validate() inside
+        topo = resolve_topology(cut)
+        assert cut.n_layers == n and cut.n_mtp_layers == full.n_mtp_layers
+        assert [(t.ratio, t.mode) for t in topo[:n]] == [(t.ratio, t.mode) for t in whole[:n]]
+    assert bc.cut(full, 40) == full
+    cfg = ModelConfig.from_file(TINY)
+    made = bs.random_params(cfg, seed=0, specs=bs.param_leaf_specs(cfg, "fp8"))
+    made.pop(ENGRAM_KEY)
+    assert _layout(bc.abstract_params(cfg, "fp8")) == _layout(made)
+    counts = bc.hlo_counts(jax.jit(lambda a: jax.lax.fori_loop(0, 3, lambda i, x: x * 2, a) + 1)
+                           .lower(np.ones(4, np.float32)).compile().as_text())
+    assert counts["while_loops"] == 1 and counts["instructions"] > counts["fusions"] >= 0
