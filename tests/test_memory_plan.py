@@ -36,7 +36,7 @@ def test_replicated_and_per_head_groups():
     dp = mp.param_bytes(LEAVES, "fp4", "dp", 2)
     tp = mp.param_bytes(LEAVES, "fp4", "tp", 2)
     assert dp["embed"] == tp["embed"] == 512 * 128 * 2           # bf16 [V, D]
-    assert dp["head"] == tp["head"] == 512 * 128 * 4             # held in fp32
+    assert dp["head"] == tp["head"] == 512 * 128 * 2             # bf16 (fp32 products of bf16 values)
     # per-head attention bytes per backbone layer: sink fp32 [4], wq_b [256, 64], wo_a [128, 128],
     # wo_b [128, 128] bf16; per scoring layer indexer wq_b [128, 64] and weights_proj [4, 128] bf16
     per_head = 7 * (4 * 4 + 3 * 2 * 256 * 64) + 3 * (2 * 128 * 64 + 2 * 4 * 128)

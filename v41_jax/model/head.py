@@ -4,7 +4,8 @@ There are no separate hc_head parameters: the last block's FFN-side pre-mix coll
 
 API
   final_hidden(params, cfg, x [..., N, D], pre [..., N]) -> (collapsed [..., D], normed [..., D])
-  lm_head(w [V, D] fp32, h [..., D]) -> fp32 [..., V]     logits in fp32 (the reference's fp32 head)
+  lm_head(w [V, D] bf16, h [..., D]) -> fp32 [..., V]     logits in fp32 (the reference's fp32 head:
+                                                           `lin_f32`, exact products of bf16 values)
 """
 
 from __future__ import annotations
