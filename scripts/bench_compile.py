@@ -3,7 +3,7 @@ cache (`jax.ShapeDtypeStruct`s: no weights, no device memory) and compiled, for 
 each layer count.
 
     python -m scripts.bench_compile --config v41_jax/configs/bench_slice.config.json \
-        --layers 1,2,4,6 --out R.json [--bucket 1x1x1] [--numerics fast] [--experts auto]
+        --layers 1,2,4,6 --out R.json [--bucket 1x1x1] [--numerics fast] [--experts auto] [--by-source N]
 
 Cutting a config to n layers (`cut`) keeps its first n backbone layers and its draft stages, and
 drops every layer id >= n from the source lists (kv, index, candidate, Engram, DSpark taps; taps
@@ -11,7 +11,10 @@ left empty move to the last layer). Per depth: seconds to trace + lower, seconds
 (`lowered.compile` with the engine's compiler options), and the size of the optimized HLO
 (instructions, fusions, while loops), in one process, depths in the given order; the process's
 CPU seconds too, which a shared host does not inflate. The compile cache is not used (each
-compile is a real one).
+compile is a real one). `--by-source N`: the optimized HLO's kernels (fusions, custom calls, sorts,
+...) by the model function that traced them, times the trip counts of the loops around them: the
+launches one call makes, on the backend that compiled (`kernels_by_source`; a loop whose trip
+count XLA does not record counts once).
 """
 
 from __future__ import annotations
@@ -75,7 +78,84 @@ def hlo_counts(text: str) -> dict:
             "while_loops": sum(" while(" in ln for ln in ops)}
 
 
-def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: str, context: int) -> dict:
+# ---- where the kernels come from: the optimized HLO's top-level kernels by the source function ----
+
+KERNEL_OPS = re.compile(r" (fusion|custom-call|sort|scatter|gather|dot|reduce|convolution)\(")
+HELPERS = ("v41_jax/numerics.py", "v41_jax/linear.py", "v41_jax/quant.py", "<string>")   # attributed to their caller
+
+
+def _table(text: str, name: str) -> list[str]:
+    part = text.split(f"\n{name}\n", 1)
+    return part[1].split("\n\n", 1)[0].splitlines() if len(part) == 2 else []
+
+
+def _frames(text: str) -> tuple[dict, dict]:
+    """(stack frame id -> (file, function), -> parent frame id) from the module's source tables."""
+    ids = lambda rows: {int(r.split()[0]): r.split(None, 1)[1].strip('"') for r in rows}
+    files, funcs = ids(_table(text, "FileNames")), ids(_table(text, "FunctionNames"))
+    loc = {int(m[1]): (files[int(m[2])], funcs[int(m[3])]) for m in
+           (re.match(r"(\d+) \{file_name_id=(\d+) function_name_id=(\d+)", r) for r in _table(text, "FileLocations"))}
+    where, parent = {}, {}
+    for m in (re.match(r"(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)", r) for r in _table(text, "StackFrames")):
+        where[int(m[1])], parent[int(m[1])] = loc[int(m[2])], int(m[3]) - 1   # printed: 1 + parent id, 0 = none
+    return where, parent
+
+
+def kernels_by_source(text: str, top: int = 25) -> list[dict]:
+    """Top-level kernel instructions of an optimized HLO module (fusions, custom calls, sorts, ...;
+    not the instructions inside a fusion) by the innermost model function that traced them (the
+    numerics / linear / quant helpers count for their caller), each weighted by the trip counts
+    of the while loops around it (once where XLA records no trip count): launches per call."""
+    where, parent = _frames(text)
+
+    def owner(frame: int) -> str:
+        seen = []
+        while frame in where:
+            f, fn = where[frame]
+            seen.append(f"{'/'.join(f.split('/')[-2:])}:{fn}")
+            if not f.endswith(HELPERS):
+                return seen[-1]
+            frame = parent[frame]
+        return seen[0] if seen else "?"
+
+    comps, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if m and line.rstrip().endswith("{"):
+            cur = comps.setdefault(m[1], [])
+        elif cur is not None and line.startswith("  "):
+            cur.append(line)
+    body_of, applied = {}, set()
+    for name, lines in comps.items():
+        for line in lines:
+            if " while(" in line:
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                body_of[re.search(r"body=%([\w.\-]+)", line)[1]] = (name, int(trips[1]) if trips else 1)
+            applied.update(re.findall(r"(?:calls|to_apply|condition)=%([\w.\-]+)", line))
+
+    def weight(name: str) -> int:
+        w = 1
+        while name in body_of:
+            name, n = body_of[name]
+            w *= n
+        return w
+
+    static, launches = {}, {}
+    for name, lines in comps.items():
+        if name in applied:
+            continue                                  # fused, reducer and condition computations
+        for line in lines:
+            if KERNEL_OPS.search(line):
+                m = re.search(r"stack_frame_id=(\d+)", line)
+                o = owner(int(m[1])) if m else "?"
+                static[o] = static.get(o, 0) + 1
+                launches[o] = launches.get(o, 0) + weight(name)
+    ranked = sorted(launches, key=lambda o: -launches[o])
+    return [{"source": o, "launches": launches[o], "instructions": static[o]} for o in ranked[:top]]
+
+
+def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: str, context: int,
+                  by_source: int = 0) -> dict:
     c = cut(cfg, n)
     fmt = typed_format(numerics.act_dtype)
     settings = EngineSettings(page_tokens=256, num_pages=1 + bucket.requests * -(-context // 256),
@@ -90,8 +170,12 @@ def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: s
     compiled = lowered.compile(compiler_options=compile_cache.compiler_options())
     t2, c2 = time.perf_counter(), time.process_time()
     # CPU seconds beside wall seconds: on a shared host the wall clock also counts other jobs
-    return {"layers": n, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
-            "lower_cpu_s": round(c1 - c0, 2), "compile_cpu_s": round(c2 - c1, 2), **hlo_counts(compiled.as_text() or "")}
+    text = compiled.as_text() or ""
+    row = {"layers": n, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
+           "lower_cpu_s": round(c1 - c0, 2), "compile_cpu_s": round(c2 - c1, 2), **hlo_counts(text)}
+    if by_source:
+        row["kernels_by_source"] = kernels_by_source(text, by_source)
+    return row
 
 
 def main(argv=None) -> int:
@@ -103,6 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto")
+    ap.add_argument("--by-source", type=int, default=0, metavar="N",
+                    help="also list the N source functions with the most kernel launches per call")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_file(args.config)
     bucket = Bucket(*(int(x) for x in args.bucket.split("x")))
@@ -111,8 +197,11 @@ def main(argv=None) -> int:
            "platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     for n in (int(x) for x in args.layers.split(",")):
-        rows.append(compile_depth(cfg, n, bucket, NUMERICS[args.numerics](), args.experts, args.context))
-        print(json.dumps(rows[-1]), flush=True)
+        rows.append(compile_depth(cfg, n, bucket, NUMERICS[args.numerics](), args.experts, args.context,
+                                  args.by_source))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels_by_source"}), flush=True)
+        for k in rows[-1].get("kernels_by_source", []):
+            print(f"  {k['launches']:6d} launches ({k['instructions']:4d} in the HLO)  {k['source']}", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
 

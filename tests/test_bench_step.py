@@ -5,6 +5,7 @@ command in the script's docstring, too slow for CI)."""
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -110,6 +111,17 @@ def test_bench_compile_cuts_configs_and_matches_the_loaders_layout():
     made = bs.random_params(cfg, seed=0, specs=bs.param_leaf_specs(cfg, "fp8"))
     made.pop(ENGRAM_KEY)
     assert _layout(bc.abstract_params(cfg, "fp8")) == _layout(made)
-    counts = bc.hlo_counts(jax.jit(lambda a: jax.lax.fori_loop(0, 3, lambda i, x: x * 2, a) + 1)
-                           .lower(np.ones(4, np.float32)).compile().as_text())
+    text = jax.jit(_loop_then_sort).lower(np.ones(64, np.float32)).compile().as_text()
+    counts = bc.hlo_counts(text)
     assert counts["while_loops"] == 1 and counts["instructions"] > counts["fusions"] >= 0
+    by = {k["source"].split(":")[-1]: k for k in bc.kernels_by_source(text)}
+    # the sort is one launch; the loop body's kernels run 7 times each
+    assert by["_loop_then_sort"]["launches"] >= 1 and by["_doubled"]["launches"] == 7 * by["_doubled"]["instructions"] > 0
+
+
+def _doubled(i, x):
+    return jnp.sin(x * 2.0 + i)
+
+
+def _loop_then_sort(a):
+    return jnp.sort(jax.lax.fori_loop(0, 7, _doubled, a))
