@@ -7,6 +7,7 @@ import re
 import shutil
 import struct
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -299,6 +300,12 @@ def test_orbax_cache_roundtrip_bit_exact(tiny, tmp_path, monkeypatch):
                                      experts="fp8")
     with pytest.raises(AssertionError, match="must not convert"):                 # nor another expert format
         converted.load_params_cached(out, cache, progress=False, experts="fp4")
+    # nor a loader that holds a tensor in another dtype than the one that converted the cache
+    schema = converted.checkpoint_schema
+    monkeypatch.setattr(converted, "checkpoint_schema",
+                        lambda c: {n: (replace(t, held="f32") if n == "head.weight" else t) for n, t in schema(c).items()})
+    with pytest.raises(AssertionError, match="must not convert"):
+        converted.load_params_cached(out, cache, progress=False, experts="fp8")
 
 
 # ---- malformed checkpoints ---------------------------------------------------------------------

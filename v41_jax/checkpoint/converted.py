@@ -26,17 +26,21 @@ from ..config import ModelConfig
 from ..quant import Fp4Weight, Fp8RowWeight
 from .load import ENGRAM_KEY, EngramTables, config_path, load_params, resolve_experts
 from .safetensors_io import INDEX_NAME, Checkpoint, inside
+from .schema import checkpoint_schema
 
 _SOURCE = "source.json"
 _PARAMS = "params"
 
 
 def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> str:
-    """sha256 over the config and expert format used, config.json, the index and each shard's name, size and header
-    bytes: it changes whenever a tensor's name, dtype, shape or placement does, or the config does.
-    Tensor bytes are not read (a shard rewritten in place with equal headers is not detected)."""
+    """sha256 over the config and expert format used, the dtype the loader holds each tensor in,
+    config.json, the index and each shard's name, size and header bytes: it changes whenever a
+    tensor's name, dtype, shape or placement does, the config does, or the loader's holding does
+    (a cache converted before would restore the old dtypes). Tensor bytes are not read (a shard
+    rewritten in place with equal headers is not detected)."""
     ckpt_dir = os.fspath(ckpt_dir)
     h = hashlib.sha256(repr(cfg).encode() + b"\0experts=" + experts.encode())
+    h.update(repr(sorted((name, spec.held) for name, spec in checkpoint_schema(cfg).items())).encode())
     ckpt = Checkpoint(ckpt_dir)   # checks that every file it names is inside the folder
     for fname in ("config.json", INDEX_NAME):
         if os.path.lexists(os.path.join(ckpt_dir, fname)):
