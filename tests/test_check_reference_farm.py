@@ -4,9 +4,11 @@ is exact on the reference's own taps, and injected defects fail wherever they ch
 computation (docs/MODEL.md §6).
 
 Each fixture costs one XLA compile per path and per mutant (~25 s of CPU each), so by default the
-suite runs a small subset (FORWARD / FREE / ENGINE / MUTANT_ON / MUTATE below: seven compiles,
-~5.5 min of one idle core); V41_FARM=all runs every fixture on every path and every mutant on
-every fixture.
+suite runs a small subset (FORWARD / FREE / ENGINE / MUTANT_ON / MUTATE below): ~75 s in CI
+before the cache-path mutant, which adds one engine run under the patch (that test alone: 104 s of
+CPU, with the conditioning and unmutated run the suite shares with test_farm_engine); V41_FARM=all
+runs every fixture on every path and every mutant on every fixture (49 tests, 69 min of wall time on
+2 cores shared with other work, docs/MODEL.md §6.5).
 """
 
 import contextlib
