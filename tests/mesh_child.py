@@ -130,7 +130,7 @@ def main(out: Path) -> dict:
 
     single = engine()
     want_tokens, want_logits = generate(single), teacher_forced(single, SETTINGS.slots - 1)
-    lap("tiny/1")
+    lap("tiny one device")
     tiny = {}
     for n in (1, 2, 4, 8):
         eng = engine(make_mesh(n))
@@ -145,10 +145,18 @@ def main(out: Path) -> dict:
                    "experts_split": eng.params["layers"][0]["ffn"]["experts"]["w1"].sharding.is_equivalent_to(spec, 3)}
         lap(f"tiny/{n}")
     # the released model's path: Engram tables on the host, decode tokens handed off through it
-    handoff = engine(make_mesh(8), device_engram=False)
+    handoff = engine(make_mesh(2), device_engram=False)
     report["tiny"] = {"want_tokens": want_tokens, "meshes": tiny, "handoff_tokens": generate(handoff),
                       "handoff_feedback": handoff.runner.device_feedback}
-    lap("tiny/8 host hand-off")
+    lap("tiny host hand-off")
+
+    # ---- the `modes` config (every attention mode, candidates, Engram on two layers) ------------
+    make_checkpoint(str(ROOT / "v41_jax/configs/modes.config.json"), str(out / "modes"), 0)
+    mcfg, mparams = load_mod.load_params(out / "modes", progress=False)
+    mtm = load_token_map(out / "modes/engram_token_map.json")
+    report["modes"] = {"want": generate(tiny_engine(mcfg, mparams, mtm)),
+                       "tokens": generate(tiny_engine(mcfg, mparams, mtm, make_mesh(4)))}
+    lap("modes")
 
     # ---- loading: each device's experts read alone, values equal, bytes as the plan ----------
     reads = []

@@ -94,3 +94,17 @@ def test_scheduler_places_a_request_on_the_rank_with_most_free_pages():
     ranks = [(s.slot // 2, min(s.pages) // 6, max(s.pages) // 6) for s in sch.running]
     # the first goes to rank 0 (a tie, the lower rank), the next two to rank 1 (5 - 3 free < 5)
     assert ranks == [(0, 0, 0), (1, 1, 1), (1, 1, 1)]
+
+
+def test_scheduler_budgets_are_per_rank():
+    """One request per step and rank, 4 tokens a step: two ranks run two requests' prefill chunks
+    side by side; a third request waits for a rank's request to finish."""
+    from v41_jax.runtime.request import Request
+    from v41_jax.runtime.scheduler import Scheduler
+    sch = Scheduler(num_pages=12, slots=4, max_requests=1, max_tokens=4, prefill_chunk=4, page_tokens=4,
+                    max_context=64, check=lambda r: None, eos_id=None, ranks=2)
+    for _ in range(3):
+        sch.add(Request(list(range(2, 8)), max_new_tokens=1))
+    plan = sch.schedule()
+    assert [(sch.rank_of(sp.seq), sp.length) for sp in plan.spans] == [(0, 4), (1, 4)]
+    assert len(sch.running) == 2 and len(sch.waiting) == 1

@@ -90,6 +90,12 @@ def test_sharded_tiny_gives_the_one_device_tokens_and_logits(report, n):
     assert r["logits_max_abs"] <= ATOL
 
 
+def test_sharded_modes_gives_the_one_device_tokens(report):
+    """`modes` (the released mode pattern in miniature: window, ratio-2 and ratio-1 compressed
+    attention with reuse and re-indexing, candidates) on 4 devices."""
+    assert report["modes"]["tokens"] == report["modes"]["want"]
+
+
 def test_host_engram_hand_off_on_a_mesh(report):
     """Engram tables kept on the host (as the released model's must be): each step's decode tokens
     and their Engram rows are filled into every rank's batch on the host, the same tokens."""

@@ -172,11 +172,10 @@ class Engine:
         width = 1 + cfg.dspark_block_size if spec and cfg.n_mtp_layers else 1
         buckets = buckets or default_buckets(max_batch, chunk, width, decode_bucket)
         per_request = -(-max_context // page_tokens)
-        ranks = 1 if mesh is None else mesh.size          # each rank: its share of the requests
-        share = lambda n: -(-n // ranks)
+        ranks = 1 if mesh is None else mesh.size          # each data-parallel rank: one device's sizes
         settings = EngineSettings(page_tokens=page_tokens,
-                                  num_pages=pages or ranks * (share(buckets.max_requests) * per_request + 1),
-                                  slots=ranks * share(max(slots, buckets.max_requests)), max_context=max_context,
+                                  num_pages=pages or ranks * (buckets.max_requests * per_request + 1),
+                                  slots=ranks * max(slots, buckets.max_requests), max_context=max_context,
                                   kv_format=fmt, index_format=fmt,
                                   draft_slack=cfg.dspark_block_size if spec and cfg.n_mtp_layers else 0)
         return cls(params, cfg, settings=settings, buckets=buckets, numerics=num, token_map=token_map,

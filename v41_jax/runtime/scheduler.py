@@ -244,8 +244,12 @@ class Scheduler:
         return out
 
     # ---- planning ------------------------------------------------------------------------------
+    def rank_of(self, seq: Sequence) -> int:
+        """The data-parallel rank a running request's slot (and pages) belong to."""
+        return seq.slot // self.slots.per if self.ranks > 1 else 0
+
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_requests and self.slots.available:
+        while self.waiting and len(self.running) < self.max_requests * self.ranks and self.slots.available:
             seq = self.waiting[0]
             rank = self._rank_for(self.pages_needed(seq.req))
             if rank is None:
@@ -256,37 +260,54 @@ class Scheduler:
             self.running.append(seq)
 
     def _rank_for(self, need: int) -> int | None:
-        """The rank a request needing `need` pages joins: of those with a free slot and the pages,
-        the one with the most free pages (then the lowest), or None."""
-        fits = [r for r in range(self.ranks) if self.slots.available_on(r) and self.pages.available_on(r) >= need]
+        """The rank a request needing `need` pages joins: of those with room for one more running
+        request, a free slot and the pages, the one with the most free pages (then the lowest), or None."""
+        running = [0] * self.ranks
+        for seq in self.running:
+            running[self.rank_of(seq)] += 1
+        fits = [r for r in range(self.ranks) if running[r] < self.max_requests and self.slots.available_on(r)
+                and self.pages.available_on(r) >= need]
         return max(fits, key=lambda r: (self.pages.available_on(r), -r)) if fits else None
 
     def schedule(self) -> StepPlan | None:
         """The next step's spans (decodes first, then prefill chunks), or None if nothing runs."""
         self._admit()
-        spans = []
+        # every budget is per data-parallel rank (one rank without a mesh): each rank's rows form
+        # their own batch of the bucket
+        spans, rank = [], self.rank_of
+        tokens_left, logits_left = [self.max_tokens] * self.ranks, [self.max_logits] * self.ranks
+        requests = [0] * self.ranks
         decoding = [s for s in self.running if not s.prefilling and s.planned_emits < s.budget and not s.awaiting]
         for seq in (s for s in decoding if not s.spec):
             spans.append(PlannedSpan(seq, seq.planned, 1, True, seq.planned >= len(seq.tokens)))
-        tokens_left = self.max_tokens - len(spans)
-        logits_left = self.max_logits - len(spans)
+            tokens_left[rank(seq)] -= 1
+            logits_left[rank(seq)] -= 1
+            requests[rank(seq)] += 1
         verifying = [s for s in decoding if s.spec]
         for i, seq in enumerate(verifying):
             # as many drafts as the budget can still emit and the bucket holds, one row kept for
-            # each verify after this one
-            left, after = seq.budget - seq.planned_emits, len(verifying) - i - 1
-            k = max(0, min(self.spec_block, left - 1, tokens_left - 1 - after, logits_left - 1 - after))
+            # each verify after this one on its rank
+            r = rank(seq)
+            left, after = seq.budget - seq.planned_emits, sum(rank(s) == r for s in verifying[i + 1:])
+            k = max(0, min(self.spec_block, left - 1, tokens_left[r] - 1 - after, logits_left[r] - 1 - after))
             spans.append(PlannedSpan(seq, seq.planned, 1 + k, True, False, k, left > 1))
-            tokens_left, logits_left = tokens_left - 1 - k, logits_left - 1 - k
-        room = min(self.prefill_chunk, tokens_left)
+            tokens_left[r], logits_left[r] = tokens_left[r] - 1 - k, logits_left[r] - 1 - k
+            requests[r] += 1
+        room = [min(self.prefill_chunk, t) for t in tokens_left]
+        stopped: set[int] = set()                    # FCFS per rank: nobody overtakes a chunk that did not fit
         for seq in (s for s in self.running if s.prefilling):
-            n = min(room, seq.prompt_len - seq.planned)
-            if n <= 0 or len(spans) >= self.max_requests or logits_left < 1:
-                break
+            r = rank(seq)
+            n = min(room[r], seq.prompt_len - seq.planned)
+            if r in stopped or n <= 0 or requests[r] >= self.max_requests or logits_left[r] < 1:
+                stopped.add(r)
+                if len(stopped) == self.ranks:
+                    break
+                continue
             last = seq.planned + n == seq.prompt_len
             spans.append(PlannedSpan(seq, seq.planned, n, last, False, 0, last and seq.spec and seq.budget > 1))
-            room -= n
-            logits_left -= 1
+            room[r] -= n
+            logits_left[r] -= 1
+            requests[r] += 1
         if not spans:
             return None
         for sp in spans:
