@@ -2,8 +2,9 @@
 
 jax fixes its device count when its backend starts, so these run in their own process with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8` (the rest of the suite keeps one device). The
-child joins a one-process `jax.distributed` run first (the multi-host path, docs/PARALLEL.md §4),
-runs every check, and prints one JSON report on its last line; the parent asserts on it.
+child runs every check and prints one JSON report on its last line; the parent asserts on it. It
+does not join a `jax.distributed` run: that switches even one process's CPU collectives to gloo
+over TCP; the two-process test (tests/mesh_hosts_child.py) covers that path.
 
     python -m tests.mesh_child OUT_DIR
 """
@@ -25,7 +26,6 @@ from v41_jax.checkpoint import load as load_mod
 from v41_jax.engram_hash import load_token_map
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.engine import Engine
-from v41_jax.runtime.mesh import initialize_distributed
 from v41_jax.runtime.metadata import Bucket, BucketSet
 from v41_jax.runtime.request import Request
 from tests.engine_common import ROOT  # also: the suite's persistent compilation cache
@@ -37,11 +37,6 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
-
-
-def _join_one_process_run() -> dict:
-    initialize_distributed(f"127.0.0.1:{free_port()}", num_processes=1, process_id=0)
-    return {"process_count": jax.process_count(), "devices": len(jax.devices())}
 
 
 # the tiny engine both children run: 8 slots, two small buckets, prompts of mixed lengths (their
@@ -65,7 +60,7 @@ def generate(eng: Engine) -> list[list[int]]:
 
 
 def main(out: Path) -> dict:
-    report = {"distributed": _join_one_process_run(), "seconds": {}}
+    report = {"seconds": {}}
     clock = [time.perf_counter()]
 
     def lap(name):
@@ -189,7 +184,8 @@ def main(out: Path) -> dict:
 
     # ---- the demo model from its checkpoint, mesh of 8 vs one device --------------------------
     demo = {}
-    kw = dict(numerics="fp32", max_batch=4, chunk=32, max_context=128, speculative=False)
+    # compile_cache_dir "": keep the suite's compilation cache (engine_common), not the user's
+    kw = dict(numerics="fp32", max_batch=4, chunk=32, max_context=128, speculative=False, compile_cache_dir="")
     texts = ["The module provides", "If you do much work on computers,"]
     one = Engine.from_checkpoint(ROOT / "models/demo", **kw)
     want = [r.tokens for r in one.generate(texts, max_new_tokens=6, ignore_eos=True)]

@@ -1,6 +1,6 @@
 """The step on a mesh of 2, 4 and 8 CPU devices (docs/PARALLEL.md §3): data-parallel attention and
 expert-parallel MoE give the one-device tokens; the cache stays split and donated; each device's
-experts are read from the checkpoint alone; the multi-host path joins a one-process run.
+experts are read from the checkpoint alone; two processes on localhost run the multi-host path.
 
 The checks run in one child process (`tests/mesh_child.py`) with 8 host devices: jax fixes its
 device count at start-up, and the rest of the suite runs on one device. Two more processes of 4
@@ -9,7 +9,7 @@ devices each (`tests/mesh_hosts_child.py`) run the multi-host path over localhos
 Tolerances: tokens are compared exactly (greedy). fp32 logits within 1e-4, as the cache-vs-forward
 suite (tests/step_equivalence_suite.py): the sharded step computes the same values and differs only
 in fp32 summation order (each rank's GEMMs see its own rows, the MoE's pair outputs are reduced
-across devices before the same in-order sum), observed 2.4e-6. The MoE alone: bit-equal wherever
+across devices before the same in-order sum), observed 2.4e-6 to 3.0e-6. The MoE alone: bit-equal wherever
 its pair outputs are rounded to the activation dtype before the sum (bf16, and the Pallas path in
 fp32); the XLA path in fp32 may fuse a pair's add into its GEMM on one device, which the
 cross-device sum cannot, so there the bound is that of two fp32 sums of the same k terms,
@@ -47,7 +47,7 @@ def out(tmp_path_factory):
 @pytest.fixture(scope="module")
 def report(out):
     return _last_json(subprocess.run([sys.executable, "-m", "tests.mesh_child", str(out)], cwd=ROOT, env=_env(8),
-                                     capture_output=True, text=True, timeout=1500))
+                                     capture_output=True, text=True, timeout=900))
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +55,20 @@ def hosts(report, out):
     """Two processes of 4 devices on localhost, one 8-device mesh (the child wrote the checkpoint)."""
     from tests.mesh_child import free_port
     port = str(free_port())
+    logs = [(open(out / f"host{i}.out", "w+"), open(out / f"host{i}.err", "w+")) for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.mesh_hosts_child", str(i), port, str(out / "tiny")],
-                              cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    done = [subprocess.CompletedProcess(p.args, p.wait(timeout=1500), *p.communicate()) for p in procs]
+                              cwd=ROOT, env=_env(4), stdout=o, stderr=e, text=True)   # files: no pipe fills up
+             for i, (o, e) in enumerate(logs)]
+    done = []
+    try:
+        for p, (o, e) in zip(procs, logs):
+            p.wait(timeout=900)
+            o.seek(0), e.seek(0)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, o.read(), e.read()))
+    finally:
+        for p in procs:                       # a host stuck in a collective must not outlive the test
+            p.kill()
     return [_last_json(d) for d in done]
-
-
-def test_multi_host_path_joins_a_one_process_run(report):
-    assert report["distributed"] == {"process_count": 1, "devices": 8}
 
 
 def test_two_processes_on_localhost_give_the_one_device_tokens(report, hosts):
