@@ -97,26 +97,33 @@ class SlotAllocator:
         self._free.append(slot)
 
 
-class RankedPages:
-    """`ranks` PageAllocators over equal ranges of the page ids: rank r owns [r * per, (r + 1) * per),
-    its first page its null page (the page 0 of its device's share of the cache)."""
+class _Ranked:
+    """`ranks` allocators of one kind over equal ranges of the ids: rank r owns [r * per, (r + 1) * per)."""
 
-    def __init__(self, num_pages: int, ranks: int):
-        if num_pages % ranks:
-            raise ValueError(f"num_pages: {num_pages} does not split over {ranks} ranks")
-        self.per = num_pages // ranks
-        self.pools = [PageAllocator(self.per) for _ in range(ranks)]
+    def __init__(self, n: int, ranks: int, what: str, make):
+        if n % ranks:
+            raise ValueError(f"{what}: {n} does not split over {ranks} ranks")
+        self.per = n // ranks
+        self.pools = [make(self.per) for _ in range(ranks)]
 
     @property
     def available(self) -> int:
         return sum(p.available for p in self.pools)
 
+    def available_on(self, rank: int) -> int:
+        return self.pools[rank].available
+
+
+class RankedPages(_Ranked):
+    """PageAllocators per rank; each rank's first page is its null page (the page 0 of its
+    device's share of the cache)."""
+
+    def __init__(self, num_pages: int, ranks: int):
+        super().__init__(num_pages, ranks, "num_pages", PageAllocator)
+
     @property
     def quarantined(self) -> int:
         return sum(p.quarantined for p in self.pools)
-
-    def available_on(self, rank: int) -> int:
-        return self.pools[rank].available
 
     def allocate(self, n: int, rank: int = 0) -> list[int]:
         return [rank * self.per + p for p in self.pools[rank].allocate(n)]
@@ -130,21 +137,11 @@ class RankedPages:
             pool.retire(completed_step)
 
 
-class RankedSlots:
-    """`ranks` SlotAllocators over equal ranges of the slot ids (rank r owns [r * per, (r + 1) * per))."""
+class RankedSlots(_Ranked):
+    """SlotAllocators per rank."""
 
     def __init__(self, slots: int, ranks: int):
-        if slots % ranks:
-            raise ValueError(f"slots: {slots} do not split over {ranks} ranks")
-        self.per = slots // ranks
-        self.pools = [SlotAllocator(self.per) for _ in range(ranks)]
-
-    @property
-    def available(self) -> int:
-        return sum(p.available for p in self.pools)
-
-    def available_on(self, rank: int) -> int:
-        return self.pools[rank].available
+        super().__init__(slots, ranks, "slots", SlotAllocator)
 
     def acquire(self, request_id, rank: int = 0) -> int:
         return rank * self.per + self.pools[rank].acquire(request_id)
