@@ -12,11 +12,10 @@ the default suite; it is killed after 5 minutes).
 Tolerances: tokens are compared exactly (greedy). fp32 logits within 1e-4, as the cache-vs-forward
 suite (tests/step_equivalence_suite.py): the sharded step computes the same values and differs only
 in fp32 summation order (each rank's GEMMs see its own rows, the MoE's pair outputs are reduced
-across devices before the same in-order sum), observed 2.4e-6 to 3.0e-6. The MoE alone: bit-equal wherever
-its pair outputs are rounded to the activation dtype before the sum (bf16, and the Pallas path in
-fp32); the XLA path in fp32 may fuse a pair's add into its GEMM on one device, which the
-cross-device sum cannot, so there the bound is that of two fp32 sums of the same k terms,
-(2k - 1) u sum|y| (u = 2^-24; the child computes it from the pair outputs).
+across devices before the same in-order sum), observed 2.3e-6 to 3.0e-6. The MoE alone: bit-equal
+wherever its pair outputs are rounded to the activation dtype before the sum (bf16 numerics, and
+the Pallas path in fp32). Not compared alone: the XLA path in fp32, whose GEMMs XLA:CPU sums in an
+order that depends on the program around them (one device, jitted vs eager: 3.6e-7 apart).
 """
 
 from __future__ import annotations
@@ -92,15 +91,16 @@ def test_two_processes_on_localhost_give_the_one_device_tokens(report, hosts):
 
 
 def test_expert_parallel_moe_equals_one_device(report):
+    """Bit-equal on every device count in bf16 numerics (XLA), on 8 in bf16 and fp32 (Pallas
+    interpret), and with routing skewed onto two devices' experts (the busiest device computes its
+    picks in two rounds)."""
+    assert {"fast/xla/2", "fast/xla/4", "fast/xla/8", "fast/xla/8/skewed", "fast/pallas/8",
+            "fp32/pallas/8"} <= set(report["moe"])
     for key, r in report["moe"].items():
-        numerics, backend, _ = key.split("/")
-        if numerics == "fp32" and backend == "xla":
-            assert r["max_abs"] <= r["bound"], key
-        else:
-            assert r["equal"], key
+        assert r["equal"], (key, r["max_abs"])
 
 
-@pytest.mark.parametrize("n", ["1", "2", "4", "8"])
+@pytest.mark.parametrize("n", ["2", "4", "8"])
 def test_sharded_tiny_gives_the_one_device_tokens_and_logits(report, n):
     r = report["tiny"]["meshes"][n]
     assert r["tokens"] == report["tiny"]["want_tokens"]
@@ -114,13 +114,15 @@ def test_sharded_modes_gives_the_one_device_tokens(report):
 
 
 def test_host_engram_hand_off_on_a_mesh(report):
-    """Engram tables kept on the host (as the released model's must be): each step's decode tokens
-    and their Engram rows are filled into every rank's batch on the host, the same tokens."""
-    assert report["tiny"]["handoff_feedback"] is False
-    assert report["tiny"]["handoff_tokens"] == report["tiny"]["want_tokens"]
+    """Engram tables kept on the host (as the released model's must be), on 2 devices: each step's
+    decode tokens and their Engram rows are filled into every rank's batch on the host; the
+    one-device tokens and logits (`test_sharded_tiny_...[2]`). 4 and 8 devices gather on the device."""
+    meshes = report["tiny"]["meshes"]
+    assert meshes["2"]["device_feedback"] is False and meshes["4"]["device_feedback"] is True
+    assert meshes["2"]["tokens"] == report["tiny"]["want_tokens"]
 
 
-@pytest.mark.parametrize("n", ["2", "4", "8"])       # a one-device mesh splits nothing
+@pytest.mark.parametrize("n", ["2", "4", "8"])
 def test_cache_and_experts_stay_split_and_the_cache_donated(report, n):
     r = report["tiny"]["meshes"][n]
     assert r["donated"] and r["cache_split"] and r["experts_split"]
@@ -140,8 +142,13 @@ def test_orbax_cache_saves_and_restores_sharded(report):
     assert report["load"]["restored_split"] and report["load"]["restored_equal"]
 
 
-def test_sharded_demo_model_gives_the_one_device_tokens(report):
-    assert report["demo"]["tokens"] == report["demo"]["want"]
+def test_sharded_demo_model_speculates_to_the_one_device_tokens(report):
+    """DSpark on the mesh: the demo model's trained draft stages, three requests (each on the rank
+    with the most free pages) of 8, fp32; greedy tokens equal one device's, and the mesh really
+    verified and accepted drafts."""
+    demo = report["demo"]
+    assert demo["speculative"] and demo["spec"]["verifies"] > 0 and demo["spec"]["accepted"] > 0, demo["spec"]
+    assert demo["tokens"] == demo["want"]
 
 
 def test_demo_bytes_per_device_as_planned(report):

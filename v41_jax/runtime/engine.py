@@ -130,9 +130,10 @@ class Engine:
             self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record, device_engram,
                                  self.speculative)
         else:
-            if record or self.speculative:
-                raise ValueError("a mesh runs neither recording nor speculative steps yet (speculative=False)")
-            self.runner = MeshRunner(params, cfg, geom, numerics, buckets, token_map, device_engram, mesh=mesh)
+            if record:
+                raise ValueError("a mesh does not record intermediates yet (record=False)")
+            self.runner = MeshRunner(params, cfg, geom, numerics, buckets, token_map, device_engram,
+                                     self.speculative, mesh=mesh)
         self.reset()
 
     @classmethod

@@ -17,7 +17,9 @@ One mesh axis, `AXIS`, of N devices; device r is data-parallel rank r:
   shardings, the cache donated. Every rank's batch has the same bucket (the smallest that holds
   the busiest rank), so one executable serves every step of that bucket.
 
-Not yet under a mesh (refused): DSpark speculation, recording intermediates, teacher forcing.
+DSpark speculation runs as on one device, each rank verifying and drafting for its own requests
+(the draft stages' MoE expert-parallel too where their experts split). Not yet under a mesh
+(refused): recording intermediates, teacher forcing.
 
 Multi-host: `initialize_distributed` wraps `jax.distributed.initialize`; after it `jax.devices()`
 lists every host's devices and `make_mesh` spans them (docs/PARALLEL.md §4).
@@ -25,6 +27,7 @@ lists every host's devices and `make_mesh` spans them (docs/PARALLEL.md §4).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, NamedTuple, Sequence
 
@@ -37,11 +40,12 @@ from v41_jax.cache.geometry import CacheGeometry
 from v41_jax.config import ModelConfig
 from v41_jax.model.expert_parallel import ExpertAxis
 from v41_jax.model.numerics import Numerics
+from v41_jax.runtime import compile_cache
 from v41_jax.runtime.metadata import Bucket, BucketSet, BuiltStep, Span, build_step
 from v41_jax.runtime.packed import BatchLayout, PackedBatch
 from v41_jax.runtime.runner import InFlight, Prepared, Ran, Runner
 from v41_jax.runtime.scheduler import StepPlan, StepResult
-from v41_jax.runtime.step import StepOutput, check_cache_dtype, step
+from v41_jax.runtime.step import StepOutput, check_cache_dtype, check_speculative, step
 
 AXIS = "dp"
 
@@ -111,15 +115,17 @@ def local_geometry(cfg: ModelConfig, geom: CacheGeometry, n: int) -> CacheGeomet
     return CacheGeometry.build(cfg, replace(s, slots=s.slots // n, num_pages=s.num_pages // n))
 
 
-def make_mesh_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, mesh: Mesh, specs: Any):
+def make_mesh_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, mesh: Mesh, specs: Any,
+                   speculative: bool = False):
     """The jitted sharded step: fn(params, cache, packed [N, ...], *, layout) -> StepOutput whose
     cache is the global cache and whose other fields carry a leading rank axis [N, ...].
-    geom: one rank's geometry (`local_geometry`)."""
+    geom: one rank's geometry (`local_geometry`); speculative: as `step`."""
     check_cache_dtype(geom, numerics)
+    check_speculative(cfg, geom, speculative)
 
     def local(params, cache, packed: PackedBatch, *, layout: BatchLayout) -> StepOutput:
         out = step(params, cache, layout.unpack(PackedBatch(packed.words[0], packed.bytes[0])),
-                   cfg=cfg, geom=geom, numerics=numerics)
+                   cfg=cfg, geom=geom, numerics=numerics, speculative=speculative)
         lead = lambda a: a[None]
         return out._replace(tokens=lead(out.tokens), logprobs=lead(out.logprobs), found=lead(out.found),
                             logits=lead(out.logits), accepted=lead(out.accepted), drafts=lead(out.drafts))
@@ -166,14 +172,14 @@ class MeshRunner(Runner):
 
     def __init__(self, params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics,
                  buckets: BucketSet, token_map: np.ndarray | None = None, device_engram: bool | None = None,
-                 *, mesh: Mesh):
+                 speculative: bool = False, *, mesh: Mesh):
         self.mesh, self.ranks = mesh, mesh.size
         self.local_geom = local_geometry(cfg, geom, self.ranks)
         super().__init__(expert_blocks(params, self.ranks), cfg, geom, numerics, buckets, token_map,
-                         device_engram=device_engram)
+                         device_engram=device_engram, speculative=speculative)
         self.specs = param_specs(self.params)
         self.params = jax.tree.map(place, self.params, named(mesh, self.specs))
-        self.step_fn = make_mesh_step(cfg, self.local_geom, numerics, mesh, self.specs)
+        self.step_fn = make_mesh_step(cfg, self.local_geom, numerics, mesh, self.specs, speculative)
 
     def make_step_fn(self):
         return None      # set once the params are placed (`__init__`)
@@ -254,15 +260,18 @@ class MeshRunner(Runner):
                           tuple(c[on] for c in codes), tuple(s[on] for s in scales), nxt[on])
             device_batch = self.send(ranked.bucket, [x.batch for x in ranked.built])
         out = self._launch(ranked.bucket, device_batch, prep.fresh)
-        for a in (out.tokens, out.found) + ((out.logprobs,) if prep.logprobs else ()):
+        for a in ((out.tokens, out.found) + ((out.logprobs,) if prep.logprobs else ())
+                  + ((out.accepted, out.drafts) if self.speculative else ())):
             a.copy_to_host_async()
         return InFlight(prep.plan.step_id, out, prep.logprobs, prep.built)
 
     def collect(self, flight: InFlight) -> StepResult:
         out, ranked = flight.out, flight.built
-        return StepResult(flight.step_id, self.global_rows(ranked, np.asarray(out.tokens)),
-                          np.asarray(out.found)[ranked.rank, ranked.index],
-                          self.global_rows(ranked, np.asarray(out.logprobs)) if flight.logprobs else None)
+        per_span = lambda a: np.asarray(a)[ranked.rank, ranked.index]      # [N, R, ...] -> span order
+        return StepResult(flight.step_id, self.global_rows(ranked, np.asarray(out.tokens)), per_span(out.found),
+                          self.global_rows(ranked, np.asarray(out.logprobs)) if flight.logprobs else None,
+                          per_span(out.accepted) if self.speculative else None,
+                          per_span(out.drafts) if self.speculative else None)
 
     @staticmethod
     def global_rows(ranked: RankedStep, per_rank: np.ndarray) -> np.ndarray:
@@ -279,12 +288,20 @@ class MeshRunner(Runner):
         fresh[[s.slot for s in spans if s.position == 0]] = True
         out = self._launch(ranked.bucket, self.send(ranked.bucket, [b.batch for b in ranked.built]), fresh)
         rows = lambda a: self.global_rows(ranked, np.asarray(a))
+        per_span = lambda a: np.asarray(a)[ranked.rank, ranked.index]
         return Ran(out._replace(tokens=rows(out.tokens), logprobs=rows(out.logprobs), logits=rows(out.logits),
-                                found=np.asarray(out.found)[ranked.rank, ranked.index]), ranked)
+                                found=per_span(out.found), accepted=per_span(out.accepted),
+                                drafts=per_span(out.drafts)), ranked)
 
     def warmup(self, concurrent: bool = True) -> None:
-        """Compile every bucket's sharded step (no serialized executables under a mesh yet)."""
-        for bucket in self.buckets.buckets:
+        """Compile every bucket's sharded step (concurrently: XLA compiles outside the GIL) with the
+        options the one-device step gets (CUDA command buffers on a GPU); no serialized executables
+        under a mesh yet."""
+        def compile_one(bucket: Bucket):
             batch = self.send(bucket, [build_step(self.local_geom, self.cfg, bucket, []).batch] * self.ranks)
-            self.compiled[bucket] = self.step_fn.lower(self.params, self.cache, batch,
-                                                       layout=self.layout(bucket)).compile()
+            lowered = self.step_fn.lower(self.params, self.cache, batch, layout=self.layout(bucket))
+            return bucket, lowered.compile(compiler_options=compile_cache.compiler_options())
+
+        buckets = self.buckets.buckets
+        with ThreadPoolExecutor(max_workers=len(buckets) if concurrent else 1) as pool:
+            self.compiled.update(pool.map(compile_one, buckets))
