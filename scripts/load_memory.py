@@ -13,10 +13,11 @@ What the plan says:
 * per device: `tools.memory_plan.param_bytes` for "dp" over N devices (params only; the Engram
   tables stay memory-mapped on the host);
 * host: on a CPU mesh the devices' memory is host memory, so the anonymous growth should be the
-  sum of the devices' bytes (N x the plan) and the file pages at most the checkpoint's bytes;
-  what a load holds on the host beyond that is its transient, one unit's conversion at a time:
-  at most the largest unit the host converts at once (a replicated tensor whole, or one device's
-  block of an expert stack), read + converted, which the script reports as the bound. On a GPU
+  devices' distinct buffers (CPU devices may share a replicated leaf's) plus what XLA and the
+  allocator keep, and the file pages at most the checkpoint's bytes; numpy's own peak
+  (tracemalloc) is the loader's host copies (on CPU, XLA may keep numpy buffers as device data);
+  what a load holds on the host beyond that is its transient: the stacks of experts it reads with
+  `np.stack` (one device's block of each), reported as `largest_stacked_read_bytes`. On a GPU
   host only the file pages and that transient are host memory.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m scripts.load_memory \\
@@ -130,35 +131,32 @@ def main(argv=None) -> dict:
                              if leaf.sharding.is_fully_replicated)
     plan = memory_plan.param_bytes(memory_plan.param_leaves(cfg), experts, "dp", mesh.size)
     plan_device = sum(plan.values())
-    # the largest unit the host converts at once: its stored bytes read + its held bytes made
-    # (a stack of experts: one device's block of it)
+    # the largest host copy a load makes: a stack of experts is read by `np.stack` (one device's
+    # block of it when split), its codes and scales as stored; every other tensor is a zero-copy
+    # view of the map, and the conversion to the held dtype runs in XLA
     ck = Checkpoint(ckpt)
     schema = load_mod.validate_checkpoint(ck, cfg)[1]
     largest = 0
     for unit in load_mod.param_units(schema).values():
-        names = unit.names
-        if unit.stacked and mesh_mod.splits(len(names), mesh.size):
-            names = names[:len(names) // mesh.size]
-        spec = schema[names[0]]
-        scales = [n.removesuffix(".weight") + ".scale" for n in names]
-        stored = sum(ck.info(n).nbytes for n in [*names, *(s for s in scales if s in schema)])
-        shape = (len(names), *spec.shape) if unit.stacked else spec.shape
-        shape = (*shape[:-1], shape[-1] * (2 if spec.dtype == "I8" else 1))
-        largest = max(largest, stored + load_mod.held_bytes(load_mod.held_as(spec, unit, experts), shape))
+        if unit.stacked:
+            names = unit.names[:len(unit.names) // mesh.size] if mesh_mod.splits(len(unit.names), mesh.size) \
+                else unit.names
+            scales = [n.removesuffix(".weight") + ".scale" for n in names]
+            largest = max(largest, sum(ck.info(n).nbytes for n in [*names, *(s for s in scales if s in schema)]))
     devices_total = sum(held.values())
     report = {
         "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
-        "devices": mesh.size, "experts": experts, "checkpoint": {"files": len(files), "bytes": file_bytes,
+        "devices": mesh.size, "experts": experts, "checkpoint": {"path": ckpt, "files": len(files), "bytes": file_bytes,
                                                                   "config": args.make or ckpt},
         "per_device_bytes": sorted(set(held.values())), "plan_per_device_bytes": plan_device,
         "per_device_over_plan": max(held.values()) / plan_device,
         "devices_total_bytes": devices_total, "distinct_device_buffer_bytes": sum(buffers.values()),
-        "largest_unit_transient_bytes": largest, "largest_replicated_leaf_bytes": largest_replicated,
+        "largest_stacked_read_bytes": largest, "largest_replicated_leaf_bytes": largest_replicated,
         # numpy's peak host bytes (tracemalloc) while loading (the expert blocks and tensors read
         # from the map and stacked) and while replicating (`place`: a leaf's host copy)
         "host_numpy_peak_bytes": {"load": host_load, "place": host_place},
         "host_numpy_held_after_load_bytes": host_held,
-        "host_numpy_peak_over_largest_unit": host_load / largest,
+        
         "rss": {"start": start, "loaded": loaded, "placed": placed},
         "anon_growth_bytes": placed["RssAnon"] - start["RssAnon"],
         "anon_growth_over_devices_total": (placed["RssAnon"] - start["RssAnon"]) / devices_total,

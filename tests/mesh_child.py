@@ -42,13 +42,16 @@ def free_port() -> int:
 # the tiny engine both children run: 8 slots, two small buckets, prompts of mixed lengths (their
 # chunked prefills and decodes share steps)
 BUCKETS = BucketSet((Bucket(tokens=8, requests=4, logits=8), Bucket(tokens=24, requests=4, logits=8)))
+# the larger bucket alone: the same steps (the largest bucket sets a step's limits), padded to it,
+# one compile per engine instead of two; the mesh of 8 keeps both (a rank's bucket choice)
+ONE_BUCKET = BucketSet(BUCKETS.buckets[-1:])
 SETTINGS = EngineSettings(page_tokens=8, num_pages=96, slots=8, max_context=128, kv_format="f32",
                           index_format="f32")
 PROMPT_LENGTHS = (5, 23, 40, 9)
 
 
-def tiny_engine(cfg, params, token_map, mesh=None, device_engram=None) -> Engine:
-    return Engine(params, cfg, settings=SETTINGS, buckets=BUCKETS, numerics=Numerics.fp32(),
+def tiny_engine(cfg, params, token_map, mesh=None, device_engram=None, buckets=BUCKETS) -> Engine:
+    return Engine(params, cfg, settings=SETTINGS, buckets=buckets, numerics=Numerics.fp32(),
                   token_map=token_map, prefill_chunk=16, speculative=False, mesh=mesh,
                   device_engram=device_engram)
 
@@ -115,7 +118,7 @@ def main(out: Path) -> dict:
     cfg, params = load_mod.load_params(out / "tiny", progress=False)
     token_map = load_token_map(out / "tiny/engram_token_map.json")
     tf_tokens = rng.integers(3, cfg.vocab_size - 1, 24)
-    engine = lambda mesh=None, **kw: tiny_engine(cfg, params, token_map, mesh, **kw)
+    engine = lambda mesh=None, **kw: tiny_engine(cfg, params, token_map, mesh, buckets=ONE_BUCKET, **kw)
 
     def teacher_forced(eng, slot):
         """24 tokens in spans of 8 on `slot` (its rank's pages), every row's logits -> [24, V]."""
@@ -134,7 +137,8 @@ def main(out: Path) -> dict:
     for n in (2, 4, 8):
         # on 2 devices the released model's path: Engram tables on the host, each step's decode
         # tokens and their Engram rows handed off through it
-        eng = engine(make_mesh(n), device_engram=False if n == 2 else None)
+        eng = (engine(make_mesh(n), device_engram=False) if n == 2 else engine(make_mesh(n)) if n == 4 else
+               tiny_engine(cfg, params, token_map, make_mesh(n)))
         got = generate(eng)
         before = eng.cache.window
         logits = teacher_forced(eng, SETTINGS.slots - 1)       # the last rank's last slot
@@ -151,8 +155,8 @@ def main(out: Path) -> dict:
     make_checkpoint(str(ROOT / "v41_jax/configs/modes.config.json"), str(out / "modes"), 0)
     mcfg, mparams = load_mod.load_params(out / "modes", progress=False)
     mtm = load_token_map(out / "modes/engram_token_map.json")
-    report["modes"] = {"want": generate(tiny_engine(mcfg, mparams, mtm)),
-                       "tokens": generate(tiny_engine(mcfg, mparams, mtm, make_mesh(4)))}
+    report["modes"] = {"want": generate(tiny_engine(mcfg, mparams, mtm, buckets=ONE_BUCKET)),
+                       "tokens": generate(tiny_engine(mcfg, mparams, mtm, make_mesh(4), buckets=ONE_BUCKET))}
     lap("modes")
 
     # ---- loading: each device's experts read alone, values equal, bytes as the plan ----------
