@@ -12,6 +12,8 @@ decode step in the same bucket, measured in the same process:
   decoding, the b-row bucket), i.e. the period of the pipelined loop;
 * `alone`: the same compiled executable called back to back on a decode batch of b requests with
   its inputs already on the device (no host work at all): the device's own step time;
+* `steps_reusing_batch`: steps launched on the batch already on the device (steady decoding,
+  `Runner.steady`: nothing built or sent), of `steps_prepared`;
 * `sync`: the loop the engine had before the Scheduler/Runner split, rebuilt from the same
   pieces: per step a blocking read of the cursors, the batch built on the host, the step, and a
   blocking read of its tokens before the next step is built.
@@ -113,6 +115,14 @@ def main(argv=None) -> int:
                            (engine.scheduler, ("schedule", "update"))):
             for name in names:
                 _timed(obj, name, phases)
+        reused = []                                       # per prepare: the batch on the device served again
+        steady = engine.runner.steady
+
+        def counted(plan):
+            prep = steady(plan)
+            reused.append(prep is not None)
+            return prep
+        engine.runner.steady = counted
         marks = []                                        # (time, the step just launched is a full decode)
         while engine.has_work:
             engine.step()
@@ -137,7 +147,7 @@ def main(argv=None) -> int:
         fn = runner.compiled[bucket]
         dev_batch = runner.send(bucket, build_step(engine.geom, cfg, bucket, spans()).batch)
 
-        for name in ("prepare", "collect", "dispatch", "_launch"):
+        for name in ("prepare", "collect", "dispatch", "_launch", "steady"):
             del runner.__dict__[name]                     # unwrap
 
         calls = []
@@ -172,7 +182,8 @@ def main(argv=None) -> int:
                "steady_steps": len(steady), "alone_call_return_ms": float(np.median(calls[1:]) * 1e3),
                "alone_fresh_inputs_ms": fresh_s * 1e3,
                "alone_fresh_call_return_ms": float(np.median(fresh_calls[1:]) * 1e3),
-               "host_ms_median": {k: float(np.median(v) * 1e3) for k, v in phases.items()}}
+               "host_ms_median": {k: float(np.median(v) * 1e3) for k, v in phases.items()},
+               "steps_reusing_batch": int(sum(reused)), "steps_prepared": len(reused)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = {"config": args.config, "device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -9,8 +9,8 @@
 
 `generate`: per batch b, b requests (the prompts file cycled; greedy, EOS ignored) through
 `Engine.generate`, speculative off and on, one engine each (each run once untimed first); tokens/s
-of each, the speed-up, and the measured tokens per verify (drafts accepted + 1) and acceptance
-per draft position.
+and ms per step of each, the speed-up, the measured tokens per verify (drafts accepted + 1),
+acceptance per draft position, and the share of requests whose tokens equal the plain run's.
 
 `steps`: per batch b, compiled executables called back to back with their inputs on the device:
 a plain decode step (plain engine, b x 1 rows), the same decode step of a speculating engine (it
@@ -73,7 +73,7 @@ def _generate(args) -> list[dict]:
                         tokenizer=engines[True].tokenizer)
     prompts = [p for p in parsed if not isinstance(p, Exception)]
     for b in args.batches:
-        row = {"batch": b}
+        row, tokens = {"batch": b}, {}
         for spec, engine in engines.items():
             engine.reset()
             reqs = [prompts[i % len(prompts)] for i in range(b)]
@@ -81,14 +81,17 @@ def _generate(args) -> list[dict]:
             engine.generate(reqs)                 # untimed: first-call costs outside the figures
             engine.reset()
             stats = Stats()
-            engine.generate(reqs, stats=stats)
+            tokens[spec] = [r.tokens for r in engine.generate(reqs, stats=stats)]
             key = "spec" if spec else "plain"
             row[f"{key}_tokens_per_s"] = stats.tokens_per_s
             row[f"{key}_steps"] = stats.steps
+            row[f"{key}_ms_per_step"] = stats.run_s / stats.steps * 1e3
             if spec:
                 row.update(tokens_per_verify=stats.tokens_per_verify, acceptance_at=stats.acceptance_at,
                            drafts_proposed=stats.drafts_proposed, drafts_accepted=stats.drafts_accepted)
         row["speedup"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
+        # greedy: equal unless the batch shapes move a near-tie (`fast` numerics on a GPU)
+        row["requests_equal_to_plain"] = sum(x == y for x, y in zip(tokens[False], tokens[True])) / b
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

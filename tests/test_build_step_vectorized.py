@@ -27,7 +27,7 @@ from tests.engine_common import SETTINGS
 from v41_jax.cache.bookkeeping import NULL_PAGE
 from v41_jax.cache.geometry import CacheGeometry
 from v41_jax.config import ModelConfig
-from v41_jax.runtime.metadata import Bucket, BuiltStep, Span, StepBatch, build_step, no_pending, no_spec, plan_capacity
+from v41_jax.runtime.metadata import Bucket, BuiltStep, Span, StepBatch, build_step, no_spec, plan_capacity
 from v41_jax.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +144,8 @@ def _reference_build_step(geom, cfg, bucket, spans) -> BuiltStep:
         ring_writes=_reference_pad_rows(ring_writes, plan_capacity(bucket, geom.comp_ring), 3),
         cursor_rows=cursor_rows, engram_codes=engram_codes, engram_scales=engram_scales,
         logit_rows=np.pad(np.asarray(logit_rows, np.int32), (0, bucket.logits - len(logit_rows))),
-        **_reference_sampler_rows(samplers, bucket.logits), **no_pending(cfg, t_cap, r_cap), **no_spec(geom, cfg, r_cap))
+        **_reference_sampler_rows(samplers, bucket.logits), pending=np.zeros(t_cap, bool),
+        pending_req=np.zeros(r_cap, bool), **no_spec(geom, cfg, r_cap))
     return BuiltStep(batch, bucket, tuple(logit_owner))
 
 

@@ -214,27 +214,30 @@ def test_deepseek_v4_tokenizer_map(released):
 
 
 @pytest.mark.parametrize("config", ["tiny", "deepseek_v41_flash"])
-def test_device_decode_ids_equal_hash_ids(config):
-    """A decode token hashed on the device (history halves from the host, uint32 modular
-    arithmetic) gives exactly the host's ids, at the sequence start, after DEAD entries and with
-    the released config's primes (~1.6e7, near the 2^24 bound)."""
+def test_device_span_ids_equal_hash_ids(config):
+    """Spans of 1-6 tokens hashed on the device (lookback from the cursor's history and the span's
+    own ids, uint32 products and modular arithmetic) give exactly the host's ids, at the sequence
+    start, after DEAD entries and with the released config's primes (~1.6e7, near the 2^24 bound)."""
     import jax.numpy as jnp
 
-    from v41_jax.engram_hash import EngramCursor, EngramHasher, device_decode_ids
+    from v41_jax.engram_hash import EngramCursor, EngramHasher, device_bucket_ids, device_lookback
 
     cfg = ModelConfig.from_file(f"v41_jax/configs/{config}.config.json")
     rng = np.random.default_rng(0)
     h = EngramHasher(cfg, rng.integers(0, cfg.engram_compressed_vocab_size, cfg.vocab_size))
-    consts = h.device_constants()
-    k = 60
-    pos = rng.integers(0, 6, k)
-    pos[::3] += 100
-    hist = rng.integers(0, cfg.engram_compressed_vocab_size, (k, h.max_ngram_size - 1))
-    hist[pos < 3] = -1
-    hist[::7, 1] = -1
-    rows = np.concatenate([pos[:, None], hist], axis=1)
-    toks = rng.integers(0, cfg.vocab_size, k)
-    want = np.stack([h.hash_ids(EngramCursor.from_row(r), np.asarray([t]))[0][0] for r, t in zip(rows, toks)])
-    got = device_decode_ids({n: jnp.asarray(v) for n, v in consts.items()}, jnp.asarray(toks),
-                            jnp.asarray(h.decode_history(rows)), cfg.engram_n_heads)
-    np.testing.assert_array_equal(np.asarray(got), want)
+    consts = {n: jnp.asarray(v) for n, v in h.device_constants().items()}
+    n, hist_len = h.max_ngram_size, h.max_ngram_size - 1
+    for k in range(30):
+        pos = int(rng.integers(0, 6)) + (100 if k % 3 == 0 else 0)
+        hist = rng.integers(0, cfg.engram_compressed_vocab_size, hist_len)
+        hist[: max(0, hist_len - pos)] = -1
+        if k % 7 == 0:
+            hist[1] = -1
+        toks = rng.integers(0, cfg.vocab_size, int(rng.integers(1, 7)))
+        want = h.hash_ids(EngramCursor(pos, tuple(hist.tolist())), toks)[0]
+        ext = np.concatenate([hist, h.token_map[toks]])                   # history, then the span's ids
+        j = np.arange(len(toks))
+        context = ext[hist_len + j[:, None] - np.arange(n)[None, :]]      # slot s = s tokens back
+        got = device_bucket_ids(consts, device_lookback(consts, jnp.asarray(context, jnp.int32),
+                                                        jnp.asarray(pos + j)), cfg.engram_n_heads)
+        np.testing.assert_array_equal(np.asarray(got), want)

@@ -73,7 +73,10 @@ def _plain(engine: Engine, reqs: list[Request]) -> dict:
 
 class Oracle:
     """Wraps the runner's `collect`: checks each verify's acceptance against the forced one and
-    replaces the step's drafts by the reference continuation, wrong at position m (cycling)."""
+    replaces the step's drafts by the reference continuation, wrong at position m (cycling), in
+    the host's copy and in the slot (a pipelined verify span reads its drafts there). So that the
+    next verify span reads the replaced drafts, each step that drafts is read before the next
+    step is planned (its requests await it, as without device feedback)."""
 
     def __init__(self, engine: Engine, reference: dict, prompts: dict):
         self.engine, self.blk = engine, engine.cfg.dspark_block_size
@@ -85,6 +88,14 @@ class Oracle:
         self.device_drafts: list = []       # (rid, committed tokens, first, drafts) before replacement
         self.collect = engine.runner.collect
         engine.runner.collect = self
+        schedule = engine.scheduler.schedule
+
+        def read_drafts_first():
+            plan = schedule()
+            for sp in plan.spans if plan is not None else ():
+                sp.seq.awaiting = sp.seq.awaiting or sp.draft
+            return plan
+        engine.scheduler.schedule = read_drafts_first
 
     def __call__(self, flight):
         res = self.collect(flight)
@@ -110,6 +121,8 @@ class Oracle:
             right = np.asarray((full + [0] * (self.blk + 1))[c + 1: c + 1 + self.blk])
             right[m:m + 1] = (right[m:m + 1] + 1) % self.engine.cfg.vocab_size
             drafts[b] = right
+            cache = self.engine.cache
+            self.engine.cache = replace(cache, sampled=cache.sampled.at[sp.slot, 1:].set(right))
             self.forced[sp.rid] = m
         return res._replace(drafts=drafts)
 
@@ -177,7 +190,7 @@ def _slot_state(engine: Engine, seq) -> tuple[int, dict]:
     geom, cache, slot = engine.geom, engine.cache, seq.slot
     cursor = np.asarray(cache.cursor[slot])
     c, ring = int(cursor[0]), geom.ring_slots
-    out = {"cursor": cursor, "sampled": int(np.asarray(cache.sampled[slot]))}
+    out = {"cursor": cursor, "sampled": int(np.asarray(cache.sampled[slot, 0]))}
     recent = np.arange(max(0, c - engine.cfg.window_size + 1), c)
     out["window"] = np.asarray(cache.window[slot])[:, recent % ring]
     for k, owner in enumerate(geom.ring_owners):

@@ -184,6 +184,7 @@ class EngramHasher:
         self.multipliers = engram_multipliers(cfg.engram_layer_ids, cfg.engram_max_ngram_size,
                                               cfg.engram_compressed_vocab_size)  # [L, N]
         self.token_map = token_map                                               # [vocab]
+        self.compressed_vocab_size = cfg.engram_compressed_vocab_size
         self.pad_id = int(token_map[cfg.engram_pad_id])
 
     def start(self) -> EngramCursor:
@@ -260,34 +261,25 @@ class EngramHasher:
         end = self.prefix_cursor_rows(cursor, compressed)[-1:]
         return ids, (EngramCursor.from_row(end[0]) if len(end) else cursor)
 
-    # ---- a decode token hashed on the device --------------------------------------------------
-    # The pipelined loop launches step N+1 before step N's sampled tokens reach the host, so a
-    # decode row's own token is only known on the device. Everything else of its hash is known on
-    # the host: with the token in lookback slot 0 (never blocked), the n-gram hash ending at it is
-    # (token_map[tok] * m_0) XOR H_n, H_n the XOR of the latched history products of slots 1..n-1.
-    # The host sends H_n as two uint32 halves and the device finishes (`device_decode_ids`).
-    def decode_history(self, cursor_rows: np.ndarray) -> np.ndarray:
-        """Cursor rows [K, 1 + H] (before each request's next token) -> H_n as uint32 halves
-        [K, L, N-1, 2] (hi, lo) for n-gram sizes 2..N."""
-        rows = np.asarray(cursor_rows, np.int64).reshape(-1, self.max_ngram_size)
-        source = np.concatenate([np.zeros((len(rows), 1), np.int64), rows[:, 1:][:, ::-1]], axis=1)
-        latched = self._latch(source, rows[:, 0])                                # slot 0 unblocked
-        products = latched[:, None, 1:] * self.multipliers[None, :, 1:]            # [K, L, N-1]
-        h = np.bitwise_xor.accumulate(products, axis=-1)
-        return np.stack([h >> 32, h & 0xFFFFFFFF], axis=-1).astype(np.uint32)
-
-    def device_constants(self) -> dict[str, np.ndarray]:
-        """What `device_decode_ids` needs, per Engram layer L and column (n-gram size, head):
-        token products p = token_map * m_0 as uint32 halves [L, V, 2], token_map int32 [V],
-        primes, 2^32 mod prime and offsets [L, cols]. Needs every prime below 2^24 (the uint32
-        modular product); None otherwise."""
+    # ---- tokens hashed on the device ----------------------------------------------------------
+    # The pipelined loop launches step N+1 before step N's sampled tokens (and drafts) reach the
+    # host, so the rows whose tokens are only known on the device are hashed there, from the
+    # slot's cursor and the span's own tokens (`device_lookback`, `device_bucket_ids`). The device
+    # has no int64: each product compressed id x multiplier comes from a table as two uint32
+    # halves, and the n-gram hash is their running XOR, half by half.
+    def device_constants(self) -> dict[str, np.ndarray] | None:
+        """What the device hashing needs: products [L, N, C, 2] (compressed id c times the
+        multiplier of layer L's lookback slot n, as uint32 halves hi, lo), token_map int32 [V],
+        pad_id, primes, 2^32 mod prime and offsets [L, cols]. Needs every prime below 2^24 (the
+        uint32 modular product); None otherwise."""
         primes = self.primes.reshape(self.primes.shape[0], -1)                        # [L, cols]
         if primes.max() >= 1 << 24:
             return None
-        p = self.token_map[None, :] * self.multipliers[:, :1]                         # [L, V]
-        return {"p": np.stack([p >> 32, p & 0xFFFFFFFF], axis=-1).astype(np.uint32),
-                "token_map": self.token_map.astype(np.int32), "primes": primes.astype(np.uint32),
-                "two32": ((1 << 32) % primes).astype(np.uint32), "offsets": self.offsets.astype(np.int32)}
+        p = np.arange(self.compressed_vocab_size, dtype=np.int64)[None, None, :] * self.multipliers[:, :, None]
+        return {"products": np.stack([p >> 32, p & 0xFFFFFFFF], axis=-1).astype(np.uint32),
+                "token_map": self.token_map.astype(np.int32), "pad_id": np.int32(self.pad_id),
+                "primes": primes.astype(np.uint32), "two32": ((1 << 32) % primes).astype(np.uint32),
+                "offsets": self.offsets.astype(np.int32)}
 
     def prefix_cursor_rows(self, cursor: EngramCursor, compressed: np.ndarray) -> np.ndarray:
         """Cursor rows after each prefix of the span -> int64 [T, 1 + H]; row j = the cursor once
@@ -309,12 +301,24 @@ def _mulmod(a, b, p):
     return r
 
 
-def device_decode_ids(consts: dict, tokens, history, heads: int):
-    """Row ids [T, L, cols] (int32, offsets included) of tokens [T] on the device whose history
-    halves [T, L, N-1, 2] came from `EngramHasher.decode_history`; equals `hash_ids`."""
-    prod = jnp.moveaxis(consts["p"][:, tokens], 0, 1)                          # [T, L, 2]
-    h = prod[:, :, None, :] ^ history                                          # [T, L, N-1, 2]
-    h = jnp.repeat(h, heads, axis=2)                                           # [T, L, cols, 2]
+def device_lookback(consts: dict, context, positions):
+    """`EngramHasher._latch` on the device: context [T, N] int32 (slot s = the compressed id s
+    tokens back, slot 0 the token itself; DEAD where none), positions [T] -> latched [T, N]."""
+    n = context.shape[1]
+    blocked = jnp.cumsum((positions[:, None] < jnp.arange(n)) | (context == DEAD), axis=1) > 0
+    return jnp.where(blocked, consts["pad_id"], context)
+
+
+def device_bucket_ids(consts: dict, lookback, heads: int):
+    """`EngramHasher.bucket_ids` on the device: latched lookback ids [T, N] -> row ids
+    [T, L, cols] int32, offsets included (the same values)."""
+    n = lookback.shape[1]
+    prod = jnp.moveaxis(consts["products"][:, jnp.arange(n)[None, :], lookback], 0, 1)   # [T, L, N, 2]
+    acc, hashes = prod[:, :, 0], []
+    for s in range(1, n):                                                      # n-gram sizes 2..N
+        acc = acc ^ prod[:, :, s]
+        hashes.append(acc)
+    h = jnp.repeat(jnp.stack(hashes, axis=2), heads, axis=2)                  # [T, L, cols, 2]
     p, two32 = consts["primes"], consts["two32"]
     x = (_mulmod(h[..., 0] % p, two32, p) + h[..., 1] % p) % p
     return x.astype(jnp.int32) + consts["offsets"]

@@ -10,7 +10,8 @@ row. Layout (bf16 / f32 rows; packed rows are uint8 of the packed row width):
   comp_kv     [N, n_ring, max_r+S, D]  fp32 raw compressor projections of the ratio > 1 owners
   comp_score  [N, n_ring, max_r+S, D]  fp32 gate scores, same addressing
   cursor      [N, H+1] int32           Engram cursor: committed position, last H compressed ids
-  sampled     [N] int32                the token last sampled for the slot (a pending decode's input)
+  sampled     [N, 1 + blk] int32       the token last sampled for the slot, then (speculating) the
+                                       block drafted after it: a pending span's input tokens
 """
 
 from __future__ import annotations
@@ -79,4 +80,4 @@ def reset_slots(cache: Cache, fresh: jax.Array) -> Cache:
     return Cache(main=cache.main, index=cache.index, window=zero(cache.window),
                  comp_kv=zero(cache.comp_kv), comp_score=zero(cache.comp_score),
                  cursor=jnp.where(fresh[:, None], fresh_cursor, cache.cursor),
-                 sampled=jnp.where(fresh, jnp.zeros((), cache.sampled.dtype), cache.sampled))
+                 sampled=jnp.where(fresh[:, None], jnp.zeros((), cache.sampled.dtype), cache.sampled))

@@ -12,8 +12,8 @@ The cache has two currencies (docs/CACHE.md §1):
   included when speculating, S = draft slack), the fp32 compressor rings of the owners that pool
   more than one token (`[n_ring_owners, max_ratio + S, head_dim]`, raw projections then gate
   scores), the Engram cursor (`[H + 1]` = committed position, last H compressed ids), and the
-  token last sampled for the slot (int32: a decode step launched before that token reached the
-  host reads its input token there).
+  token last sampled for the slot, then (speculating) the draft block drafted after it (int32
+  `[1 + block]`: a step launched before they reached the host reads its input tokens there).
 
 Field set: ATOM's "v2" (rings, not tails; docs/CACHE.md §1.5) with one deliberate difference:
 only the ratio > 1 owners get compressor rings; a ratio-1 owner's group is always complete inside
@@ -111,6 +111,7 @@ class CacheGeometry:
     owners: tuple[Owner, ...]
     ring_owners: tuple[int, ...]     # indices into owners that pool > 1 token (get compressor rings)
     comp_ring: int             # compressor ring rows, one width for all ring owners: max ratio + S
+    sampled_width: int         # the slot's next input tokens: the sampled one, then the draft block
     max_pages: int             # block-table width: pages for max_context tokens
     max_context: int
     # derived byte layout
@@ -168,7 +169,7 @@ class CacheGeometry:
             "comp_kv": len(ring_owners) * comp_ring * d * _F32.itemsize,
             "comp_score": len(ring_owners) * comp_ring * d * _F32.itemsize,
             "cursor": (cfg.engram_max_ngram_size - 1 + 1) * _CURSOR_DTYPE.itemsize,
-            "sampled": _CURSOR_DTYPE.itemsize,
+            "sampled": sampled_width(cfg, s) * _CURSOR_DTYPE.itemsize,
         }
         state_fields, off = {}, 0
         for name, size in sizes.items():
@@ -179,7 +180,7 @@ class CacheGeometry:
         return cls(
             settings=s, head_dim=d, index_dim=di, window=cfg.window_size,
             history=cfg.engram_max_ngram_size - 1, window_layers=window_layers, owners=owners,
-            ring_owners=ring_owners, comp_ring=comp_ring, max_pages=-(-max_context // s.page_tokens),
+            ring_owners=ring_owners, comp_ring=comp_ring, sampled_width=sampled_width(cfg, s), max_pages=-(-max_context // s.page_tokens),
             max_context=max_context, alignment=alignment, page_fields=tuple(page_fields),
             page_bytes=page_bytes, index_planes=tuple(index_planes), boundary=boundary,
             state_fields=state_fields, state_bytes=_align(off, alignment))
@@ -252,7 +253,7 @@ class CacheGeometry:
             "comp_kv": sds((s.slots, len(self.ring_owners), self.comp_ring, d), _F32),
             "comp_score": sds((s.slots, len(self.ring_owners), self.comp_ring, d), _F32),
             "cursor": sds((s.slots, self.history + 1), _CURSOR_DTYPE),
-            "sampled": sds((s.slots,), _CURSOR_DTYPE),
+            "sampled": sds((s.slots, self.sampled_width), _CURSOR_DTYPE),
         }
 
     # ---- flat byte addresses (docs/CACHE.md §1.7) --------------------------------------------
@@ -324,6 +325,12 @@ class CacheGeometry:
             f"{self.total_bytes:,} B",
         ]
         return "\n".join(lines)
+
+
+def sampled_width(cfg: ModelConfig, settings: EngineSettings) -> int:
+    """Tokens a slot keeps for its next span: the one last sampled, and when the geometry
+    reserves the draft slack (speculating, with draft stages) the block drafted after it."""
+    return 1 + (cfg.dspark_block_size if settings.draft_slack > 0 and cfg.n_mtp_layers else 0)
 
 
 def _get(cache, name):

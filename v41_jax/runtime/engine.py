@@ -13,10 +13,12 @@ next step queued and host work overlaps it. When the Engram tables are too large
 (the released model), N+1's decode tokens and Engram rows are filled in on the host from N's
 output before N+1 is launched: the device then waits for that short hand-off.
 
-A speculative request (DSpark, docs/CACHE.md §4.1) is not pipelined: where its next verify span
-starts depends on how many drafts the step in flight accepts, so while one waits for that step
-`step()` reads the step's results before it plans the next (the device idles for the host's
-planning; plain requests in the same loop wait with it).
+A speculative request (DSpark, docs/CACHE.md §4.1) is pipelined the same way: its next verify
+span is pending (the step takes its position, token and drafts from the slot, whatever the step in
+flight accepts; `Scheduler` counts drafts in flight as accepted until read). Without device
+feedback its verify spans are built on the host from the drafts read, so while one waits for the
+step in flight `step()` reads that step's results before it plans the next (the device idles for
+the host's planning; plain requests in the same loop wait with it).
 
 Servers use `add` / `abort` / `step`; `generate` and `stream` are loops over `step`.
 """
@@ -194,7 +196,7 @@ class Engine:
                                    check=self.check_request, eos_id=self.eos_id,
                                    spec_block=self.cfg.dspark_block_size if self.speculative else 0,
                                    max_logits=max(b.logits for b in self.buckets.buckets),
-                                   ranks=self.runner.ranks)
+                                   ranks=self.runner.ranks, pipelined=self.runner.device_feedback)
         self._flight: InFlight | None = None
         self._flight_plan: StepPlan | None = None
         self._parked: list[Event] = []

@@ -228,24 +228,24 @@ class MeshRunner(Runner):
 
     # ---- the pipelined step --------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> Prepared:
-        """As `Runner.prepare`; a pending decode's token and request rows are (rank, row) pairs."""
+        """As `Runner.prepare`; a host-filled decode's token and request rows are (rank, row) pairs."""
+        steady = self.steady(plan)
+        if steady is not None:
+            return steady
         spans, pending = self.plan_spans(plan)
         ranked = self.split(spans)
         b = np.asarray([i for i, _ in pending], np.int64)
         cursors = np.stack([c for _, c in pending]) if pending else np.zeros((0, self.geom.history + 1), np.int64)
         rank, req = ranked.rank[b], ranked.index[b]
-        if self.device_feedback:
-            for r, built in enumerate(ranked.built):
-                if (rank == r).any():
-                    self._mark_pending(built.batch, req[rank == r].astype(np.int32), cursors[rank == r])
         rows = np.asarray([ranked.built[r].batch.req_offset[j] for r, j in zip(rank, req)], np.int64)
         fresh = np.zeros(self.geom.settings.slots, bool)
         fresh[[sp.slot for sp in plan.spans if sp.position == 0]] = True
         handoff = bool(len(b)) and not self.device_feedback     # the batches are complete only in dispatch
-        return Prepared(plan, ranked, None if handoff else self.send(ranked.bucket, [x.batch for x in ranked.built]),
-                        np.stack([rank, rows], 1), np.stack([rank, req], 1),
-                        tuple(plan.spans[i].rid for i in b), cursors, fresh,
-                        any(sp.seq.req.logprobs for sp in plan.spans))
+        return self.remember(Prepared(plan, ranked, None if handoff else self.send(ranked.bucket,
+                                                                                  [x.batch for x in ranked.built]),
+                                      np.stack([rank, rows], 1), np.stack([rank, req], 1),
+                                      tuple(plan.spans[i].rid for i in b), cursors, fresh,
+                                      any(sp.seq.req.logprobs for sp in plan.spans)))
 
     def dispatch(self, prep: Prepared, feedback=None) -> InFlight:
         """As `Runner.dispatch`: with the host hand-off, the previous step's tokens (feedback:

@@ -25,10 +25,7 @@ and an all-null block-table row; plan tails are -1 sentinel rows.
   logit_rows [O] token rows whose logits the step returns (0 pad)
   temperature, top_p [O] f32; top_k [O] int32; seed [O] uint32: each logits row's sampler
       (greedy for padding rows); the position sampled for is the row's position + 1
-  pending [T] bool: a decode row whose token is the one the previous step sampled for its slot
-      (read on the device from the cache's `sampled`); pending_req [R] bool: its request rows
-  engram_history [T, L_engram, N-1, 2] uint32: a pending row's Engram history hash halves
-      (`EngramHasher.decode_history`); its ids are finished on the device
+  pending [T] bool: a row of a pending span (`Span.pending`); pending_req [R] bool: its request row
   spec_k [R] int32: drafts a verify span checks (its rows after the first; 0 = not a verify span)
   spec_draft [R] bool: draft a block after this step from the request's committed end
   spec_cursors [R, max(1, blk), H + 1]: a verify span's cursor after its first j + 1 rows (the row
@@ -73,6 +70,14 @@ class Span:
     verify: int = 0                     # its last `verify` rows are drafts to check (then all_logits)
     draft: bool = False                 # draft a block after this step (speculative request)
     prefix_cursors: np.ndarray | None = None      # int [verify, H + 1] the cursor after rows 0..j
+    # pending: the span continues its slot from where the cache says it is: its position is the
+    # slot's cursor, its first token the slot's `sampled`, the others the slot's `drafts`, and its
+    # Engram rows, cursors and every position-dependent plan entry are resolved in the step
+    # (`step._resolve_pending`). Its tokens, next_cursor, Engram rows and prefix_cursors here
+    # are placeholders, so the host batch of a step of pending spans does not change from one
+    # step to the next (`Runner.prepare` then sends nothing). `position` is what the host expects
+    # (the stale-state check), or a bound on it, used only to validate the span.
+    pending: bool = False
 
     @property
     def end(self) -> int:
@@ -83,7 +88,7 @@ class Span:
     "tokens", "positions", "token_req", "req_pos", "req_len", "req_offset", "slots",
     "block_tables", "visible", "compress_plans", "window_writes", "ring_writes", "cursor_rows",
     "engram_codes", "engram_scales", "logit_rows", "temperature", "top_k", "top_p", "seed", "pending", "pending_req",
-    "engram_history", "spec_k", "spec_draft", "spec_cursors"],
+    "spec_k", "spec_draft", "spec_cursors"],
     meta_fields=[])
 @dataclass(frozen=True)
 class StepBatch:
@@ -109,7 +114,6 @@ class StepBatch:
     seed: Any
     pending: Any
     pending_req: Any
-    engram_history: Any
     spec_k: Any
     spec_draft: Any
     spec_cursors: Any
@@ -149,6 +153,7 @@ class _Columns:
     lens: np.ndarray           # [n] int64 tokens per span
     positions: np.ndarray      # [n] int64 first position of each span
     all_logits: np.ndarray     # [n] bool
+    pending: np.ndarray        # [n] bool
     n_pages: np.ndarray        # [n] int64 pages per span
     tokens: np.ndarray         # [sum lens] every span's tokens, span after span
     token_span: np.ndarray     # [sum lens] int64 the span of each token
@@ -162,7 +167,8 @@ class _Columns:
         n_pages = np.array([len(s.pages) for s in spans], np.int64)
         flat = (lambda parts: np.concatenate(parts) if n else np.zeros(0, np.int64))
         return cls(lens=lens, positions=np.array([s.position for s in spans], np.int64),
-                   all_logits=np.array([bool(s.all_logits) for s in spans], bool), n_pages=n_pages,
+                   all_logits=np.array([bool(s.all_logits) for s in spans], bool),
+                   pending=np.array([bool(s.pending) for s in spans], bool), n_pages=n_pages,
                    tokens=flat([s.tokens for s in spans]), token_span=np.repeat(np.arange(n), lens),
                    pages=flat([s.pages for s in spans]), page_span=np.repeat(np.arange(n), n_pages))
 
@@ -188,7 +194,11 @@ def _validate(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Sequ
     slots = [s.slot for s in spans]
     if len(set(slots)) != len(slots) or any(not 0 <= x < n_slots for x in slots):
         raise ValueError(f"slots must be distinct and in [0, {n_slots}): {slots}")
+    rings = [x for x in (geom.ring_slots, geom.comp_ring) if x]
     for s in spans:
+        if s.pending and len(s.tokens) > min(rings, default=len(s.tokens)):
+            raise ValueError(f"request {s.request_id!r}: a pending span of {len(s.tokens)} rows is longer "
+                             f"than a ring ({min(rings)} rows): its ring writes would depend on its position")
         if s.verify and (len(s.tokens) != s.verify + 1 or not s.all_logits or s.verify > _spec_width(cfg)
                          or s.prefix_cursors is None or len(s.prefix_cursors) != s.verify):
             raise ValueError(f"request {s.request_id!r}: a verify span is its first row then its "
@@ -270,9 +280,14 @@ def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Seq
             np.concatenate([s.engram_scales[i] for s in spans], out=engram_scales[i][:n_tok], casting="unsafe")
 
     # Compress plans: a row per token ending a group of r, in token-row order; a group that began
-    # before its span reads its leading inputs from the compressor ring.
+    # before its span reads its leading inputs from the compressor ring. A pending span's position
+    # is only known in the step: it gets a row for each group it can complete, ceil(L / r), on its
+    # first rows, which the step fills in or drops (`step._resolve_pending`).
+    pend = col.pending[req]
+    in_span = rows - offset[req]
+
     def compress_plan(r: int) -> np.ndarray:
-        last = (pos + 1) % r == 0
+        last = np.where(pend, in_span < -(-col.lens[req] // r), (pos + 1) % r == 0)
         x = pos[last]
         plan = np.stack([rows[last], req[last], x, np.maximum(0, start[last] - (x - r + 1))], axis=1)
         return _pad_rows(plan, plan_capacity(bucket, t_cap, r))
@@ -302,7 +317,8 @@ def build_step(geom: CacheGeometry, cfg: ModelConfig, bucket: Bucket, spans: Seq
         cursor_rows=cursor_rows, engram_codes=engram_codes, engram_scales=engram_scales,
         logit_rows=_padded(rows[wanted], bucket.logits, 0, np.int32),
         **spec,
-        **_sampler_rows([s.sampling for s in spans], owner, bucket.logits), **no_pending(cfg, t_cap, r_cap))
+        **_sampler_rows([s.sampling for s in spans], owner, bucket.logits),
+        pending=_padded(pend, t_cap, False, bool), pending_req=_padded(col.pending, r_cap, False, bool))
     return BuiltStep(batch, bucket, logit_owner)
 
 
@@ -316,14 +332,6 @@ def no_spec(geom: CacheGeometry, cfg: ModelConfig, r_cap: int) -> dict:
     """The speculative fields of a step with no verify span and no draft."""
     return {"spec_k": np.zeros(r_cap, np.int32), "spec_draft": np.zeros(r_cap, bool),
             "spec_cursors": np.zeros((r_cap, _spec_width(cfg), geom.history + 1), np.int32)}
-
-
-def no_pending(cfg: ModelConfig, t_cap: int, r_cap: int) -> dict:
-    """The pending-decode fields of a step whose every token is on the host (the Runner sets
-    them for decode rows whose token the previous step samples on the device)."""
-    return {"pending": np.zeros(t_cap, bool), "pending_req": np.zeros(r_cap, bool),
-            "engram_history": np.zeros((t_cap, len(cfg.engram_layer_ids), cfg.engram_max_ngram_size - 1, 2),
-                                       np.uint32)}
 
 
 def _sampler_rows(samplers: list[SamplingParams], owner: np.ndarray, n: int) -> dict:

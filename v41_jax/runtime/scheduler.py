@@ -16,16 +16,22 @@ overtakes it, so nothing starves), reserving pages for prompt + budget at admiss
 request never stalls for memory; each step plans one row per decoding request first, then prefill
 chunks in admission order while `prefill_chunk` rows (and what the largest bucket leaves) last.
 
-Speculative requests (DSpark, docs/CACHE.md §4.1) are not pipelined: a step that drafts for a
-request leaves it *awaiting* until that step's results are read, because where its next span
-starts depends on how many drafts the step accepted. Its next span is a verify span: its last
-committed token then up to `spec_block` drafts (never more than its budget can emit), and the step
-reports how many were accepted; the request takes that many tokens plus the target's one after.
+Speculative requests (DSpark, docs/CACHE.md §4.1) decode by verify spans: the last committed
+token then up to `spec_block` drafts, and the step reports how many were accepted; the request
+takes that many tokens plus the target's one after. Where a verify span starts depends on how many
+drafts the step before it accepted. With `pipelined` (the Runner resolves pending spans on the
+device from the slot: position, token, drafts) the next verify span is planned while the step
+before it runs, like a plain decode: the host counts every draft in flight as accepted (`planned`
+and `planned_emits` are upper bounds until the step is read, then lowered by the drafts it
+rejected), so a span never goes past the request's pages or budget. Without it (Engram tables on
+the host: the host hashes a span's tokens), a step that drafts for a request leaves it *awaiting*
+until that step's results are read, and its verify span is built from the drafts read.
 
 The stale-state check: each step reports the cursor position it found in every request row's slot
-(`StepOutput.found`); `update` compares it with the position that same step's span started at. A
-mismatch ends that request alone with `StaleStateError` text naming slot, expected and found; it
-is never judged against another step, so a pipelined loop cannot fire it falsely.
+(`StepOutput.found`); `update` compares it with where that request's committed state ends after
+the steps read before this one (`Sequence.committed`), which is where this same step's span
+started. A mismatch ends that request alone with `StaleStateError` text naming slot, expected and
+found; it is never judged against another step, so a pipelined loop cannot fire it falsely.
 """
 
 from __future__ import annotations
@@ -53,8 +59,10 @@ class Sequence:
     submitted: float
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
-    planned: int = 0                     # positions planned (rows in dispatched or planned steps)
-    planned_emits: int = 0               # sampled tokens planned
+    planned: int = 0                     # positions planned (rows in dispatched or planned steps; drafts
+                                         # in flight counted as accepted)
+    planned_emits: int = 0               # sampled tokens planned (same upper bound)
+    committed: int = 0                   # positions committed by the steps read so far
     done: bool = False
     spec: bool = False                   # decodes by verifying DSpark drafts
     drafts: list[int] = field(default_factory=list)   # the block drafted after its last step
@@ -91,12 +99,13 @@ class PlannedSpan(NamedTuple):
         return self.seq.req.sampling
 
     def known_tokens(self) -> np.ndarray:
-        """Its input tokens, the pending one (if any) as 0; a verify span's drafts after its first."""
+        """Its input tokens: a verify span's last committed token then its drafts; a pending span's
+        (the previous step produces them, on the device) as 0."""
+        if self.pending:
+            return np.zeros(self.length, np.int32)
         if self.verify:
             return np.asarray([self.seq.tokens[self.position], *self.seq.drafts[:self.verify]], np.int32)
-        start = self.position + self.pending
-        toks = self.seq.tokens[start: self.position + self.length]
-        return np.asarray([0] * self.pending + toks, np.int32)
+        return np.asarray(self.seq.tokens[self.position: self.position + self.length], np.int32)
 
 
 @dataclass(frozen=True)
@@ -154,7 +163,7 @@ class Scheduler:
     def __init__(self, *, num_pages: int, slots: int, max_requests: int, max_tokens: int,
                  prefill_chunk: int, page_tokens: int, max_context: int,
                  check: Callable[[Request], str | None], eos_id: int | None, spec_block: int = 0,
-                 max_logits: int | None = None, ranks: int = 1):
+                 max_logits: int | None = None, ranks: int = 1, pipelined: bool = False):
         # ranks > 1: a mesh's data-parallel ranks, each with its own slots and pages (docs/PARALLEL.md §3)
         self.ranks = ranks
         self.pages = PageAllocator(num_pages) if ranks == 1 else RankedPages(num_pages, ranks)
@@ -164,6 +173,7 @@ class Scheduler:
         self.check, self.eos_id = check, eos_id
         # drafts per verify (0: no request speculates); logits rows a step may return
         self.spec_block, self.max_logits = spec_block, max_tokens if max_logits is None else max_logits
+        self.pipelined = pipelined                   # verify spans resolved on the device (module docstring)
         self.spec_stats = SpecStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -290,7 +300,10 @@ class Scheduler:
             r = rank(seq)
             left, after = seq.budget - seq.planned_emits, sum(rank(s) == r for s in verifying[i + 1:])
             k = max(0, min(self.spec_block, left - 1, tokens_left[r] - 1 - after, logits_left[r] - 1 - after))
-            spans.append(PlannedSpan(seq, seq.planned, 1 + k, True, False, k, left > 1))
+            # pipelined: `left` is a lower bound (drafts in flight counted as accepted), so it drafts
+            # whenever a later span may follow
+            spans.append(PlannedSpan(seq, seq.planned, 1 + k, True, self.pipelined, k,
+                                     self.pipelined or left > 1))
             tokens_left[r], logits_left[r] = tokens_left[r] - 1 - k, logits_left[r] - 1 - k
             requests[r] += 1
         room = [min(self.prefill_chunk, t) for t in tokens_left]
@@ -312,8 +325,8 @@ class Scheduler:
             return None
         for sp in spans:
             sp.seq.planned += sp.length
-            sp.seq.planned_emits += sp.emits
-            sp.seq.awaiting = sp.draft
+            sp.seq.planned_emits += sp.emits + sp.verify
+            sp.seq.awaiting = sp.draft and not self.pipelined
         self.last_planned += 1
         plan = StepPlan(self.last_planned, tuple(spans))
         self.in_flight[plan.step_id] = plan
@@ -330,25 +343,27 @@ class Scheduler:
             if seq.done:
                 continue                             # aborted or finished: a dead row
             found = int(res.found[b])
-            if found != sp.position:
-                err = StaleStateError(f"request {seq.rid!r}: slot {sp.slot} needs state at {sp.position}, "
+            if found != seq.committed:
+                err = StaleStateError(f"request {seq.rid!r}: slot {sp.slot} needs state at {seq.committed}, "
                                       f"found {found}")
                 self._finish(seq, "error", str(err))
                 continue
+            n = int(res.accepted[b]) if sp.verify else 0
+            rejected = sp.verify - n                 # rows written but never read, tokens never emitted
+            seq.committed += sp.length - rejected
+            seq.planned -= rejected
+            seq.planned_emits -= rejected
+            if sp.verify:
+                self.spec_stats.record(sp.verify, n)
+            if sp.draft:
+                seq.awaiting = False
+                if not self.pipelined:               # the host builds the next verify span from them
+                    seq.drafts = res.drafts[b].tolist()
             if not sp.emits:
                 continue
-            n = 0
-            if sp.verify:
-                n = int(res.accepted[b])
-                self.spec_stats.record(sp.verify, n)
-                seq.planned = sp.position + 1 + n    # the rows committed; the others are never read
-            if sp.draft:
-                seq.drafts, seq.awaiting = res.drafts[b].tolist(), False
             self._emit(seq, res.tokens[first: first + n + 1],
                        None if res.logprobs is None else res.logprobs[first: first + n + 1], now,
                        drafted=sp.verify, accepted=n)
-            if seq.spec:
-                seq.planned_emits = len(seq.result.tokens)
         self.pages.retire(completed_step=res.step_id)
         return self.drain()
 

@@ -40,11 +40,11 @@ import jax.numpy as jnp
 from kernels_pallas import backend as kernel_backend
 from kernels_pallas.indexer import index_scores_paged
 from kernels_pallas.sparse_attn import sparse_attn_paged
-from v41_jax.cache.buffer import Cache
+from v41_jax.cache.buffer import DEAD, Cache
 from v41_jax.checkpoint.load import ENGRAM_DEVICE_KEY
 from v41_jax.cache.geometry import CacheGeometry, typed_format
 from v41_jax.config import ModelConfig
-from v41_jax.engram_hash import device_decode_ids
+from v41_jax.engram_hash import device_bucket_ids, device_lookback
 from v41_jax.model.attention import compressed_entries, index_select, output_proj, query, window_kv
 from v41_jax.model.compressor import compress, group_latent, init_state, pool_groups, projections
 from v41_jax.model.dspark import context_x, draft_block
@@ -257,29 +257,83 @@ class StepOutput(NamedTuple):
     drafts: jax.Array        # int32 [R, blk] the block drafted after this step ([R, 0] not speculating)
 
 
-def _pending_inputs(params: dict, cfg: ModelConfig, cache: Cache, batch: StepBatch):
-    """(tokens [T], Engram codes / scales per layer, cursor rows [R, H+1]) with the pending decode
-    rows filled in on the device: each one's token is its slot's `sampled`, its Engram ids are
-    finished from the host's history halves and gathered from the device tables, and its request's
-    cursor ends with that token's compressed id. Pending rows are decode rows, which the scheduler
-    puts first: they lie in the first R token rows, so only those are hashed and gathered."""
-    r = batch.slots.shape[0]
-    fed = jnp.take(cache.sampled, batch.slots, mode="fill", fill_value=0)          # [R] per request row
+def _resolve_pending(params: dict, cfg: ModelConfig, geom: CacheGeometry, cache: Cache,
+                     batch: StepBatch) -> StepBatch:
+    """The batch with its pending spans (`Span.pending`) filled in from their slots' state: a
+    pending span starts at its slot's committed cursor position, its first token is the slot's
+    `sampled` (the token the previous step sampled for it, which the host has not read yet), a
+    verify span's drafts the block the previous step drafted after it (also in `sampled`), and
+    everything that follows from positions and tokens is computed here by the same rules the host
+    uses (runtime/metadata.py): positions, visible columns, the compress-plan rows it reserved,
+    ring rows, its Engram ids (hashed from the cursor's history and the span's own tokens, rows
+    gathered from the tables' device copy) and its cursors. So the host never needs the previous
+    step's outputs to launch the next one, and a step of pending spans only takes a batch that
+    does not change from step to step. Other rows are returned as the host built them."""
+    t_cap = batch.tokens.shape[0]
+    pend, pend_req = batch.pending, batch.pending_req
+    cur = jnp.take(cache.cursor, batch.slots, axis=0, mode="fill", fill_value=0)         # [R, H + 1]
     req = jnp.maximum(batch.token_req, 0)
-    tokens = jnp.where(batch.pending, fed[req], batch.tokens)
+    rows = jnp.arange(t_cap)
+    j = rows - batch.req_offset[req]                                                     # row in its span
+    fed = jnp.take(cache.sampled, batch.slots, axis=0, mode="fill", fill_value=0)        # [R, 1 + blk]
+    tokens = jnp.where(pend, fed[req, jnp.clip(j, 0, fed.shape[1] - 1)], batch.tokens)
+    req_pos = jnp.where(pend_req, cur[:, 0], batch.req_pos)
+    positions = jnp.where(pend, req_pos[req] + j, batch.positions)
+
+    def plan(p: jax.Array, r: int) -> jax.Array:
+        # a pending span's e-th reserved row (on its e-th token row) is its e-th completed group
+        t, b, x, n = p.T
+        mine = (t >= 0) & pend[jnp.maximum(t, 0)]
+        bb = jnp.maximum(b, 0)
+        start, off = req_pos[bb], batch.req_offset[bb]
+        gx = start + jnp.remainder(r - 1 - start, r) + (t - off) * r                     # its last position
+        ok = gx < start + batch.req_len[bb]
+        new = jnp.stack([off + gx - start, b, gx, jnp.maximum(0, start - (gx - r + 1))], axis=1)
+        return jnp.where((mine & ok)[:, None], new, jnp.where(mine[:, None], -1, p))
+
+    def ring_rows(w: jax.Array, ring: int) -> jax.Array:
+        t, slot, row = w.T
+        mine = (t >= 0) & pend[jnp.maximum(t, 0)]
+        return jnp.stack([t, slot, jnp.where(mine, positions[jnp.maximum(t, 0)] % max(ring, 1), row)], axis=1)
+
+    # Engram: lookback slot s of row j is the span's own token j - s, or the cursor's history
+    # before the span (oldest first, so entry H - (s - j)); the cursor after m rows is the
+    # position + m and the last H ids of history ++ the span's ids.
+    h = geom.history
     dev = params.get(ENGRAM_DEVICE_KEY)
-    if dev is None or not cfg.engram_layer_ids:
-        return tokens, batch.engram_codes, batch.engram_scales, batch.cursor_rows
-    head = slice(0, min(r, tokens.shape[0]))
-    ids = device_decode_ids(dev["consts"], tokens[head], batch.engram_history[head], cfg.engram_n_heads)
-    pend = batch.pending[head][:, None, None]
-    codes = tuple(c.at[head].set(jnp.where(pend, w[ids[:, i]], c[head]))
-                  for i, (w, c) in enumerate(zip(dev["weight"], batch.engram_codes)))
-    scales = tuple(c.at[head].set(jnp.where(pend, w[ids[:, i]], c[head]))
-                   for i, (w, c) in enumerate(zip(dev["scale"], batch.engram_scales)))
-    newest = dev["consts"]["token_map"][fed]
-    cursor = batch.cursor_rows.at[:, -1].set(jnp.where(batch.pending_req, newest, batch.cursor_rows[:, -1]))
-    return tokens, codes, scales, cursor
+    codes, scales = batch.engram_codes, batch.engram_scales
+    comp = jnp.full((t_cap,), DEAD, jnp.int32) if dev is None else dev["consts"]["token_map"][tokens]
+    if dev is not None and cfg.engram_layer_ids:
+        s = jnp.arange(h + 1)[None, :]
+        own = comp[jnp.clip(rows[:, None] - s, 0, t_cap - 1)]
+        before = cur[:, 1:][req[:, None], jnp.clip(h - (s - j[:, None]), 0, h - 1)]
+        lookback = device_lookback(dev["consts"], jnp.where(s <= j[:, None], own, before), positions)
+        ids = device_bucket_ids(dev["consts"], lookback, cfg.engram_n_heads)              # [T, L, cols]
+        fill = lambda tables, held: tuple(jnp.where(pend[:, None, None], w[ids[:, i]], c)
+                                          for i, (w, c) in enumerate(zip(tables, held)))
+        codes, scales = fill(dev["weight"], codes), fill(dev["scale"], scales)
+    width = batch.spec_cursors.shape[1]
+    span = comp[jnp.minimum(batch.req_offset[:, None] + jnp.arange(width + 1), t_cap - 1)]   # [R, width + 1]
+    ext = jnp.concatenate([cur[:, 1:], span], axis=1)
+
+    spec_after = jnp.stack([_cursor_after(cur, ext, jnp.full_like(batch.req_len, i + 1), h)
+                            for i in range(width)], axis=1)                              # after rows 0..i
+    return replace(batch, tokens=tokens, positions=positions, req_pos=req_pos,
+                   visible=tuple(jnp.where(pend, (positions + 1) // r, v) for r, v in zip(geom.ratios, batch.visible)),
+                   compress_plans=tuple(plan(p, r) for r, p in zip(geom.ratios, batch.compress_plans)),
+                   window_writes=ring_rows(batch.window_writes, geom.ring_slots),
+                   ring_writes=ring_rows(batch.ring_writes, geom.comp_ring),
+                   engram_codes=codes, engram_scales=scales,
+                   cursor_rows=jnp.where(pend_req[:, None], _cursor_after(cur, ext, batch.req_len, h),
+                                         batch.cursor_rows),
+                   spec_cursors=jnp.where(pend_req[:, None, None], spec_after, batch.spec_cursors))
+
+
+def _cursor_after(cur: jax.Array, ext: jax.Array, m: jax.Array, h: int) -> jax.Array:
+    """[R, H + 1] each request's cursor once m [R] more rows are committed: position + m, and the
+    last H compressed ids of ext [R, H + width + 1] (the cursor's history, then the span's ids)."""
+    hist = jnp.take_along_axis(ext, m[:, None] + jnp.arange(h)[None, :], axis=1)
+    return jnp.concatenate([cur[:, :1] + m[:, None], hist], axis=1).astype(cur.dtype)
 
 
 def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = None, *, cfg: ModelConfig,
@@ -303,7 +357,9 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     """
     forced = forced or {}
     found = jnp.take(cache.cursor[:, 0], batch.slots, mode="fill", fill_value=-1)
-    tokens, engram_codes, engram_scales, cursor_rows = _pending_inputs(params, cfg, cache, batch)
+    batch = _resolve_pending(params, cfg, geom, cache, batch)
+    tokens, engram_codes, engram_scales, cursor_rows = (batch.tokens, batch.engram_codes, batch.engram_scales,
+                                                        batch.cursor_rows)
     x = embed(params, tokens[None], cfg.hc_mult, numerics)                         # [1, T, N, D]
     pre = one_hot_pre((1, tokens.shape[0]), cfg.hc_mult)
     rows = {layer: dequant_fp8_rows(codes, scales)[None]
@@ -335,8 +391,11 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
         committed = batch.req_len - batch.spec_k + accepted
         cache, drafts = _draft(params, cfg, geom, numerics, cache, batch, inter["main_hidden"][0],
                                batch.req_pos + committed - 1, sampled[at])
+    # the slot's next input tokens: the one sampled after the committed rows, then the block drafted
+    # after it (a pending span reads them, `_resolve_pending`)
+    nxt = jnp.concatenate([sampled[at][:, None], drafts], axis=1)
     cache = replace(cache, cursor=cache.cursor.at[slot].set(cursor_rows, mode="drop"),
-                    sampled=cache.sampled.at[slot].set(sampled[at], mode="drop"))
+                    sampled=cache.sampled.at[slot, :nxt.shape[1]].set(nxt, mode="drop"))
     if record:
         # per token row: drop the batch axis of one
         inter = {k: ({l: a[0] for l, a in v.items()} if isinstance(v, dict) else v) for k, v in inter.items()}
