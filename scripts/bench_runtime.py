@@ -48,6 +48,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="config.json of the model (random weights)")
     ap.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma separated")
+    ap.add_argument("--measure", default=None,
+                    help="batch sizes to measure (default: all of --batches; the buckets always follow --batches, "
+                         "so a second start with a subset loads the first start's executables)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=48, help="new tokens per request")
     ap.add_argument("--iters", type=int, default=30, help="calls of the alone / sync loops")
@@ -104,7 +107,8 @@ def main(argv=None) -> int:
     warmup_s = time.perf_counter() - t
     rows = []
     rng = np.random.default_rng(0)
-    for b in batches:
+    measured = batches if args.measure is None else sorted(int(b) for b in args.measure.split(","))
+    for b in measured:
         engine.reset()
         reqs = [Request(rng.integers(3, cfg.vocab_size - 1, args.prompt).tolist(), args.new, ignore_eos=True,
                         request_id=i) for i in range(b)]

@@ -44,6 +44,8 @@ def parse_args(argv=None):
     g.add_argument("--prompts", required=True, help="JSONL requests (request_parse schema)")
     g.add_argument("--new", type=int, default=128, help="new tokens per request")
     g.add_argument("--chunk", type=int, default=256)
+    g.add_argument("--warm-only", action="store_true",
+                   help="compile both engines into --compile-cache and exit (a later run loads them)")
     s = sub.add_parser("steps", help="verify / draft / plain decode step costs on random weights")
     s.add_argument("--config", required=True)
     s.add_argument("--position", type=int, default=512, help="decode position of the timed steps")
@@ -66,6 +68,8 @@ def _generate(args) -> list[dict]:
                                             compile_cache_dir=args.compile_cache, progress=False)
                for spec in (False, True)}
     warm_concurrently(list(engines.values()))
+    if args.warm_only:
+        return []
     if not engines[True].speculative:
         raise SystemExit(f"{args.checkpoint}: no DSpark draft stages, nothing to compare")
     parsed = parse_file(args.prompts, vocab_size=engines[True].cfg.vocab_size,
