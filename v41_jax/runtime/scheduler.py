@@ -82,7 +82,8 @@ class PlannedSpan(NamedTuple):
     position: int
     length: int
     emits: bool            # its last row samples the request's next token
-    pending: bool          # its first token is the one the previous step samples (not known yet)
+    pending: bool          # its input tokens come from the step before it: a decode's token not read yet,
+                           # or (pipelined) a verify span's token and drafts, whose position is an upper bound
     verify: int = 0        # drafts it checks (its rows after the first)
     draft: bool = False    # the step drafts a block for the request after it
 
