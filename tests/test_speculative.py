@@ -28,7 +28,7 @@ from v41_jax.model.forward import forward
 from v41_jax.runtime.engine import Engine, Stats
 from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams
-from v41_jax.runtime.scheduler import TokenEvent
+from v41_jax.runtime.scheduler import FinishEvent, TokenEvent
 
 
 FARM_F03 = Path(__file__).parent / "fixtures/dsv41_farm/f03_h6_ix8_dspark3_b5_engram0/checkpoint"
@@ -303,3 +303,36 @@ def test_sampled_requests_speculate(model):
         runs.append(engine.generate([req], stats=stats)[0].tokens)
         assert stats.verifies > 0 and len(runs[-1]) == 12
     assert runs[0] == runs[1]
+
+
+def test_pipelined_traffic_never_refuses_and_keeps_budgets(model):
+    """Speculative and plain requests arriving, finishing (length, EOS, stop ids) and aborted at
+    any time, two steps in flight per request (pipelined verify spans): the stale-state check never
+    fires on variable advances, no request emits past its budget and one ended by length has
+    exactly its budget, and the allocators drain back to empty."""
+    cfg, params, token_map, engine = model
+    rng = np.random.default_rng(7)
+    v, live, n, errors, results = cfg.vocab_size, set(), 0, [], {}
+    for _ in range(100):
+        while len(live) < 4:
+            stop = tuple(rng.integers(3, v, 2).tolist()) if rng.random() < 0.3 else ()
+            req = Request(rng.integers(3, v - 1, int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 25)),
+                          SamplingParams(temperature=0.9, seed=n) if n % 2 else SamplingParams(), stop_ids=stop,
+                          ignore_eos=bool(n % 3), request_id=n, speculative=None if n % 4 else False)
+            live.add(engine.add(req))
+            n += 1
+        if rng.random() < 0.05:
+            engine.abort(int(rng.choice(sorted(live))))
+        for e in engine.step():
+            if isinstance(e, FinishEvent):
+                live.discard(e.rid)
+                results[e.rid] = e.result
+                if e.result.finish_reason == "error":
+                    errors.append(e.result.error)
+    while engine.has_work:
+        engine.step()
+    assert errors == [] and len(results) > 20
+    assert all(len(r.tokens) <= r.max_new_tokens for r in results.values())
+    assert all(len(r.tokens) == r.max_new_tokens for r in results.values() if r.finish_reason == "length")
+    assert engine.pages.available == engine.geom.settings.num_pages - 1 and engine.pages.quarantined == 0
+    assert engine.slots.available == engine.geom.settings.slots
