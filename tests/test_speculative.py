@@ -313,10 +313,10 @@ def test_pipelined_traffic_never_refuses_and_keeps_budgets(model):
     cfg, params, token_map, engine = model
     rng = np.random.default_rng(7)
     v, live, n, errors, results = cfg.vocab_size, set(), 0, [], {}
-    for _ in range(100):
+    for _ in range(60):
         while len(live) < 4:
             stop = tuple(rng.integers(3, v, 2).tolist()) if rng.random() < 0.3 else ()
-            req = Request(rng.integers(3, v - 1, int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 25)),
+            req = Request(rng.integers(3, v - 1, int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 13)),
                           SamplingParams(temperature=0.9, seed=n) if n % 2 else SamplingParams(), stop_ids=stop,
                           ignore_eos=bool(n % 3), request_id=n, speculative=None if n % 4 else False)
             live.add(engine.add(req))
@@ -331,7 +331,7 @@ def test_pipelined_traffic_never_refuses_and_keeps_budgets(model):
                     errors.append(e.result.error)
     while engine.has_work:
         engine.step()
-    assert errors == [] and len(results) > 20
+    assert errors == [] and len(results) > 15
     assert all(len(r.tokens) <= r.max_new_tokens for r in results.values())
     assert all(len(r.tokens) == r.max_new_tokens for r in results.values() if r.finish_reason == "length")
     assert engine.pages.available == engine.geom.settings.num_pages - 1 and engine.pages.quarantined == 0
