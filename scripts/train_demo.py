@@ -26,15 +26,20 @@ inference has and training needs differently:
     last `--qat-fraction` of the LM phase is quantization-aware with the straight-through
     estimator: the loss and its gradients are taken at the weights rounded to their published
     formats (FP8 32x32 blocks, FP4 experts, BF16, FP8 Engram rows) and applied to the masters.
-    Activations stay fp32 in training (the engine's bf16 rounding and FP8 activation fake-quant
-    have zero gradient); the export's cost in perplexity is measured, not assumed.
+    The backbone's activations stay fp32; the export's cost in perplexity is measured, not assumed.
   * DSpark stages (phase "draft", target frozen): self-distillation. Training prefixes (PREFIX
     tokens at random offsets) are continued greedily by the target, --draft-gen-batch at a time
     for --draft-data-seconds; every anchor inside a continuation is a draft example whose labels
     are the target's next `dspark_block_size` greedy tokens (Markov chain teacher forced on them:
     with every earlier draft right, the model's own chain is that one), the confidence head
-    learning whether each draft is right. Measured on the held-out documents' continuations: per
-    position the agreement, the accepted prefix and the tokens per verify step it implies.
+    learning whether each draft is right. The whole phase runs under --draft-numerics (default
+    the engine's default, "fast": bf16 activations, FP8 activation fake-quant): the target's
+    continuations and taps are the ones the engine's target computes, and the stages learn at the
+    numerics they are run at (the fake-quant's rounding is straight-through, `quant._qdq`). The
+    stages' weights are quantization-aware throughout: loss and gradients at their published
+    formats, applied to fp32 masters (as the backbone's QAT phase). Measured on the held-out
+    documents' continuations: per position the agreement, the accepted prefix and the tokens per
+    verify step it implies.
 
 Each phase resumes from its latest orbax checkpoint (DIR/ckpt_lm, DIR/ckpt_draft: step, seconds
 spent, optimizer state); budgets are in seconds, and the learning rate follows the fraction of
@@ -107,8 +112,9 @@ def published_formats(cfg, params: dict) -> dict:
     return {"model": nest(flat), "engram": {l: "rows" for l in params["engram"]}}
 
 
-def fake_quant_weights(params: dict, formats: dict) -> dict:
-    """Every weight rounded to its published format (the values the exported checkpoint holds)."""
+def round_to_formats(tree, formats):
+    """Every weight of `tree` rounded to its format in `formats` (a pytree of the same structure
+    naming them): the values the exported checkpoint holds."""
     import jax
     import jax.numpy as jnp
 
@@ -127,8 +133,13 @@ def fake_quant_weights(params: dict, formats: dict) -> dict:
             return w
         return q
 
-    formats = {"model": {k: formats["model"][k] for k in params["model"]}, "engram": formats["engram"]}
-    return jax.tree.map(qdq, params, formats)   # params: the whole model or the backbone alone
+    return jax.tree.map(qdq, tree, formats)
+
+
+def fake_quant_weights(params: dict, formats: dict) -> dict:
+    """`params` (the whole model or the backbone alone) at their published formats."""
+    return round_to_formats(params, {"model": {k: formats["model"][k] for k in params["model"]},
+                                     "engram": formats["engram"]})
 
 
 @contextlib.contextmanager
@@ -227,6 +238,7 @@ class Trainer:
         from v41_jax.config import ModelConfig, validate
         from v41_jax.engram_hash import EngramHasher, token_map_from_tokenizer
         from v41_jax.numerics import Numerics
+        from v41_jax.runtime.engine import NUMERICS
 
         self.args = args
         self.t_begin = time.time()
@@ -236,6 +248,7 @@ class Trainer:
         self.token_map = token_map_from_tokenizer(self.tokenizer, self.cfg.engram_compressed_vocab_size)
         self.hasher = EngramHasher(self.cfg, self.token_map)
         self.fp32 = Numerics.fp32()
+        self.draft_numerics = NUMERICS[args.draft_numerics]()
         self.work = Path(args.work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.log = json.loads((self.work / "log.json").read_text()) if (self.work / "log.json").exists() \
@@ -421,14 +434,14 @@ class Trainer:
     # -- phase 2: the draft stages on the frozen target
     def greedy_fns(self):
         """(next_token(target, tokens, ids, pos) -> the target's greedy token after `pos` [B],
-        taps(target, tokens, ids) -> its taps [B, S, nT*D]), jitted, training numerics. next_token
+        taps(target, tokens, ids) -> its taps [B, S, nT*D]), jitted, the draft phase's numerics. next_token
         applies the head to row `pos` alone (the other rows' logits are dead code to XLA)."""
         import jax
         import jax.numpy as jnp
 
         from v41_jax.model.head import lm_head
 
-        cfg, numerics = self.cfg, self.fp32
+        cfg, numerics = self.cfg, self.draft_numerics
 
         @jax.jit
         def next_token(target, tokens, ids, pos):
@@ -484,9 +497,11 @@ class Trainer:
         import jax.numpy as jnp
         import optax
 
-        # the target as it ships (published weights): the drafts chase its greedy tokens
-        cfg, numerics, args = self.cfg, self.fp32, self.args
+        # the target as it ships (published weights) at the engine's numerics: the drafts chase
+        # its greedy tokens, from its taps
+        cfg, numerics, args = self.cfg, self.draft_numerics, self.args
         target = self.quantized(self.params)
+        shipped = jax.jit(lambda m: round_to_formats(m, self.formats["model"]["mtp"]))   # the stages as exported
         frozen = {k: v for k, v in target["model"].items() if k != "mtp"}
         mtp = self.params["model"]["mtp"]
         opt = self._optimizer(args.draft_lr)
@@ -509,12 +524,14 @@ class Trainer:
 
         @jax.jit
         def step_fn(mtp, opt_state, frozen, hidden, anchors, tokens):
+            # quantization-aware (straight-through): the gradients at the published weights, applied
+            # to the fp32 masters
             (loss, right), grads = jax.value_and_grad(draft_loss, has_aux=True)(
-                mtp, frozen, cfg, hidden, anchors, tokens, numerics)
+                shipped(mtp), frozen, cfg, hidden, anchors, tokens, numerics)
             updates, opt_state = opt.update(grads, opt_state, mtp)
             return optax.apply_updates(mtp, updates), opt_state, loss, jnp.mean(right, 0)
 
-        held_fn = jax.jit(lambda m, f, h, a, t: draft_loss(m, f, cfg, h, a, t, numerics)[1])
+        held_fn = jax.jit(lambda m, f, h, a, t: draft_loss(shipped(m), f, cfg, h, a, t, numerics)[1])
         chunk = min(32, len(held_seqs))             # held-out sequences per call (all their anchors)
         anchors_all = np.tile(np.arange(lo, hi + 1, dtype=np.int32), (chunk, 1))
 
@@ -553,7 +570,7 @@ class Trainer:
                 last = time.time()
         self._save(mgr, step, {"mtp": mtp, "opt": opt_state, "step": step, "spent": spent})
         self.log["result"].update(draft_train_continuations=len(seqs), draft_held_continuations=len(held_seqs),
-                                  draft_steps=step, draft_examples=step * b * a)
+                                  draft_steps=step, draft_examples=step * b * a, draft_numerics=args.draft_numerics)
         self.params = {"model": {**frozen, "mtp": mtp}, "engram": self.params["engram"]}
 
     def _write_log(self):
@@ -652,6 +669,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-gen-batch", type=int, default=1024, help="continuations generated per call")
     ap.add_argument("--draft-held", type=int, default=256, help="held-out continuations the drafts are measured on")
     ap.add_argument("--draft-eval-every", type=int, default=500, help="draft steps between held-out measurements")
+    ap.add_argument("--draft-numerics", default="fast", choices=("fast", "reference", "fp32"),
+                    help="the draft phase's numerics: the target's continuations and taps, the stages' "
+                    "loss (default: the engine's default)")
     ap.add_argument("--fresh-drafts", action="store_true",
                     help="with --init-from: train the draft stages from their initialisation, not the checkpoint's")
     ap.add_argument("--eval-every", type=int, default=200, help="held-out perplexity every N steps (a multiple of 25)")

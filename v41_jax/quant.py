@@ -29,7 +29,8 @@ Two XLA behaviours this module works around or states, and callers elsewhere sho
     activation reaches; `e8m0_to_f32` itself returns 2^-127 exactly for code 0.
 
 The QDQ helpers (`fp8_act_qdq`, `fp4_qdq_e4m3`, `fp4_qdq_ue8m0`) compute in fp32 and return
-x.dtype, exactly like the reference's `inplace=True` calls on bf16 tensors.
+x.dtype, exactly like the reference's `inplace=True` calls on bf16 tensors; their derivative is the
+identity (straight-through), so training can run under the fake-quantizing numerics.
 """
 
 from __future__ import annotations
@@ -318,10 +319,21 @@ def quant_fp4_ue8m0(x, group: int = 32) -> tuple[jax.Array, jax.Array]:
 
 # ---- fake-quant (QDQ) at the reference's QAT points ----------------------------------------------
 
+@partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _qdq(x, group: int, encode, what: str) -> jax.Array:
     x = jnp.asarray(x)
     q, s, _ = encode(_groups(x, group, what))
     return (q * s[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+@_qdq.defjvp
+def _qdq_straight_through(group, encode, what, primals, tangents):
+    # Differentiated, a QDQ is the identity (the straight-through estimator): rounding onto a grid
+    # has a zero derivative almost everywhere, which would stop every gradient behind a
+    # fake-quantized activation when training under the engine's numerics (scripts/train_demo.py's
+    # draft phase). The values are the QDQ's own.
+    (x,), (t,) = primals, tangents
+    return _qdq(x, group, encode, what), t
 
 
 @partial(jax.jit, static_argnames=("block",))
