@@ -131,6 +131,18 @@ def test_qdq_matches_oracle_bf16(bf16_inputs, name):
     assert same_bits(fn(bf16_inputs), want)                       # numpy fp32 in -> fp32 out
 
 
+@pytest.mark.parametrize("name", ["fp8_act_qdq", "fp4_qdq_e4m3", "fp4_qdq_ue8m0"])
+def test_qdq_is_straight_through_under_differentiation(bf16_inputs, name):
+    """Training under the fake-quantizing numerics (train_demo's draft phase) needs a gradient
+    through each QDQ: the identity, while the values stay the QDQ's own."""
+    fn = getattr(quant, name)
+    x = jnp.asarray(bf16_inputs, jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal(x.shape), jnp.float32)
+    value, vjp = jax.vjp(fn, x)
+    assert same_bits(value, fn(x))
+    assert same_bits(vjp(cot)[0], cot)
+
+
 def test_rounded_quotient_exact_from_approximate_division(bf16_inputs):
     """XLA's fp32 division is approximate on GPU and a reciprocal multiply for constant/broadcast
     divisors; _round_quotient must give grid(fl32(num/den)) from any quotient a few ulps off,
