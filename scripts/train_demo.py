@@ -5,7 +5,8 @@ then export it in the published checkpoint format.
     python -m scripts.train_demo --data build/demo_data --work DIR --export models/demo --metadata models/demo
     python -m scripts.train_demo --data build/demo_data --work DIR --init-from models/demo --fresh-drafts \
         --draft-seconds 110 --draft-data-seconds 80 --draft-sequences 65536 --draft-gen-batch 2048
-        (the draft stages alone, trained again on the shipped target)
+        (the draft stages alone, trained again on the shipped target; without --fresh-drafts they
+        continue from the shipped stages)
 
 The model is the project's own: `model.forward.forward` for the backbone, `model.dspark.draft` for
 the draft stages; the parameters are the params pytree `checkpoint.load_params` builds, in fp32,
@@ -561,6 +562,7 @@ class Trainer:
             if step % args.draft_eval_every == 0 or spent >= seconds:
                 held = held_out(mtp)
                 self.log["draft"].append({"step": step, "seconds": round(spent, 1), "loss": round(float(loss), 4),
+                                          "numerics": args.draft_numerics,
                                           "examples": step * b * a,
                                           "train_agree": [round(float(x), 3) for x in agree],
                                           "held_agree": held["agree"], "held_accepted": held["accepted"],
@@ -639,6 +641,10 @@ def plot_log(log_json: str, png: str) -> None:
     ax1.legend()
     for k in range(len(log["draft"][0]["held_agree"]) if log["draft"] else 0):
         ax2.plot([r["step"] for r in log["draft"]], [r["held_agree"][k] for r in log["draft"]], label=f"draft {k + 1}")
+    for prev, r in zip(log["draft"], log["draft"][1:]):   # a log joined from runs at different numerics
+        if r.get("numerics") != prev.get("numerics"):
+            ax2.axvline(prev["step"], color="0.5", ls="--")
+            ax2.text(prev["step"], 0.05, f" {r['numerics']} numerics from here", color="0.3")
     ax2.set(xlabel="draft step", ylabel="agreement with the target's greedy token",
             title="DSpark stages (held-out documents' continuations)", ylim=(0, 1))
     ax2.legend()
