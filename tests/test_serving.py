@@ -571,11 +571,11 @@ def spec_served(model):
 
 
 def _verifying(served, match) -> bool:
-    """The request whose prompt is `match` is past its prefill and decoding by verify spans (a
-    speculative request is not pipelined: each of its steps verifies the previous step's drafts)."""
+    """The request whose prompt is `match` has a verify span in a step in flight (past its prefill,
+    decoding by verifying the previous step's drafts)."""
     def look(engine):
-        return any(not s.done and s.slot is not None and s.spec and not s.prefilling and s.drafts
-                   for s in engine.scheduler.by_id.values() if list(s.req.prompt) == match)
+        return any(sp.verify and not sp.seq.done and list(sp.seq.req.prompt) == match
+                   for plan in engine.scheduler.in_flight.values() for sp in plan.spans)
     return served.server.loop.call(look)
 
 
