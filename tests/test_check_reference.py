@@ -68,11 +68,14 @@ def test_one_ulp_nudge_moves_each_value_by_one_ulp():
     w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 64)).astype(ml_dtypes.bfloat16))
     params = {"embed": {"weight": w},
               "layers": [{"attn_norm": {"weight": w[0]}, "ffn_norm": {"weight": w[1]}, "other": w[2]}]}
-    out = nudged_params(params, seed=1)
-    for a, b in ((params["embed"]["weight"], out["embed"]["weight"]),
-                 (params["layers"][0]["attn_norm"]["weight"], out["layers"][0]["attn_norm"]["weight"])):
-        step = np.asarray(b).view(np.uint16).astype(np.int32) - np.asarray(a).view(np.uint16).astype(np.int32)
+    out, wide = nudged_params(params, seed=1), nudged_params(params, seed=1, ulps=4)
+    for a, b, c in ((params["embed"]["weight"], out["embed"]["weight"], wide["embed"]["weight"]),
+                    (params["layers"][0]["attn_norm"]["weight"], out["layers"][0]["attn_norm"]["weight"],
+                     wide["layers"][0]["attn_norm"]["weight"])):
+        bits = [np.asarray(x).view(np.uint16).astype(np.int32) for x in (a, b, c)]
+        step = bits[1] - bits[0]
         assert set(np.unique(step)) == {-1, 1}          # every value moved, by one ulp, both directions
+        assert np.array_equal(bits[2] - bits[0], 4 * step)  # a seed's signs at every size
     assert out["layers"][0]["other"] is params["layers"][0]["other"]
 
 

@@ -14,6 +14,7 @@ runs every fixture on every path and every mutant on every fixture (49 tests, 69
 import contextlib
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -23,8 +24,8 @@ import pytest
 
 from reference_mutants import CACHE_PATH, MUTANTS
 from v41_jax.model.numerics import Numerics
-from v41_jax.tools.check_reference import (CONDITIONING_RUNS, CPU, OUTPUTS, TAPS_ALL, check_folder, load_fixture,
-                                           run_model, selection_conditioning)
+from v41_jax.tools.check_reference import (CONDITIONING_RUNS, CPU, FALSE_FAIL, GPU, OUTPUTS, TAPS_ALL, check_folder,
+                                           load_fixture, nudged_params, run_model, selection_conditioning)
 from v41_jax.tools.engine_replay import run_engine
 
 FARM = Path(__file__).parent / "fixtures" / "dsv41_farm"
@@ -109,6 +110,26 @@ def test_farm_forward(name, fixtures, runs):
     assert by_key["dspark.ref_taps.logits"].passed and by_key["dspark.logits"].stats["steps"] == 16
     if name in FREE:
         assert by_key["free_running.greedy_ids"].passed
+
+
+@pytest.mark.parametrize("name", FORWARD[-1:])
+def test_conditioning_matches_a_device_that_is_a_draw_of_the_nudges(name, fixtures):
+    """The device-size form of the conditioning (docs/MODEL.md §6.3), on CPU: XLA:CPU sits inside
+    the one-ulp nudges' noise (4 runs, one-ulp allowance for the head alone: the CPU rule), while a
+    model one random ulp nudge away from the reference's weights stands for a device whose
+    deviation is a draw of that noise, like the H200's: the conditioning finds it, matches its size,
+    takes ceil(K / FALSE_FAIL) - 1 draws, and the check passes it at the GPU profile, with a
+    head-alone allowance measured above one ulp. (Its compile is the farm forward's: same shapes.)"""
+    fx, cond = fixtures(name)
+    assert cond["inside"] and cond["draws"] == CONDITIONING_RUNS
+    device = fx._replace(params=nudged_params(fx.params, seed=1000))
+    found = selection_conditioning(device, NUMERICS, CONDITIONING_RUNS)
+    assert not found["inside"] and found["draws"] == math.ceil(len(found["rank_reach"]) / FALSE_FAIL) - 1
+    checks = check_folder(device, NUMERICS, GPU, conditioning=found)
+    by_key = {c.key: c for c in checks}
+    tf = by_key["dspark.ref_taps.logits"]
+    assert not tf.stats["conditioning_inside"] and tf.stats["lane_allowance_row_ulps"]["p50"] > 1
+    assert not _failed(checks)
 
 
 @pytest.mark.parametrize("name", ENGINE)
