@@ -23,8 +23,10 @@ What runs
     DSpark gate and Markov chain) are what the model attends / routes with, while the model's own
     selections are compared with the reference's separately. Without it one legitimate near-tie
     flip changes everything downstream, and the numeric comparisons would measure the flip;
-  * the one-ulp conditioning run (`selection_conditioning`, N = 4 nudges of the model by default)
-    that the near-tie scales of the selection rules are measured from;
+  * the conditioning run (`selection_conditioning`: N = 4 one-ulp nudges of the model by default;
+    where the device's own deviation from the reference is a draw of that noise, as on a GPU,
+    nudges of the device's measured size, ceil(K / 0.05) - 1 of them) that the near-tie scales of
+    the selection rules, and there the head-alone allowance, are measured from;
   * with --free-running, one unforced forward for the free-running greedy comparison.
 
 Tolerances (the arithmetic behind them)
@@ -44,12 +46,13 @@ Tolerances (the arithmetic behind them)
     above) and u32 = 2^-24 (fp32 dot rounding on both sides). Every logit must satisfy it.
   * DSpark (docs/MODEL.md §6.2): the taps on every row a draft reads (bf16 rule above); the head on
     the reference's taps within one bf16 ulp per lane of its normed (confidence: pre-norm) hidden
-    + fp32 rounding; the head on the model's own taps within sum_d |dn_d||W_vd| of the measured
+    (where the device deviates by more than last bits: the larger of that and the most the
+    conditioning's nudges moved the lane) + fp32 rounding; the head on the model's own taps within sum_d |dn_d||W_vd| of the measured
     draft-hidden difference dn (own taps run - reference taps run) + that allowance.
   * pre-mix (sigmoid outputs in (0, 1]): row_ulps_p50 bf16 ulps at 1.
   * selections, per row (docs/MODEL.md §6.3): the model's own picks equal the reference's, or the
     row is a near-tie by a scale measured on this fixture by the conditioning run: index / candidate
-    rows within the layer's rank reach of one-ulp noise, router rows within 2 x its gate-score
+    rows within the layer's rank reach of the conditioning's noise, router rows within 2 x its gate-score
     noise. An exact tie of the model's own scores resolved to the higher index always fails. Rows
     the fixture flags `tie_consequential` are counted and reported on their own; also reported
     per key: recall (share of reference picks the model made) and the worst missed rank.
