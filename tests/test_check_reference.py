@@ -52,7 +52,8 @@ def test_flipped_weight_byte_fails(tmp_path, capsys):
         f.chmod(0o644)
     # the first block's attention norm: every token of every path goes through it
     _flip_high_byte(dst / "checkpoint", "layers.0.attn_norm.weight", 0x40)
-    assert main([str(dst), "--json"]) != 0
+    # one nudge a size: the conditioning doubles its nudges to the largest on a model this far off
+    assert main([str(dst), "--json", "--conditioning", "1"]) != 0
     report = json.loads(capsys.readouterr().out)
     failed = {c["key"] for c in report["checks"] if not c["passed"]}
     assert {"prefill.block_out_last", "decode.block_out", "prefill.final_normed_all"} <= failed
