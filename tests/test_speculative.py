@@ -336,3 +336,56 @@ def test_pipelined_traffic_never_refuses_and_keeps_budgets(model):
     assert all(len(r.tokens) == r.max_new_tokens for r in results.values() if r.finish_reason == "length")
     assert engine.pages.available == engine.geom.settings.num_pages - 1 and engine.pages.quarantined == 0
     assert engine.slots.available == engine.geom.settings.slots
+
+
+def test_pending_spans_resolve_to_the_host_batch(model):
+    """The rules `step._resolve_pending` applies on the device (positions, tokens, visible columns,
+    ring rows, reserved compress-plan rows, Engram ids hashed from the cursor, cursors after the
+    span and after each accepted prefix) give what `build_step` gives on the host for the same
+    spans at their real positions: decodes and verify spans of every width at positions from 1
+    (history shorter than the n-gram) up, beside a host-built prefill chunk left as it is."""
+    from v41_jax.runtime.metadata import Span, build_step
+    from v41_jax.runtime.step import _resolve_pending
+
+    cfg, params, token_map, engine = model
+    runner, geom, blk = engine.runner, engine.geom, cfg.dspark_block_size
+    assert runner.device_feedback
+    bucket = engine.buckets.buckets[-1]
+    pages = np.arange(1 + 16 * 3, 1 + 16 * 4, dtype=np.int32)        # 128 positions for every span
+    resolve = jax.jit(lambda cache, batch: _resolve_pending(runner.params, cfg, geom, cache, batch))
+    rng = np.random.default_rng(7)
+    zero_cursor = np.zeros(geom.history + 1, np.int64)
+    cache = runner.fresh_cache()
+    for trial in range(10):
+        cursors, sampled = np.asarray(cache.cursor).copy(), np.asarray(cache.sampled).copy()
+        host, pending = [], []
+        for slot in range(3):
+            p = int(rng.integers(1, 5)) if trial < 3 else int(rng.integers(1, 100))
+            k = int(rng.integers(0, blk + 1))
+            toks = rng.integers(0, cfg.vocab_size, p + 1 + k)
+            cursor = runner.cursor_row(toks, p)
+            if k:
+                sp = runner.verify_span(slot, slot, p, toks[:p], toks[p:], pages, cursor,
+                                        SamplingParams())
+            else:
+                sp = runner.span(slot, slot, p, toks[p:], pages, cursor, draft=True)
+            host.append(sp)
+            # the host's placeholders: another position (an upper bound), no tokens, no Engram rows
+            pending.append(Span(slot, slot, p + 3, np.zeros(1 + k, np.int32), pages, zero_cursor,
+                                *runner._zero_engram(1 + k), all_logits=bool(k), verify=k, draft=True,
+                                prefix_cursors=np.zeros((k, len(zero_cursor)), np.int64) if k else None,
+                                pending=True))
+            cursors[slot], sampled[slot, :1 + k] = cursor, toks[p:]
+        chunk = rng.integers(0, cfg.vocab_size, 9)
+        prefill = runner.span("c", 3, 0, chunk, pages, None)
+        want = build_step(geom, cfg, bucket, host + [prefill]).batch
+        got = resolve(replace(cache, cursor=cursors, sampled=sampled), jax.tree_util.tree_map(jnp.asarray, build_step(geom, cfg, bucket, pending + [prefill]).batch))
+        for name in ("tokens", "positions", "req_pos", "visible", "window_writes", "ring_writes", "cursor_rows",
+                     "engram_codes", "engram_scales"):
+            jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b, err_msg=name),
+                                   getattr(got, name), getattr(want, name))
+        for b, sp in enumerate(host):
+            np.testing.assert_array_equal(np.asarray(got.spec_cursors)[b, :sp.verify], want.spec_cursors[b, :sp.verify])
+        for r, g, w in zip(geom.ratios, got.compress_plans, want.compress_plans):
+            rows = lambda plan: sorted(map(tuple, np.asarray(plan)[np.asarray(plan)[:, 1] >= 0].tolist()))
+            assert rows(g) == rows(w), (trial, r)
