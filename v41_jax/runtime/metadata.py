@@ -71,12 +71,13 @@ class Span:
     draft: bool = False                 # draft a block after this step (speculative request)
     prefix_cursors: np.ndarray | None = None      # int [verify, H + 1] the cursor after rows 0..j
     # pending: the span continues its slot from where the cache says it is: its position is the
-    # slot's cursor, its first token the slot's `sampled`, the others the slot's `drafts`, and its
-    # Engram rows, cursors and every position-dependent plan entry are resolved in the step
-    # (`step._resolve_pending`). Its tokens, next_cursor, Engram rows and prefix_cursors here
+    # slot's cursor, its tokens the slot's `sampled` row (the sampled token, then the drafts after
+    # it), and its Engram rows, cursors and every position-dependent plan entry are resolved in the
+    # step (`step._resolve_pending`). Its tokens, next_cursor, Engram rows and prefix_cursors here
     # are placeholders, so the host batch of a step of pending spans does not change from one
-    # step to the next (`Runner.prepare` then sends nothing). `position` is what the host expects
-    # (the stale-state check), or a bound on it, used only to validate the span.
+    # step to the next (`Runner.steady` then sends nothing). `position` is where the host expects
+    # it to start, or a bound above that (drafts in flight counted as accepted), used only to
+    # validate the span (its pages); the stale-state check is the Scheduler's (`Sequence.committed`).
     pending: bool = False
 
     @property

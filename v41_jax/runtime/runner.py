@@ -6,10 +6,10 @@ cannot know in advance (the previous step's sampled tokens):
 
 * `prepare(plan)` while the previous step runs: every span's metadata (positions, block tables,
   plans, samplers) and the Engram rows of every token already on the host, in numpy, packed into
-  two buffers (`runtime/packed.py`) and sent to the device. A decode span whose token the previous
-  step samples is *pending* (`Span.pending`): the step itself takes its position, token, Engram
-  rows and cursor from its slot (`step._resolve_pending`), so its host metadata does not depend on
-  the position. A step whose spans are all pending and are the same requests as the step before
+  two buffers (`runtime/packed.py`) and sent to the device. A decode or verify span whose input
+  tokens the previous step produces (its sampled token, then the drafts after it) is *pending*
+  (`Span.pending`): the step itself takes its position, tokens, Engram rows and cursors from its
+  slot (`step._resolve_pending`), so its host metadata does not depend on the position. A step whose spans are all pending and are the same requests as the step before
   (steady decoding) therefore takes the very same batch: `prepare` builds and sends nothing and
   the step is launched on the batch already on the device;
 * `dispatch(prepared, feedback)`: fresh slots reset, the step launched, and its tokens / found
@@ -19,8 +19,9 @@ cannot know in advance (the previous step's sampled tokens):
   only then sends the batch;
 * `collect(in_flight)` -> the host arrays (blocks only until that step's outputs have landed).
 
-The Engram history of every span comes from the host's own copy of the request's tokens, never
-from a probe of the cache: the cache's cursor is what the step checks (`StepOutput.found`).
+The Engram history of a span built on the host comes from the host's own copy of the request's
+tokens, never from a probe of the cache; a pending span's comes from its slot's cursor inside the
+step. The cache's cursor position is what the Scheduler checks (`StepOutput.found`).
 """
 
 from __future__ import annotations

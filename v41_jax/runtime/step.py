@@ -342,8 +342,10 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     logits row sampled with its request's parameters (seeded by (seed, position sampled for)).
 
     `found` is the cursor position of each request row's slot before this step writes it: the host
-    compares it with the span's first position of this same step (docs/CACHE.md INV-1,
-    INV-4), so the check needs no probe of its own and is never judged against another step.
+    compares it with where the request's committed state ends after the steps read before this
+    one, i.e. where this same step's span starts (a pending span starts at that very cursor;
+    docs/CACHE.md INV-1, INV-4), so the check needs no probe of its own and is never judged
+    against another step.
 
     forced (teacher forcing, for checking against a reference): {"index_topk": {l: [T, K]},
     "candidate_blocks": {l: [T, Kb]}, "gate_topk": {l: [T, k]}} per token row, any subset.
