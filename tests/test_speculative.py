@@ -347,7 +347,7 @@ def test_pending_spans_resolve_to_the_host_batch(model):
     from v41_jax.runtime.metadata import Span, build_step
     from v41_jax.runtime.step import _resolve_pending
 
-    cfg, params, token_map, engine = model
+    cfg, _, _, engine = model
     runner, geom, blk = engine.runner, engine.geom, cfg.dspark_block_size
     assert runner.device_feedback
     bucket = engine.buckets.buckets[-1]
@@ -365,8 +365,7 @@ def test_pending_spans_resolve_to_the_host_batch(model):
             toks = rng.integers(0, cfg.vocab_size, p + 1 + k)
             cursor = runner.cursor_row(toks, p)
             if k:
-                sp = runner.verify_span(slot, slot, p, toks[:p], toks[p:], pages, cursor,
-                                        SamplingParams())
+                sp = runner.verify_span(slot, slot, p, toks[:p], toks[p:], pages, cursor, SamplingParams())
             else:
                 sp = runner.span(slot, slot, p, toks[p:], pages, cursor, draft=True)
             host.append(sp)
@@ -379,13 +378,15 @@ def test_pending_spans_resolve_to_the_host_batch(model):
         chunk = rng.integers(0, cfg.vocab_size, 9)
         prefill = runner.span("c", 3, 0, chunk, pages, None)
         want = build_step(geom, cfg, bucket, host + [prefill]).batch
-        got = resolve(replace(cache, cursor=cursors, sampled=sampled), jax.tree_util.tree_map(jnp.asarray, build_step(geom, cfg, bucket, pending + [prefill]).batch))
+        placeholders = build_step(geom, cfg, bucket, pending + [prefill]).batch
+        got = resolve(replace(cache, cursor=cursors, sampled=sampled), jax.tree_util.tree_map(jnp.asarray, placeholders))
         for name in ("tokens", "positions", "req_pos", "visible", "window_writes", "ring_writes", "cursor_rows",
                      "engram_codes", "engram_scales"):
             jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b, err_msg=name),
                                    getattr(got, name), getattr(want, name))
         for b, sp in enumerate(host):
-            np.testing.assert_array_equal(np.asarray(got.spec_cursors)[b, :sp.verify], want.spec_cursors[b, :sp.verify])
+            np.testing.assert_array_equal(np.asarray(got.spec_cursors)[b, :sp.verify],
+                                          want.spec_cursors[b, :sp.verify])
         for r, g, w in zip(geom.ratios, got.compress_plans, want.compress_plans):
             rows = lambda plan: sorted(map(tuple, np.asarray(plan)[np.asarray(plan)[:, 1] >= 0].tolist()))
             assert rows(g) == rows(w), (trial, r)
