@@ -66,6 +66,34 @@ def test_stream_yields_generate_tokens(engine):
     assert events[-1].result.finish_reason == "length" and events[-1].result.ttft_s > 0
 
 
+def test_steady_decoding_reuses_the_batch_on_the_device(engine):
+    """Decode steps of the same requests as the step before launch on the batch already on the
+    device (`Runner.steady`: nothing built, nothing sent) and give the tokens of a run that builds
+    and sends every batch; composition changes (a request finishing, one arriving) build anew."""
+    rng = np.random.default_rng(3)
+    v = engine.cfg.vocab_size
+    reqs = [_req(rng, v, "a", n=5, new=12), _req(rng, v, "b", n=9, new=4),
+            _req(rng, v, "c", n=3, new=10, sampling=SamplingParams(temperature=0.9, top_k=20, seed=2))]
+    runner, steady, send = engine.runner, engine.runner.steady, engine.runner.send
+    reused, sent = [], []
+    runner.steady = lambda plan: reused.append(steady(plan)) or reused[-1]
+    runner.send = lambda bucket, batch: sent.append(bucket) or send(bucket, batch)
+    try:
+        engine.reset()
+        got = {r.request_id: r.tokens for r in engine.generate(reqs)}
+        steps, n_sent = engine.steps, len(sent)
+        runner.steady = lambda plan: None
+        engine.reset()
+        want = {r.request_id: r.tokens for r in engine.generate(reqs)}
+    finally:
+        del runner.steady, runner.send
+    hits = sum(p is not None for p in reused)
+    assert got == want
+    assert hits >= 6 and hits + n_sent == steps == len(reused)
+    # a reused step is one of pending spans of the same requests as the step before it
+    assert all(all(sp.pending for sp in p.plan.spans) for p in reused if p is not None)
+
+
 def test_logprobs_are_the_sampled_tokens_log_softmax(engine, model):
     from tests.engine_common import forward_logits
 
