@@ -12,17 +12,21 @@ device's bytes from its arrays' shards.
 What the plan says:
 * per device: `tools.memory_plan.param_bytes` for "dp" over N devices (params only; the Engram
   tables stay memory-mapped on the host);
-* host: on a CPU mesh the devices' memory is host memory, so the anonymous growth should be the
-  devices' distinct buffers (CPU devices may share a replicated leaf's) plus what XLA and the
-  allocator keep, and the file pages at most the checkpoint's bytes; numpy's own peak
-  (tracemalloc) is the loader's host copies (on CPU, XLA may keep numpy buffers as device data);
-  what a load holds on the host beyond that is its transient: the stacks of experts it reads with
-  `np.stack` (one device's block of each), reported as `largest_stacked_read_bytes`. On a GPU
-  host only the file pages and that transient are host memory.
+* host: `tools.memory_plan.host_read_bytes`, the largest single read (one device's block of an
+  expert stack, stored codes + scales, copied by `np.stack`); every other tensor is a view of
+  the memory map and the conversions run in XLA. Measured: tracemalloc (every allocation of the
+  Python heap, numpy's buffers among them; not XLA's buffers) around each read the loader makes
+  (`load._convert`, wrapped here): the peak during the read over the bytes traced just before it,
+  its transient. The largest transient, the first read's apart (it pays jax's first calls), is
+what the plan predicts. Beside it, the whole load's
+  peak and what stays traced after it (jax's first calls, compiled conversions, the params
+  tree's Python objects: a fixed cost, the same for a checkpoint of any width). On a CPU mesh
+  the devices' memory is host memory too: the resident growth (/proc/self/status) is reported
+  with the devices' distinct buffers beside it.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m scripts.load_memory \\
-        --make v41_jax/configs/tiny.config.json --experts-per-layer 64 --expert-ffn 512 --shards 4 \\
-        --out benchmarks/load_memory_cpu.json
+    XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_collective_timeout_seconds=600" \\
+        python -m scripts.load_memory --make v41_jax/configs/tiny.config.json --experts-per-layer 64 \\
+        --expert-ffn 4096 --shards 4 --devices 2 --out benchmarks/load_memory_cpu.json
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import resource
 import tempfile
 import time
 import tracemalloc
+from unittest import mock
 
 MiB = 2 ** 20
 
@@ -104,13 +109,34 @@ def main(argv=None) -> dict:
     file_bytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in files)
     experts = load_mod.resolve_experts(args.experts)
 
+    ck = Checkpoint(ckpt)
+    reads = []          # (first tensor, its experts, host bytes read, transient, traced before it)
+    peaks = [0]                          # the traced peak before each reset: the whole load's is their max
+    convert = load_mod._convert
+
+    def traced_convert(ckpt_, unit, spec, experts_):
+        """`load._convert` (one read), with the peak of traced bytes during it over those before it."""
+        before, peak = tracemalloc.get_traced_memory()
+        peaks.append(peak)
+        tracemalloc.reset_peak()
+        out = convert(ckpt_, unit, spec, experts_)
+        peak = tracemalloc.get_traced_memory()[1]
+        peaks.append(peak)
+        # what the read copies to the host: a stack's codes + scales (`np.stack`); else a view
+        names = [*unit.names, *(n.removesuffix(".weight") + ".scale" for n in unit.names)] if unit.stacked else []
+        copied = sum(ck.info(n).nbytes for n in names if n in ck)
+        reads.append((unit.names[0], len(unit.names), copied, peak - before, before))
+        return out
+
     start = status()
     t0 = time.perf_counter()
-    tracemalloc.start()                  # numpy's host buffers (XLA's device buffers are not traced)
-    cfg, params = load_mod.load_params(ckpt, progress=False, experts=experts,
-                                       expert_sharding=mesh_mod.expert_sharding(mesh))
+    tracemalloc.start()
+    with mock.patch.object(load_mod, "_convert", traced_convert):
+        cfg, params = load_mod.load_params(ckpt, progress=False, experts=experts,
+                                           expert_sharding=mesh_mod.expert_sharding(mesh))
     loaded = status()
     host_held, host_load = tracemalloc.get_traced_memory()
+    host_load = max(host_load, *peaks)
     tracemalloc.reset_peak()
     t1 = time.perf_counter()
     params = mesh_mod.expert_blocks(params, mesh.size)
@@ -131,18 +157,10 @@ def main(argv=None) -> dict:
                              if leaf.sharding.is_fully_replicated)
     plan = memory_plan.param_bytes(memory_plan.param_leaves(cfg), experts, "dp", mesh.size)
     plan_device = sum(plan.values())
-    # the largest host copy a load makes: a stack of experts is read by `np.stack` (one device's
-    # block of it when split), its codes and scales as stored; every other tensor is a zero-copy
-    # view of the map, and the conversion to the held dtype runs in XLA
-    ck = Checkpoint(ckpt)
-    schema = load_mod.validate_checkpoint(ck, cfg)[1]
-    largest = 0
-    for unit in load_mod.param_units(schema).values():
-        if unit.stacked:
-            names = unit.names[:len(unit.names) // mesh.size] if mesh_mod.splits(len(unit.names), mesh.size) \
-                else unit.names
-            scales = [n.removesuffix(".weight") + ".scale" for n in names]
-            largest = max(largest, sum(ck.info(n).nbytes for n in [*names, *(s for s in scales if s in schema)]))
+    plan_host = memory_plan.host_read_bytes(cfg, mesh.size)
+    # the first read pays jax's one-time costs (its first calls): reported apart, as fixed
+    largest = max(reads[1:], key=lambda r: r[3])
+    copying = [r for r in reads if r[2]]
     devices_total = sum(held.values())
     report = {
         "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
@@ -151,12 +169,23 @@ def main(argv=None) -> dict:
         "per_device_bytes": sorted(set(held.values())), "plan_per_device_bytes": plan_device,
         "per_device_over_plan": max(held.values()) / plan_device,
         "devices_total_bytes": devices_total, "distinct_device_buffer_bytes": sum(buffers.values()),
-        "largest_stacked_read_bytes": largest, "largest_replicated_leaf_bytes": largest_replicated,
-        # numpy's peak host bytes (tracemalloc) while loading (the expert blocks and tensors read
-        # from the map and stacked) and while replicating (`place`: a leaf's host copy)
-        "host_numpy_peak_bytes": {"load": host_load, "place": host_place},
-        "host_numpy_held_after_load_bytes": host_held,
-        
+        "largest_replicated_leaf_bytes": largest_replicated,
+        # host: each read's transient (traced peak during it over traced bytes before it)
+        "first_read": {"read": reads[0][0], "transient_bytes": reads[0][3], "copied": reads[0][2]},
+        "plan_host_read_bytes": plan_host,
+        "largest_read_copied_bytes": max(r[2] for r in reads),
+        "host_transient_max": {"bytes": largest[3], "read": largest[0], "experts": largest[1], "copied": largest[2],
+                               "traced_before": largest[4]},
+        "host_transient_over_plan": largest[3] / plan_host,
+        "reads": len(reads), "copying_reads": len(copying),
+        # over the copying reads: transient / bytes copied (the first read of a shape also compiles)
+        "transient_over_copied": {"min": min(r[3] / r[2] for r in copying),
+                                  "median": sorted(r[3] / r[2] for r in copying)[len(copying) // 2],
+                                  "max": max(r[3] / r[2] for r in copying)},
+        "largest_view_read_transient_bytes": max([r[3] for r in reads[1:] if not r[2]], default=0),
+        # the whole load, traced: its peak and what stays after it (the fixed cost), and `place`
+        "host_traced_peak_bytes": {"load": host_load, "place": host_place},
+        "host_traced_held_after_load_bytes": host_held,
         "rss": {"start": start, "loaded": loaded, "placed": placed},
         "anon_growth_bytes": placed["RssAnon"] - start["RssAnon"],
         "anon_growth_over_devices_total": (placed["RssAnon"] - start["RssAnon"]) / devices_total,

@@ -1,11 +1,13 @@
 """Published checkpoint format: schema vs the official fixtures, reader, writer, loader, orbax cache,
 and refusal of every malformed case with an error naming the tensor and the file."""
 
+import gc
 import json
 import os
 import re
 import shutil
 import struct
+import tracemalloc
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +26,7 @@ from v41_jax.model import moe
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight
 from v41_jax.checkpoint import converted
+from v41_jax.checkpoint import load as load_mod
 from v41_jax.checkpoint.load import ENGRAM_KEY, EngramTables, load_params, param_units
 from v41_jax.checkpoint.safetensors_io import (INDEX_NAME, Checkpoint, CheckpointError, write_checkpoint,
                                                write_safetensors)
@@ -481,6 +484,26 @@ def test_refused_total_size(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="total_size") as e:
         Checkpoint(d)
     assert str(d / INDEX_NAME) in str(e.value)
+
+
+def test_a_read_is_freed_when_its_conversion_returns(tiny):
+    """The loader's host transient is one read at a time (`memory_plan.host_read_bytes`):
+    `_convert` returns with its stacked host read (8 experts' codes, 32 KiB) freed, the garbage
+    collector off (a numpy argument of a jitted call would stay until it ran)."""
+    ckpt = Checkpoint(tiny[0])
+    schema = validate_checkpoint(ckpt, tiny[1])[1]
+    unit = param_units(schema)["layers.0.ffn.experts.w1"]
+    copied = sum(ckpt.info(n).nbytes for n in unit.names)
+    load_mod._convert(ckpt, unit, schema[unit.names[0]], "bf16")          # compiled before tracing
+    gc.disable()
+    tracemalloc.start()
+    try:
+        out = load_mod._convert(ckpt, unit, schema[unit.names[0]], "bf16")
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert out.shape == (8, 64, 128) and held < copied // 4, (held, copied)
 
 
 def test_auto_holds_experts_by_backend(monkeypatch):

@@ -83,3 +83,13 @@ def test_cli_markdown(capsys):
                     "--markdown"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n| dp |") == 6 and out.count("\n| tp |") == 6
+
+
+def test_host_read_is_one_devices_block_of_a_stack():
+    """tiny's experts as stored: w1 / w3 [64, 128] as E2M1 [64, 64] bytes + E8M0 [64, 4], w2
+    [128, 64] as [128, 32] + [128, 2]: 4,352 bytes each. Backbone stacks of 8 split over N; the
+    draft stacks of 4 split over 2 and 4, and are read whole on 8 (they stay replicated)."""
+    expert = 64 * 64 + 64 * 4
+    assert expert == 128 * 32 + 128 * 2 == 4352
+    for n, experts in ((1, 8), (2, 4), (4, 2), (8, 4)):
+        assert mp.host_read_bytes(TINY, n) == experts * expert

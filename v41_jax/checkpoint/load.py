@@ -182,7 +182,13 @@ def _refuse_scales(ckpt: Checkpoint, names: list[str], top: int) -> NoReturn:
 
 def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
     """Read (and stack) the stored tensors of one unit; keep FP4 experts packed or dequantize and
-    cast to `spec.held`."""
+    cast to `spec.held`. Returns once the conversion has run, so the host buffers it read into (the
+    stacked experts) are freed before the caller reads the next unit: under async dispatch a
+    conversion still queued keeps its input alive, and two or more reads would be held at once."""
+    return jax.block_until_ready(_convert_async(ckpt, unit, spec, experts))
+
+
+def _convert_async(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
     def read(names) -> np.ndarray:
         return np.stack([ckpt.get(n) for n in names]) if unit.stacked else ckpt.get(names[0])
 
@@ -194,7 +200,9 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
             _refuse_scales(ckpt, names, MAX_SCALE_CODE[spec.dtype])
         return codes
 
-    w = read(unit.names)
+    # a jax array before any jitted call: a numpy argument of a jitted call outlives it until the
+    # garbage collector runs (measured: the stacked read stays held into the next unit's read)
+    w = jnp.asarray(read(unit.names))
     held = held_as(spec, unit, experts)
     if held in ("fp4", "fp8"):
         fp4 = quant.Fp4Weight(quant.as_u8(w), read_scales())
@@ -204,7 +212,7 @@ def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
     elif spec.dtype == "I8":
         out = quant.dequant_fp4_rows(w, read_scales())
     else:
-        out = jnp.asarray(w)
+        out = w
     return out.astype(HELD_DTYPES[held])
 
 

@@ -18,6 +18,8 @@ assumes every tensor re-codes (a tensor whose rows span too many binades stays f
 The Engram tables stay on the host (page cache of the memory-mapped checkpoint) unless they are at
 most `runner.DEVICE_ENGRAM_BYTES`. The fit subtracts a workspace reserve (activations, XLA
 temporaries, allocator slack), an input here, not a measurement of the released model.
+Host memory while loading: `host_read_bytes`, the largest single read (one device's block of an
+expert stack as stored), beyond the memory-mapped file pages.
 
 Run `python -m v41_jax.tools.memory_plan --config C [--devices 1,2,4,8] [--markdown]`.
 """
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 
 from v41_jax.cache.geometry import INDEX_FORMATS, KV_FORMATS, CacheGeometry, EngineSettings
 from v41_jax.checkpoint.load import held_as, held_bytes, param_units
+from v41_jax.checkpoint.safetensors_io import DTYPES
 from v41_jax.checkpoint.schema import checkpoint_schema
 from v41_jax.config import ModelConfig, exit_2_on_refusal
 from v41_jax.runtime.runner import DEVICE_ENGRAM_BYTES
@@ -94,6 +98,27 @@ def param_bytes(leaves, experts: str, layout: str, n: int) -> dict[str, int]:
             raise ValueError(f"{path}: leading dim {full[0]} does not split over {ways} devices")
         out[group_of(path)] += held_bytes(held[experts], full) // ways
     return out
+
+
+def host_read_bytes(cfg: ModelConfig, n: int) -> int:
+    """The loader's host transient on n devices (`load._convert`): its largest read, one at a time.
+
+    A stack of routed experts is read with `np.stack` into one host buffer: one device's block of
+    E/n experts when the stack splits (`split_ways`, `runtime.mesh.expert_sharding`), else all E,
+    as stored (E2M1 codes and their E8M0 scales). That is the loader's only host copy: every other
+    tensor is a zero-copy view of the memory map (file pages, which the kernel may drop), the
+    conversion to the held format runs in XLA (device memory; host memory on a CPU mesh), and
+    `_convert` waits for each conversion, so no two reads are held at once. The Engram tables stay
+    memory-mapped and unread. Measured against this: `scripts/load_memory.py`."""
+    schema = checkpoint_schema(cfg)
+    stored = lambda name: math.prod(schema[name].shape) * DTYPES[schema[name].dtype].itemsize
+    largest = 0
+    for path, unit in param_units(schema).items():
+        if unit.stacked:
+            scale = unit.names[0].removesuffix(".weight") + ".scale"
+            expert = stored(unit.names[0]) + (stored(scale) if scale in schema else 0)
+            largest = max(largest, expert * len(unit.names) // split_ways(path, (len(unit.names),), "dp", n))
+    return largest
 
 
 def engram_table_bytes(cfg: ModelConfig) -> int:
@@ -199,6 +224,8 @@ def main(argv=None) -> int:
         print(markdown(rows, contexts))
         print(f"\nEngram tables: {_gb(engram_table_bytes(cfg))} GB "
               f"({'on each device' if rows[0].engram_device else 'host memory, per host'})")
+        print("Largest host read while loading (the loader's host transient, per process): "
+              + ", ".join(f"N = {n}: {_gb(host_read_bytes(cfg, n))} GB" for n in devices))
         return 0
     for r in rows:
         print(json.dumps({"layout": r.layout, "experts": r.experts, "devices": r.devices, "params": r.params,
