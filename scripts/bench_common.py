@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import tempfile
@@ -110,3 +111,11 @@ def kernel_profile(run, calls: int, top: int = 12) -> dict:
             "kernels": [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
                          "share": round(t / total_ns, 4) if total_ns else 0.0} for n, (t, c) in ranked[:top]],
             "pallas_ms_per_call": {k: per_call(totals[k][0]) for k in PALLAS_KERNELS if k in totals}}
+
+
+def print_and_save(report: dict, out: str | None) -> None:
+    """The report on stdout, and as JSON at `out` when given."""
+    print(json.dumps(report, indent=1))
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)

@@ -20,7 +20,6 @@ the previous path costs about N times the one-device MoE, the new one about 1.25
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import time
@@ -34,6 +33,7 @@ from kernels_pallas import moe as kernel_moe
 from kernels_pallas.reference import add_slots
 from v41_jax.model import expert_parallel as ep
 from v41_jax.model.numerics import Numerics
+from scripts import bench_common
 from v41_jax.runtime.mesh import AXIS, make_mesh
 
 
@@ -116,10 +116,7 @@ def main(argv=None) -> dict:
         "speedup_after_over_before": before_s / after_s,
         "bit_equal": {"before": bool(np.array_equal(before, one)), "after": bool(np.array_equal(after, one))},
     }
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    bench_common.print_and_save(report, args.out)
     return report
 
 

@@ -100,6 +100,7 @@ def main(argv=None) -> dict:
     from v41_jax.checkpoint.safetensors_io import Checkpoint
     from v41_jax.runtime import mesh as mesh_mod
     from v41_jax.tools import memory_plan
+    from scripts import bench_common
 
     if jax.device_count() < args.devices:
         raise SystemExit(f"{jax.device_count()} devices; set XLA_FLAGS=--xla_force_host_platform_device_count="
@@ -195,10 +196,7 @@ def main(argv=None) -> dict:
         "peak_over_end_bytes": placed["peak"] - placed["VmRSS"],
         "seconds": {"load": round(t1 - t0, 2), "place": round(t2 - t1, 2)},
     }
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    bench_common.print_and_save(report, args.out)
     return report
 
 
