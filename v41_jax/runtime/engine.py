@@ -188,7 +188,7 @@ class Engine:
     def reset(self) -> None:
         """Drop every request and its state: a zeroed cache, empty allocators (compiled steps stay)."""
         geom = self.geom
-        self.runner.cache = self.runner.fresh_cache()
+        self.runner.reset()
         s = geom.settings
         self.scheduler = Scheduler(num_pages=s.num_pages, slots=s.slots, max_requests=self.buckets.max_requests,
                                    max_tokens=self.buckets.max_tokens, prefill_chunk=self.prefill_chunk,

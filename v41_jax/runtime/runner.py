@@ -119,6 +119,11 @@ class Runner:
         """A zeroed cache (every slot freshly reset)."""
         return allocate(self.geom)
 
+    def reset(self) -> None:
+        """A zeroed cache, and no batch kept for `steady` (it belongs to the requests dropped)."""
+        self.cache = self.fresh_cache()
+        self._steady = None
+
     def _device_engram(self, want: bool | None) -> bool:
         """Whether pending decode rows are hashed and gathered on the device (tables copied there):
         asked for, or (None) when the tables take at most DEVICE_ENGRAM_BYTES; never when a prime
