@@ -42,15 +42,16 @@ def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
     Triton lowers an fp32 `arith.divf` to PTX `div.full.f32` on NVIDIA (up to 2 ulp off) but an
     fp64 one to `div.rn.f64` (IEEE); on ROCm both are LLVM `fdiv` without fast-math flags, which
     AMDGPU expands to an IEEE-correct sequence. So the quotient is taken in fp64 and rounded to
-    fp32: q = RN24(RN53(a / b)). Double rounding is innocuous here (53 >= 2*24 + 2): a, b are exact
-    in fp64. Scale a, b by powers of two (exact) so that b = B 2^-23 in [1, 2) and a = A 2^-23 in
-    [1, 4) (A, B integers; a in [2, 4) only has even A). An fp32 rounding midpoint near a / b is
-    m = M 2^-24 (M odd, 25 bits). a - m b = 2^-47 (A 2^24 - M B) is 2^-47 times an integer, and
-    not 0 (M B is odd times B's odd part >= 2^24, a multiple of a 25-bit odd number; A has 24
-    bits), so |a/b - m| > 2^-47 / 2 = 2^-48, while |RN53(a/b) - a/b| <= 2^-53 (a/b in [1/2, 4)):
-    the fp64 quotient lies on the same side of every midpoint as the exact one, and an exact fp32
-    quotient stays exact. Subnormal fp32 results keep the bound (midpoints 2^-150 apart, and the
-    fp64 quotient, >= 2^-277, is never subnormal), as does overflow (2^128 - 2^103 is a midpoint).
+    fp32: RN24(RN53(a / b)) (a, b are exact in fp64; fptrunc rounds to nearest even). That double
+    rounding equals RN24(a / b) (the rule: p' >= 2p + 2 bits, 53 >= 50). The arithmetic: it can
+    only differ if the fp64 rounding moves q = a/b onto or across an fp32 rounding midpoint m.
+    Scale a, b by powers of two (exact) so that b = B 2^-23 in [1, 2) and q in [1, 2); then
+    a = A 2^-23 (A integer), m = M 2^-24 (M odd) and a - m b = 2^-47 (A 2^24 - M B), where M B has
+    at most 23 factors of two and A 2^24 at least 24: never 0, so |q - m| = |a - m b| / b > 2^-48,
+    while |RN53(q) - q| <= 2^-53. A subnormal fp32 q (midpoints the multiples of 2^-150; no
+    scaling) keeps a margin: a - m b is a multiple of 2^min(ea, eb - 150) (a = A 2^ea, b = B 2^eb,
+    A, B < 2^24), larger than 2^-53 a because a < 2^(ea + 24) and a = q b < 2^(eb - 102); an
+    exact midpoint q is exact in fp64 and ties alike. fp64 never underflows here (|q| >= 2^-277).
     fp64 is traced inside `jax.enable_x64`: the kernel's own dtypes, whatever the process's flag.
     """
     with jax.enable_x64(True):
