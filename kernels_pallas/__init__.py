@@ -9,6 +9,9 @@ V41_KERNELS = xla | pallas | auto):
                                   alternative per step, `moe.choose_impl`; from 2K tokens on
                                   NVIDIA Hopper the Mosaic GPU kernels of `moe_mgpu`, an optional
                                   fast path, V41_MOSAIC_GPU=0 to keep Triton)
+  sinkhorn.sinkhorn               the mHC Sinkhorn, one launch per call, rows in registers, every
+                                  division in fp64 rounded once to fp32 (correctly rounded, as
+                                  the reference; Triton's fp32 `/` is approximate on NVIDIA)
 Measurements: BENCHMARKS.md (Kernels); CPU CI runs them in interpret mode and exports each one
 for ROCm (tests/test_kernels_*.py).
 """

@@ -3,9 +3,11 @@
 Resolution order for a kernel call (all static: read at trace time, so flipping the switch after a
 function was jitted needs a re-trace, e.g. a new jit or `jax.clear_caches()`):
   1. the call's own `backend=` argument ("xla" | "pallas"),
-  2. `set_backend(...)` / `with use_backend(...)` in this process,
-  3. the environment variable V41_KERNELS = xla | pallas | auto,
-  4. auto: "pallas" on a GPU (CUDA or ROCm), "xla" elsewhere.
+  2. `with use_backend(..., kernel=name)` for the kernels that name themselves in `resolve`
+     (KERNELS; e.g. to compare one kernel inside a whole step, the others unchanged),
+  3. `set_backend(...)` / `with use_backend(...)` in this process,
+  4. the environment variable V41_KERNELS = xla | pallas | auto,
+  5. auto: "pallas" on a GPU (CUDA or ROCm), "xla" elsewhere.
 
 On a machine without a GPU a "pallas" request runs the kernels in Pallas interpret mode (the
 CPU CI does this on small shapes); V41_PALLAS_INTERPRET=1 forces interpret mode on a GPU too.
@@ -24,8 +26,9 @@ from kernels_pallas._compat import on_gpu
 ENV_BACKEND = "V41_KERNELS"
 ENV_INTERPRET = "V41_PALLAS_INTERPRET"
 CHOICES = ("xla", "pallas")
+KERNELS = ("sinkhorn",)          # the names `resolve(kernel=...)` is called with
 
-_override: str | None = None
+_overrides: dict[str | None, str] = {}   # None: every kernel; a name of KERNELS: that kernel only
 
 
 def _check(name: str) -> str:
@@ -36,22 +39,31 @@ def _check(name: str) -> str:
 
 def set_backend(name: str | None) -> None:
     """Process-wide choice; None returns to the environment / auto rule."""
-    global _override
-    _override = None if name is None else _check(name)
+    if name is None:
+        _overrides.pop(None, None)
+    else:
+        _overrides[None] = _check(name)
 
 
 @contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    global _override
-    prev, _override = _override, _check(name)
+def use_backend(name: str, kernel: str | None = None) -> Iterator[None]:
+    """Process-wide, or (kernel=) for that one kernel only, inside the block."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel backend: {kernel!r} is not one of {', '.join(KERNELS)}")
+    prev = _overrides.get(kernel)
+    _overrides[kernel] = _check(name)
     try:
         yield
     finally:
-        _override = prev
+        if prev is None:
+            del _overrides[kernel]
+        else:
+            _overrides[kernel] = prev
 
 
-def resolve(backend: str | None = None) -> str:
-    name = _check(backend or _override or os.environ.get(ENV_BACKEND, "auto"))
+def resolve(backend: str | None = None, kernel: str | None = None) -> str:
+    name = _check(backend or _overrides.get(kernel) or _overrides.get(None)
+                  or os.environ.get(ENV_BACKEND, "auto"))
     if name == "auto":
         return "pallas" if on_gpu() else "xla"
     return name

@@ -32,6 +32,12 @@ Routed experts (docs/MODEL.md §3.10; kernels: `kernels_pallas.moe`, `kernels_pa
   routed_pairs(same) -> [T, k, D]   the k expert outputs before that sum (expert parallelism
       sums them across devices first)
   add_slots(pairs [T, k, D]) -> fp32 [T, D]   that sum
+
+mHC Sinkhorn (docs/MODEL.md §3.2; kernel: `kernels_pallas.sinkhorn`)
+  sinkhorn(e [..., N, N] fp32, iters, eps) -> [..., N, N] fp32
+      e = exp(logits - row max). Rows normalised (+eps after), columns normalised (+eps in the
+      divisor), then iters-1 rounds of (rows, columns) with +eps in both divisors; every sum over
+      the N entries strictly left to right, every division correctly rounded fp32.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from v41_jax.linear import lin4
-from v41_jax.numerics import HIGHEST, Numerics, top_k
+from v41_jax.numerics import HIGHEST, Numerics, exact_div, ordered_sum, top_k
 from v41_jax.quant import held
 
 
@@ -177,3 +183,17 @@ def add_slots(pairs: jax.Array) -> jax.Array:
     for j in range(pairs.shape[1]):
         out = out + pairs[:, j].astype(jnp.float32)
     return out
+
+
+# ---- mHC Sinkhorn -------------------------------------------------------------------------------
+
+def sinkhorn(e: jax.Array, iters: int, eps: float) -> jax.Array:
+    c = exact_div(e, ordered_sum(e, -1)[..., None]) + eps
+    c = exact_div(c, ordered_sum(c, -2)[..., None, :] + eps)
+
+    def rows_then_columns(_, c):
+        c = exact_div(c, ordered_sum(c, -1)[..., None] + eps)
+        return exact_div(c, ordered_sum(c, -2)[..., None, :] + eps)
+
+    # a loop, not an unrolled chain: same operations, a fraction of the compile time
+    return jax.lax.fori_loop(0, iters - 1, rows_then_columns, c)

@@ -1,6 +1,6 @@
 """Benchmark the Pallas kernels against their XLA paths at real V4.1 widths (bench_slice config).
 
-    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe]
+    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe,sinkhorn]
                                     [--budget SECONDS] [--smoke]
 
 Every case: after warm-up, five rounds of `--reps` calls queued back to back with one
@@ -31,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
-from scripts.bench_common import copy_bandwidth  # noqa: E402
+from scripts.bench_common import copy_bandwidth, kernel_profile  # noqa: E402
+from v41_jax.model.mhc import split_sinkhorn  # noqa: E402
+from v41_jax.runtime.compile_cache import compiler_options  # noqa: E402
 from v41_jax.linear import lin_f32  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
 from v41_jax.checkpoint.load import held_bytes  # noqa: E402
@@ -362,6 +364,68 @@ def bench_head(b: Bench, cfg: dict):
     b.save()
 
 
+# ---- mHC Sinkhorn -------------------------------------------------------------------------------
+
+def bench_sinkhorn(b: Bench, cfg: dict):
+    """One `mhc.split_sinkhorn` call (sigmoids, exp, Sinkhorn) on [T, (2 + N) N] mixes, XLA path vs
+    the Pallas kernel, each compiled with jit's default options and with the engine's
+    (`compile_cache.compiler_options`: command buffers with WHILE / CONDITIONAL, on CUDA only).
+    Per T the variants are timed interleaved: 15 rounds, each variant's `--reps` calls queued back
+    to back in turn; median and spread of the rounds. At T = 1 a profiler trace of each variant
+    gives its launches and kernel time per call (inside command buffers the loop bodies may not be
+    traced one by one). Every variant's pre / post / comb compared bit for bit with the XLA path's."""
+    hc, iters, eps = cfg["hc_mult"], cfg["hc_sinkhorn_iters"], cfg["hc_eps"]
+    rng = np.random.default_rng(16)
+    scale = jnp.asarray([0.8, 1.0, 1.6], jnp.float32)
+    base = jnp.asarray(rng.standard_normal((2 + hc) * hc), jnp.float32)
+    opts = {"default": {}, "engine": compiler_options()} if compiler_options() else {"default": {}}
+    checks = b.results.setdefault("sinkhorn_check", {})
+    for t in (1, 8, 32, 64) if b.smoke else (1, 8, 32, 4096):
+        if b.left() < 0:
+            b.record(name=f"sinkhorn/T{t}", skipped="time budget")
+            continue
+        m = rng.standard_normal((t, (2 + hc) * hc)).astype(np.float32) * 2
+        m[::7] *= 30                                   # extreme rows: exact zeros and subnormals after exp
+        m = jnp.asarray(m)
+        fns = {}
+        for backend in ("xla", "pallas"):
+            f = jax.jit(functools.partial(split_sinkhorn, hc=hc, iters=iters, eps=eps, backend=backend))
+            lowered = f.lower(m, scale, base)
+            for oname, o in opts.items():
+                compiled = lowered.compile(compiler_options=o) if o else lowered.compile()
+                fns[f"{backend}/{oname}"] = functools.partial(compiled, m, scale, base)
+        want = [np.asarray(x).view(np.uint32) for x in fns["xla/default"]()]
+        checks[f"T{t}"] = {k: int(sum((np.asarray(g).view(np.uint32) != w).sum() for g, w in zip(f(), want)))
+                           for k, f in fns.items() if k != "xla/default"}
+        ts = {k: [] for k in fns}
+        for f in fns.values():
+            jax.block_until_ready(f())
+        for _ in range(15):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(b.reps):
+                    out = f()
+                jax.block_until_ready(out)
+                ts[k].append((time.perf_counter() - t0) / b.reps)
+        med = {k: float(np.median(v)) * 1e3 for k, v in ts.items()}
+        for k, f in fns.items():
+            q = np.percentile(np.asarray(ts[k]) * 1e3, [0, 25, 50, 75, 100])
+            row = dict(name=f"sinkhorn/T{t}/{k}", kernel="sinkhorn", tokens=t, variant=k,
+                       ms=round(float(q[2]), 4), ms_min=round(float(q[0]), 4), ms_p25=round(float(q[1]), 4),
+                       ms_p75=round(float(q[3]), 4), ms_max=round(float(q[4]), 4),
+                       ms_over_xla=round(med[k] / med[k.replace("pallas", "xla")], 3),
+                       bit_differences=checks[f"T{t}"].get(k, 0))
+            if t == 1:
+                prof = kernel_profile(lambda f=f: jax.block_until_ready(f()), 5, top=6)
+                row.update(launches_per_call=prof.get("launches_per_call"),
+                           kernel_ms_per_call=prof.get("device_ms_per_call"),
+                           top_kernels=[(x["name"], x["ms_per_call"], x["launches_per_call"])
+                                        for x in prof.get("kernels", [])])
+            b.record(**row)
+    b.results["sinkhorn_bit_equal"] = all(v == 0 for c in checks.values() for v in c.values())
+    b.save()
+
+
 # ---- MoE ----------------------------------------------------------------------------------------
 
 def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False,
@@ -544,6 +608,7 @@ def main(argv=None):
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "head": bench_head, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
+             "sinkhorn": bench_sinkhorn,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
     for name in args.sections.split(","):
@@ -569,12 +634,16 @@ def main(argv=None):
 def print_table(res):
     print(f"\n{res['device']} jax {res['jax']} {res['date']}  peak {res.get('peak')}")
     for c in res["cases"]:
-        if "ms" in c:
+        if "ms" in c and "tflops" not in c:
+            print(f"{c['name']:<48} {c['ms']:>9.4f} ms (rounds {c['ms_min']:.4f}-{c['ms_max']:.4f}) "
+                  f"x{c['ms_over_xla']} of XLA; launches/call {c.get('launches_per_call', '-')}")
+        elif "ms" in c:
             extra = f" x{c['pallas_speedup']}" if "pallas_speedup" in c else ""
             print(f"{c['name']:<48} {c['ms']:>9.4f} ms {c['tflops']:>7.1f} TF/s {c['gbs']:>8.1f} GB/s{extra}")
         else:
             print(f"{c['name']:<48} {c.get('error') or c.get('skipped')}"[:160])
-    for k in ("head_check", "attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups"):
+    for k in ("head_check", "attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups",
+              "sinkhorn_check", "sinkhorn_bit_equal"):
         if k in res:
             print(k, res[k])
 

@@ -4,7 +4,7 @@ and an HBM roofline ratio, on random weights generated on the device.
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
         [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N]
+        [--profile N] [--compare-kernel sinkhorn]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -45,6 +45,12 @@ copy bandwidth measured in the same run (fp32 `a * 2` over `--copy-mib`, bytes r
 scripts/bench_kernels.py) -> ideal ms; reported measured / ideal. The draft stages (`mtp`) are
 generated (the layout is the loader's) but the step does not touch them.
 
+Compare one kernel (`--compare-kernel NAME`, a name of `kernels_pallas.backend.KERNELS`): every
+case runs twice, NAME on its XLA path and on its Pallas kernel (`backend.use_backend(..., kernel=
+NAME)` around the lowering of a step function of its own; every other kernel as `--kernels`). After
+the timing above, each pair is timed again interleaved (5 rounds, each variant `--iters` / 5 calls
+in turn): `comparisons` in the JSON, per variant the median and spread of those calls.
+
 Profile (`--profile N`, after all timing): N more steps per case under `jax.profiler.trace`; the
 kernel time per step by kernel (Pallas kernels by their names, XLA fusions without their numeric
 suffix), from the trace's device stream lines (`bench_common.kernel_profile`).
@@ -58,6 +64,7 @@ not fit the device's memory (memory analysis) is skipped instead of run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -290,6 +297,7 @@ class Case:
     batch: int                 # requests
     tokens: int                # token rows
     bucket: Bucket
+    variant: str | None = None  # --compare-kernel: the backend of that kernel in this case
     device_batch: object = None
     host_build_ms: float = 0.0
     lowered: object = None
@@ -355,6 +363,8 @@ def parse_args(argv=None):
                     help="how the routed experts are held (load_params' experts=)")
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (0: 4096 on GPU, 64 elsewhere)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare-kernel", choices=kernel_backend.KERNELS, default=None,
+                    help="run every case with this kernel on xla and on pallas, then time each pair interleaved")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also trace N steps per case and record the device time by kernel")
     ap.add_argument("--dry-run", action="store_true", help="print the estimates and stop")
@@ -488,6 +498,9 @@ def main(argv=None) -> int:
              for b in batches]
     cases += [Case(f"prefill {n} (b=1, pos 0)", "prefill", 1, n, Bucket(n, 1, 1))
               for n in prefills]
+    if args.compare_kernel:
+        cases = [Case(f"{c.name} [{args.compare_kernel}={v}]", c.kind, c.batch, c.tokens, c.bucket, v)
+                 for c in cases for v in kernel_backend.CHOICES]
     token_map = np.asarray(engram_token_map(cfg)) if cfg.engram_layer_ids else None
     engine = Engine(params, cfg, settings=settings, buckets=BucketSet(tuple(c.bucket for c in cases)),
                     numerics=numerics, token_map=token_map)
@@ -536,10 +549,15 @@ def main(argv=None) -> int:
             finally:
                 c.done.set()
 
+    # a step function per variant: jit caches a trace, and the backend is read while tracing
+    step_fns = {v: engine.runner.make_step_fn() for v in kernel_backend.CHOICES} if args.compare_kernel else {}
     for c in cases:
         t1 = time.perf_counter()
         try:
-            c.lowered = engine.step_fn.lower(params, engine.cache, c.device_batch, layout=engine.runner.layout(c.bucket))
+            with (kernel_backend.use_backend(c.variant, kernel=args.compare_kernel) if c.variant
+                  else contextlib.nullcontext()):
+                c.lowered = step_fns.get(c.variant, engine.step_fn).lower(
+                    params, engine.cache, c.device_batch, layout=engine.runner.layout(c.bucket))
         except Exception as err:  # noqa: BLE001
             c.error = f"lower: {type(err).__name__}: {str(err)[:400]}"
             traceback.print_exc()
@@ -567,6 +585,8 @@ def main(argv=None) -> int:
         row = {"name": c.name, "kind": c.kind, "batch": c.batch, "tokens": c.tokens,
                "bucket": f"{c.bucket.tokens}/{c.bucket.requests}/{c.bucket.logits}",
                "lower_s": round(c.lower_s, 2), "host_build_ms": round(c.host_build_ms, 2)}
+        if c.variant:
+            row["variant"] = {args.compare_kernel: c.variant}
         if c.kind == "decode":
             nbytes = decode_bytes(cfg, geom, specs, c.batch, args.context)
             row["bytes"] = nbytes
@@ -634,6 +654,32 @@ def main(argv=None) -> int:
         res.save()
         clock.log(f"re-timed {name}: {row['step_ms_median']:.3f} ms (was {row['during_compiles']['step_ms_median']:.3f} "
                   f"with {row['during_compiles']['compiles_running']} compiles running)")
+
+    # ---- --compare-kernel: each pair timed again, interleaved (the machine drifts between cases) ----
+    pairs: dict[str, dict] = {}
+    for c in cases:
+        if c.variant and c.name in rows:
+            pairs.setdefault(c.name.rsplit(" [", 1)[0], {})[c.variant] = rows[c.name][1]
+    for base, fns in pairs.items():
+        if len(fns) < 2 or args.total_s - clock() < 2 * args.case_s + 10:
+            continue
+        ts = {v: [] for v in fns}
+        try:
+            for _ in range(5):
+                for v, fn in fns.items():
+                    ts[v] += time_calls(fn, state, max(1, args.iters // 5), args.case_s / 5)
+        except Exception as err:  # noqa: BLE001
+            res.data.setdefault("comparisons", {})[base] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            refill()
+            continue
+        comp = {v: dict(zip(("min_ms", "p25_ms", "median_ms", "p75_ms", "max_ms"),
+                            (round(float(q), 4) for q in np.percentile(np.asarray(t) * 1e3, [0, 25, 50, 75, 100]))),
+                        calls=len(t)) for v, t in ts.items()}
+        comp["pallas_minus_xla_ms"] = round(comp["pallas"]["median_ms"] - comp["xla"]["median_ms"], 4)
+        res.data.setdefault("comparisons", {})[base] = dict(kernel=args.compare_kernel, **comp)
+        res.save()
+        clock.log(f"{base}, {args.compare_kernel} interleaved: xla {comp['xla']['median_ms']:.3f} ms, pallas "
+                  f"{comp['pallas']['median_ms']:.3f} ms ({comp['pallas_minus_xla_ms']:+.3f})")
 
     # ---- where the device time goes (after every compile: autotuning would show up) ----
     for name, (row, fn) in rows.items() if args.profile else ():

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas._compat import TRITON_CUSTOM_CALL
 from kernels_pallas.indexer import _index_scores_pallas
 from kernels_pallas.moe import _routed_gemv, _routed_pallas, dispatch_rows
+from kernels_pallas.sinkhorn import _sinkhorn_pallas
 from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight
@@ -92,6 +93,14 @@ def test_moe_dispatch_lowers_for_rocm():
     """The Mosaic path's row dispatch is a Triton kernel too (the GEMMs after it are NVIDIA-only)."""
     fn = functools.partial(dispatch_rows, tile_m=256, interpret=False)
     e = _export_rocm(fn, S((112,), I32), S((112 * 256,), I32), S((2048, 5120), BF16))
+    assert _triton_calls(e) == 1
+
+
+@pytest.mark.parametrize("t,bt", [(1, 1), (4096, 32), (37, 32)])
+def test_sinkhorn_lowers_for_rocm(t, bt):
+    """The fp64 divisions (`_div_rn`) lower through Triton for ROCm too; rows past T masked."""
+    fn = functools.partial(_sinkhorn_pallas, iters=20, eps=1e-6, block_rows=bt, num_warps=1, interpret=False)
+    e = _export_rocm(fn, S((t, 16), F32))
     assert _triton_calls(e) == 1
 
 

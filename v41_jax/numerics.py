@@ -13,8 +13,11 @@ API
   numerics.act(x)       cast to the activation dtype (the reference's bf16 rounding points).
   HIGHEST               the dot precision for every fp32 product (no TF32 / bf16 passes on GPU).
   exact_div(a, b)       a / b correctly rounded. XLA rewrites a division by a constant or by a
-                        broadcast operand into a multiplication by its (inexact) reciprocal; the
-                        reference divides. Use it wherever b is broadcast and not a power of two.
+                        broadcast operand into a multiplication by its (inexact) reciprocal, and a
+                        quotient divided again, (x / y) / z, into x / (y * z); the reference
+                        divides. Use it wherever b is broadcast and not a power of two, or a is a
+                        quotient.
+  ordered_sum(x, axis)  sum over a short axis strictly left to right (XLA's reduce order is unspecified).
   rounded(p)            the product p rounded to fp32 on its own: XLA:CPU contracts a*b+c into an FMA
                         (no flag stops it, nor an optimization_barrier), torch's eager ops round the
                         product first. Wrap the products of such sums where the reference has them.
@@ -53,9 +56,16 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def exact_div(a: jax.Array, b: jax.Array | float) -> jax.Array:
-    # a full-shape divisor behind an optimization barrier is neither a constant nor a broadcast
+    # a full-shape divisor behind an optimization barrier is neither a constant nor a broadcast;
+    # the dividend goes behind the same barrier, else XLA turns (x / y) / z into x / (y * z)
     shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
-    return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), shape))
+    a, b = jax.lax.optimization_barrier((a, jnp.broadcast_to(jnp.asarray(b, a.dtype), shape)))
+    return a / b
+
+
+def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
+    parts = [jnp.take(x, i, axis=axis) for i in range(x.shape[axis])]
+    return functools.reduce(operator.add, parts)
 
 
 def rounded(p: jax.Array) -> jax.Array:

@@ -6,8 +6,9 @@ sublayer always uses the pre the previous sublayer computed (block.py wires that
 
 API (X [..., N, D] in the activation dtype; coefficients fp32)
   hc_mixes(X, fn [M, N*D], base [M], scale [3], cfg) -> (pre [..., N], post [..., N], comb [..., N, N])
-  split_sinkhorn(m [..., M], scale, base, hc, iters, eps) -> (pre, post, comb)
-      comb[i, j]: i = input stream, j = output stream; doubly stochastic after Sinkhorn.
+  split_sinkhorn(m [..., M], scale, base, hc, iters, eps, backend=None) -> (pre, post, comb)
+      comb[i, j]: i = input stream, j = output stream; doubly stochastic after Sinkhorn
+      (`kernels_pallas.sinkhorn`: one Pallas kernel per call, or its XLA path).
   one_hot_pre(lead_shape, hc) -> fp32 [..., N]   (1, 0, ..., 0): the first collapse returns stream 0.
   stream_mean(X) -> [..., D]      mean over the streams (fp32 sum in order, one division, one cast).
   collapse(X, pre) -> [..., D]    sum_s pre[s] X[s] in fp32, streams added in order, one cast.
@@ -17,43 +18,28 @@ API (X [..., N, D] in the activation dtype; coefficients fp32)
 
 from __future__ import annotations
 
-import functools
-import operator
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import sinkhorn as kernel_sinkhorn
 from v41_jax.model.linear import lin_f32
 from v41_jax.model.norm import rms_inv
-from v41_jax.model.numerics import exact_div
+from v41_jax.model.numerics import exact_div, ordered_sum
 
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
 
 
-def _ordered_sum(x: jax.Array, axis: int) -> jax.Array:
-    """Sum over a short axis, strictly left to right (XLA's reduce order is unspecified)."""
-    parts = [jnp.take(x, i, axis=axis) for i in range(x.shape[axis])]
-    return functools.reduce(operator.add, parts)
-
-
 def split_sinkhorn(m: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int,
-                   eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   eps: float, backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-    # row softmax (+eps), then column normalisation; then iters-1 rounds of (rows, columns)
-    comb = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    comb = exact_div(comb, _ordered_sum(comb, -1)[..., None]) + eps
-    comb = exact_div(comb, _ordered_sum(comb, -2)[..., None, :] + eps)
-
-    def rows_then_columns(_, c):
-        c = exact_div(c, _ordered_sum(c, -1)[..., None] + eps)
-        return exact_div(c, _ordered_sum(c, -2)[..., None, :] + eps)
-
-    # a loop, not an unrolled chain: same operations, a fraction of the compile time
-    return pre, post, jax.lax.fori_loop(0, iters - 1, rows_then_columns, comb)
+    # the row softmax's numerator here; its normalisation and the Sinkhorn rounds in one kernel
+    e = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
+    return pre, post, kernel_sinkhorn.sinkhorn(e, iters, eps, backend=backend)
 
 
 def hc_mixes(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
@@ -70,13 +56,13 @@ def one_hot_pre(lead_shape: tuple[int, ...], hc: int) -> jax.Array:
 
 
 def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
-    return _ordered_sum(pre[..., None] * x.astype(jnp.float32), -2).astype(x.dtype)
+    return ordered_sum(pre[..., None] * x.astype(jnp.float32), -2).astype(x.dtype)
 
 
 def expand(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    mixed = _ordered_sum(comb[..., None] * x.astype(jnp.float32)[..., :, None, :], -3)  # [..., N(j), D]
+    mixed = ordered_sum(comb[..., None] * x.astype(jnp.float32)[..., :, None, :], -3)  # [..., N(j), D]
     return (post[..., None] * f.astype(jnp.float32)[..., None, :] + mixed).astype(f.dtype)
 
 
 def stream_mean(x: jax.Array) -> jax.Array:
-    return exact_div(_ordered_sum(x.astype(jnp.float32), -2), x.shape[-2]).astype(x.dtype)
+    return exact_div(ordered_sum(x.astype(jnp.float32), -2), x.shape[-2]).astype(x.dtype)
