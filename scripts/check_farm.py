@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             summary = " ".join(f"{m} {'PASS' if done[m]['passed'] else 'FAIL'} {done[m]['seconds']} s" if m in done
                                else f"{m} not run" for m in modes)
             failed = sorted({c["key"] for r in rows for c in r["checks"] if not c["passed"]})
-            print(f"{name:36s} {status:22s} {summary}" + (f"  failed: {', '.join(failed)}" if failed else ""))
+            second = sorted({f"{r['mode']} {c['key']}" for r in rows for c in r["checks"]
+                             if c["stats"].get("stage") == 2})
+            print(f"{name:36s} {status:22s} {summary}" + (f"  failed: {', '.join(failed)}" if failed else "")
+                  + (f"  decided by stage 2: {', '.join(second)}" if second else ""))
             if status != "rc=0":  # say why
                 print("    " + "".join(open(os.path.join(tmp, name + ".err")).readlines()[-5:]).replace("\n", "\n    "))
             ok = ok and len(done) == len(modes) and all(r["passed"] for r in rows)

@@ -629,15 +629,17 @@ def extend_draws(fx: Fixture, numerics: Numerics, cond: dict) -> dict:
 
 def beyond_others(x: np.ndarray) -> np.ndarray:
     """Runs' worst missed ranks [runs >= 2, K rules] -> per run, how many times the largest of every
-    other run's it reaches on its furthest rule (0 / 0: no miss, nothing to pass, 0; inf / inf: a
-    tie, 1). A function of one run and the others as a set: for exchangeable runs the results are
-    exchangeable, whatever the rules' scales, so one comparison covers the K rules."""
+    other run's (at least 1 k) it reaches on its furthest rule (inf / inf: a tie, 1). A function of
+    one run and the others as a set: for exchangeable runs the results are exchangeable, whatever
+    the rules' scales, so one comparison covers the K rules. The floor is the least a miss can be
+    (a pick outside the own top k ranks k-th or lower): on a rule that no other run moves, a run's
+    miss counts against that, not against 0."""
     top = x.max(0)
     alone = (x == top) & ((x == top).sum(0) == 1)
-    others = np.where(alone, np.sort(x, 0)[-2], top)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    others = np.maximum(np.where(alone, np.sort(x, 0)[-2], top), 1.0)
+    with np.errstate(invalid="ignore"):
         ratio = x / others
-    return np.where(np.isnan(ratio), np.where(x == 0, 0.0, 1.0), ratio).max(1)
+    return np.where(np.isnan(ratio), 1.0, ratio).max(1)
 
 
 def stage2_passes(device: np.ndarray, draws: np.ndarray) -> tuple[bool, float, float]:
