@@ -112,3 +112,87 @@ def test_conditioning_measures_the_selection_noise(capsys):
     checks = {c["key"]: c for c in report["checks"]}
     assert f'{cond["rank_reach"]["index_topk.L5"]:.3g}k' in checks["prefill.index_topk.L5"]["tolerance"]
     assert f'{cond["gate_noise"]["0"]:.3g}' in checks["prefill.gate_topk.L0"]["tolerance"]
+
+
+def _rank_check(key, missed, reach, tie=False):
+    """A rank key's Check from compare_selection on two rows of 8 scored positions, k = 2: row 0 the
+    model's own picks {0, 1} against the reference's {0, 2 * missed} (a pick of own rank 2 * missed:
+    `missed` k); row 1 equal picks, or with `tie` positions 1 and 2 scoring alike, the model taking 2
+    and the reference the lower, 1."""
+    import numpy as np
+
+    from v41_jax.tools.check_reference import NearTie, compare_selection
+
+    scores = np.tile(np.arange(8.0, 0.0, -1.0), (2, 1))
+    own, ref = np.array([[0, 1], [0, 1]]), np.array([[0, int(2 * missed) or 1], [0, 1]])
+    if tie:
+        scores[1, 2], own[1] = scores[1, 1], [0, 2]
+    return compare_selection(key, own, ref, scores, np.zeros(2, bool), NearTie(True, reach=reach))
+
+
+def test_stage2_statistic_bounds_false_fails_and_sees_how_far_beyond():
+    """The second stage's combined statistic (docs/MODEL.md §6.3): a device inside the draws'
+    spread passes, one far beyond them on one rule fails though other rules have a draw alone at
+    their top (where a count of runs below would cap both at N and pass it), a tie at the top is
+    not beyond, and a device that is one more exchangeable draw fails with probability 1 / (N + 1)."""
+    import numpy as np
+
+    from v41_jax.tools.check_reference import beyond_others, stage2_passes
+
+    rng = np.random.default_rng(0)
+    draws = rng.gamma(4.0, 0.5, (99, 3))
+    top = draws.max(0)
+    assert stage2_passes(np.median(draws, 0), draws)[0]
+    far = np.array([0.0, 2 * top[1], 0.0])
+    passed, dev, most = stage2_passes(far, draws)
+    assert not passed and dev == 2.0 and 1.0 < most < 2.0   # each rule's top draw passes the rest a little
+    assert stage2_passes(np.array([0.0, top[1], 0.0]), draws)[0]           # a tie with the top draw
+    # the only run that moves a rule is measured against the least miss, 1 k; inf / inf is a tie
+    runs = np.array([[0.0, 0.0], [0.0, 3.0], [np.inf, 0.0], [np.inf, 0.0]])
+    assert list(beyond_others(runs)) == [0.0, 3.0, 1.0, 1.0]
+    # exchangeable runs: the first is strictly the most beyond in 1 / (N + 1) of the trials (N = 19: 0.05)
+    fails = np.mean([not stage2_passes(x[0], x[1:])[0] for x in rng.gamma(4.0, 0.5, (4000, 20, 3))])
+    assert 0.04 < fails < 0.06
+
+
+def test_two_stage_decides_rank_keys_and_keeps_the_tie_rule():
+    """Stage 1 decides unless a rank key has a row beyond its reach; then stage 2 (the conditioning's
+    draws, asked for once) decides those keys, and its numbers are in their stats. Where the
+    conditioning took no draws (a device inside the nudges' noise: XLA:CPU) stage 1 stands alone, and
+    a row breaking an exact tie toward the higher index fails whatever stage 2 says."""
+    import numpy as np
+
+    from v41_jax.tools.check_reference import two_stage
+
+    # the first 19 draws (stage 1) reach 1.5 k on the index layer, all 99 reach 2.5 k (one draw, 2.0 the
+    # next); on the candidate layer both reach 1.0 k
+    draw_ranks = {"index_topk.L1": [0.5, 1.0, 1.5] * 6 + [1.0] + [0.5, 2.0] * 39 + [0.5, 2.5],
+                  "candidate_blocks.L1": [0.0, 0.5, 1.0] * 33}
+    reach = {k: max(v[:19]) for k, v in draw_ranks.items()}
+    cond = {"rank_reach": reach, "stage2_draws": 99, "draw_ranks": draw_ranks}
+    asked = []
+
+    def decide(index_missed, blocks_missed=0.0, tie=False, stage2_draws=99):
+        asked.clear()
+        checks = [_rank_check("prefill.index_topk.L1", index_missed, reach["index_topk.L1"], tie),
+                  _rank_check("decode.index_topk.L1", 0.0, reach["index_topk.L1"]),
+                  _rank_check("decode.candidate_blocks.L1", blocks_missed, reach["candidate_blocks.L1"])]
+        out = two_stage(checks, dict(cond, stage2_draws=stage2_draws), lambda: asked.append(1) or draw_ranks)
+        return {c.key: c for c in out}
+
+    inside = decide(0.5)                                     # within the reach: stage 1, no draws asked for
+    assert not asked and all(c.passed and c.stats["stage"] == 1 for c in inside.values())
+    flagged = decide(2.0)                                     # past the first 19 draws, not the 99
+    assert not _rank_check("prefill.index_topk.L1", 2.0, reach["index_topk.L1"]).passed   # stage 1 alone fails it
+    c = flagged["prefill.index_topk.L1"]
+    assert asked == [1] and c.passed and c.stats["stage"] == 2
+    verdict = c.stats["stage2"]
+    assert verdict["draws"] == 99 and verdict["device_beyond"] <= verdict["draws_beyond_max"]
+    assert "stage 2 over 99 draws" in c.tolerance and flagged["decode.index_topk.L1"].stats["stage"] == 1
+    far = decide(0.5, blocks_missed=3.0)                      # 3x the candidate draws' largest
+    blocks = far["decode.candidate_blocks.L1"]
+    assert not blocks.passed and not blocks.stats["stage2"]["passed"]
+    assert blocks.stats["stage2"]["device_beyond"] == 3.0
+    assert not decide(2.0, stage2_draws=0)["prefill.index_topk.L1"].passed and not asked
+    tie = decide(2.0, tie=True)["prefill.index_topk.L1"]     # a tie row besides: not rescued by stage 2
+    assert asked == [1] and tie.stats["stage2"]["passed"] and not tie.passed

@@ -119,17 +119,34 @@ def test_conditioning_matches_a_device_that_is_a_draw_of_the_nudges(name, fixtur
     model one random ulp nudge away from the reference's weights stands for a device whose
     deviation is a draw of that noise, like the H200's: the conditioning finds it, matches its size,
     takes ceil(K / FALSE_FAIL) - 1 draws, and the check passes it at the GPU profile, with a
-    head-alone allowance measured above one ulp. (Its compile is the farm forward's: same shapes.)"""
+    head-alone allowance measured above one ulp. (Its compile is the farm forward's: same shapes.)
+    Then the second stage through the same API: with one layer's reach cut below the device's
+    worst miss there, the check extends the draws once, to `stage2_draws` (set two above the first
+    stage's here: a farm's ~479 would take minutes), and that key reports stage 2's verdict."""
     fx, cond = fixtures(name)
-    assert cond["inside"] and cond["draws"] == CONDITIONING_RUNS
+    assert cond["inside"] and cond["draws"] == CONDITIONING_RUNS and not cond["stage2_draws"]
     device = fx._replace(params=nudged_params(fx.params, seed=1000))
-    found = selection_conditioning(device, NUMERICS, CONDITIONING_RUNS)
-    assert not found["inside"] and found["draws"] == math.ceil(len(found["rank_reach"]) / FALSE_FAIL) - 1
-    checks = check_folder(device, NUMERICS, GPU, conditioning=found)
+    found = selection_conditioning(device, NUMERICS, CONDITIONING_RUNS, family=24)
+    n0 = math.ceil(len(found["rank_reach"]) / FALSE_FAIL) - 1
+    assert not found["inside"] and found["draws"] == n0 and found["stage2_draws"] == 479
+    assert all(len(v) == n0 for v in found["draw_ranks"].values())
+    out = run_model(device.cfg, device.params, device.z, device.hasher, NUMERICS)
+    checks = check_folder(device, NUMERICS, GPU, runner=_made(out), conditioning=found)
     by_key = {c.key: c for c in checks}
     tf = by_key["dspark.ref_taps.logits"]
     assert not tf.stats["conditioning_inside"] and tf.stats["lane_allowance_row_ulps"]["p50"] > 1
     assert not _failed(checks)
+
+    rank_keys = [k for k, c in by_key.items() if "stage" in c.stats]
+    key = max(rank_keys, key=lambda k: by_key[k].stats["worst_missed_rank_over_k"])
+    rule = key.split(".", 1)[1]
+    assert by_key[key].stats["stage"] == 1 and by_key[key].stats["worst_missed_rank_over_k"] > 0
+    cut = dict(found, rank_reach={**found["rank_reach"], rule: 0.0}, stage2_draws=n0 + 2,
+               draw_ranks={k: list(v) for k, v in found["draw_ranks"].items()})
+    again = {c.key: c for c in check_folder(device, NUMERICS, GPU, runner=_made(out), conditioning=cut)}
+    assert all(len(v) == n0 + 2 for v in cut["draw_ranks"].values())
+    verdict = again[key].stats["stage2"]
+    assert again[key].stats["stage"] == 2 and verdict["draws"] == n0 + 2 and again[key].passed == verdict["passed"]
 
 
 @pytest.mark.parametrize("name", ENGINE)
