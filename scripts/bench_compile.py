@@ -168,7 +168,8 @@ def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: s
     layout = BatchLayout.of(host)
     cache = jax.eval_shape(lambda: allocate(geom))
     t0, c0 = time.perf_counter(), time.process_time()
-    lowered = make_step(c, geom, numerics, speculative=speculative).lower(abstract_params(c, experts), cache, layout.pack(host), layout=layout)
+    lowered = make_step(c, geom, numerics, speculative=speculative).lower(abstract_params(c, experts), cache,
+                                                                          layout.pack(host), layout=layout)
     t1, c1 = time.perf_counter(), time.process_time()
     compiled = lowered.compile(compiler_options=compile_cache.compiler_options())
     t2, c2 = time.perf_counter(), time.process_time()
@@ -198,7 +199,8 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_file(args.config)
     bucket = Bucket(*(int(x) for x in args.bucket.split("x")))
     rows = []
-    out = {"config": args.config, "bucket": args.bucket, "speculative": args.speculative, "numerics": args.numerics, "experts": args.experts,
+    out = {"config": args.config, "bucket": args.bucket, "speculative": args.speculative,
+           "numerics": args.numerics, "experts": args.experts,
            "platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     for n in (int(x) for x in args.layers.split(",")):

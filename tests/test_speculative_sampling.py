@@ -87,8 +87,8 @@ def test_the_steps_shared_draws_verify_as_speculative_sample():
     n, rng = 200, np.random.default_rng(11)
     logits = jnp.asarray(rng.normal(0, 1.5, (n * (K + 1), V)), jnp.float32)       # span i: rows i(K+1)..
     per_span = lambda a: jnp.repeat(a, K + 1)
-    temperature, top_k = jnp.asarray(rng.uniform(0.5, 2.0, n), jnp.float32), jnp.asarray(rng.integers(0, V, n), jnp.int32)
-    top_p, seed = jnp.asarray(rng.uniform(0.5, 1.0, n), jnp.float32), jnp.arange(n, dtype=jnp.uint32)
+    temperature, top_p = (jnp.asarray(rng.uniform(lo, hi, n), jnp.float32) for lo, hi in ((0.5, 2.0), (0.5, 1.0)))
+    top_k, seed = jnp.asarray(rng.integers(0, V, n), jnp.int32), jnp.arange(n, dtype=jnp.uint32)
     start = jnp.asarray(rng.integers(0, 100, n), jnp.int32)                       # each span's first position
     drafts = jnp.asarray(rng.integers(0, V, (n, K)), jnp.int32)
     k = jnp.asarray(rng.integers(0, K + 1, n), jnp.int32)
