@@ -4,6 +4,7 @@ each layer count.
 
     python -m scripts.bench_compile --config v41_jax/configs/bench_slice.config.json \
         --layers 1,2,4,6 --out R.json [--bucket 1x1x1] [--numerics fast] [--experts auto] [--by-source N]
+        [--speculative]
 
 Cutting a config to n layers (`cut`) keeps its first n backbone layers and its draft stages, and
 drops every layer id >= n from the source lists (kv, index, candidate, Engram, DSpark taps; taps
@@ -155,17 +156,20 @@ def kernels_by_source(text: str, top: int = 25) -> list[dict]:
 
 
 def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: str, context: int,
-                  by_source: int = 0) -> dict:
+                  by_source: int = 0, speculative: bool = False) -> dict:
     c = cut(cfg, n)
     fmt = typed_format(numerics.act_dtype)
+    # speculative: the step as a DSpark engine compiles it (draft slack of one block, verify + draft)
     settings = EngineSettings(page_tokens=256, num_pages=1 + bucket.requests * -(-context // 256),
-                              slots=bucket.requests, max_context=context, kv_format=fmt, index_format=fmt)
+                              slots=bucket.requests, max_context=context, kv_format=fmt, index_format=fmt,
+                              draft_slack=c.dspark_block_size if speculative else 0)
     geom = CacheGeometry.build(c, settings)
     host = build_step(geom, c, bucket, []).batch
     layout = BatchLayout.of(host)
     cache = jax.eval_shape(lambda: allocate(geom))
     t0, c0 = time.perf_counter(), time.process_time()
-    lowered = make_step(c, geom, numerics).lower(abstract_params(c, experts), cache, layout.pack(host), layout=layout)
+    lowered = make_step(c, geom, numerics, speculative=speculative).lower(abstract_params(c, experts), cache,
+                                                                          layout.pack(host), layout=layout)
     t1, c1 = time.perf_counter(), time.process_time()
     compiled = lowered.compile(compiler_options=compile_cache.compiler_options())
     t2, c2 = time.perf_counter(), time.process_time()
@@ -187,18 +191,21 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto")
+    ap.add_argument("--speculative", action="store_true",
+                    help="the DSpark step (verify spans, then the draft); bucket e.g. 6x1x6 = block + 1 rows")
     ap.add_argument("--by-source", type=int, default=0, metavar="N",
                     help="also list the N source functions with the most kernel launches per call")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_file(args.config)
     bucket = Bucket(*(int(x) for x in args.bucket.split("x")))
     rows = []
-    out = {"config": args.config, "bucket": args.bucket, "numerics": args.numerics, "experts": args.experts,
+    out = {"config": args.config, "bucket": args.bucket, "speculative": args.speculative,
+           "numerics": args.numerics, "experts": args.experts,
            "platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     for n in (int(x) for x in args.layers.split(",")):
         rows.append(compile_depth(cfg, n, bucket, NUMERICS[args.numerics](), args.experts, args.context,
-                                  args.by_source))
+                                  args.by_source, args.speculative))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels_by_source"}), flush=True)
         for k in rows[-1].get("kernels_by_source", []):
             print(f"  {k['launches']:6d} launches ({k['instructions']:4d} in the HLO)  {k['source']}", flush=True)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v41_jax.runtime.sampling import _masked, sample, speculative_sample
+from v41_jax.runtime.sampling import _masked, draws, sample, speculative_sample, verify_drafts
 
 V, K, N = 8, 3, 40_000          # vocabulary, drafts per verify, seeds
 ALPHA = 1e-3                    # chance of failing a correct sampler (each case is one test)
@@ -78,3 +78,28 @@ def test_greedy_rows_accept_the_argmax_prefix():
     assert np.asarray(n).tolist() == [2, 1]              # the second row checks one draft only
     assert np.asarray(tokens[0, :3]).tolist() == best[0, :3].tolist()
     assert np.asarray(tokens[1, :2]).tolist() == best[1, :2].tolist()
+
+
+def test_the_steps_shared_draws_verify_as_speculative_sample():
+    """The step draws each logits row once (`draws` at the row's position + 1) and verifies a span
+    against its rows of those draws: the same counts and tokens, bit for bit, as
+    `speculative_sample` on the span's logits (sampled rows, so every key and noise draw counts)."""
+    n, rng = 200, np.random.default_rng(11)
+    logits = jnp.asarray(rng.normal(0, 1.5, (n * (K + 1), V)), jnp.float32)       # span i: rows i(K+1)..
+    per_span = lambda a: jnp.repeat(a, K + 1)
+    temperature, top_p = (jnp.asarray(rng.uniform(lo, hi, n), jnp.float32) for lo, hi in ((0.5, 2.0), (0.5, 1.0)))
+    top_k, seed = jnp.asarray(rng.integers(0, V, n), jnp.int32), jnp.arange(n, dtype=jnp.uint32)
+    start = jnp.asarray(rng.integers(0, 100, n), jnp.int32)                       # each span's first position
+    drafts = jnp.asarray(rng.integers(0, V, (n, K)), jnp.int32)
+    k = jnp.asarray(rng.integers(0, K + 1, n), jnp.int32)
+    rows = jnp.arange(n)[:, None] * (K + 1) + jnp.arange(K + 1)
+
+    @jax.jit
+    def step_like(logits, drafts, k, temperature, top_k, top_p, seed, start):
+        drawn = draws(logits, per_span(temperature), per_span(top_k), per_span(top_p), per_span(seed),
+                      per_span(start) + jnp.tile(jnp.arange(K + 1), n) + 1)
+        return verify_drafts(jax.tree.map(lambda a: a[rows], drawn), drafts, k, temperature)
+    got = step_like(logits, drafts, k, temperature, top_k, top_p, seed, start)
+    want = speculative_sample(logits[rows], drafts, k, temperature, top_k, top_p, seed, start + 1)
+    assert np.asarray(got[0]).tolist() == np.asarray(want[0]).tolist()
+    assert np.asarray(got[1]).tolist() == np.asarray(want[1]).tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,17 +85,38 @@ def _key(seed: jax.Array, position: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
 
 
+class Draws(NamedTuple):
+    """What a row's sampler draws from, per logits row (any leading shape): greedy (the argmax),
+    masked (`_masked`), key (the row's PRNG key) and gumbel [..., V] (its Gumbel noise). The step
+    computes them once for all its logits rows; `pick` samples from them and `verify_drafts`
+    checks drafts against a verify span's rows of them."""
+    greedy: jax.Array
+    masked: jax.Array
+    key: jax.Array
+    gumbel: jax.Array
+
+
+def draws(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
+          position: jax.Array) -> Draws:
+    """logits [..., V] fp32, the sampler and the position sampled for per row [...]. A row's key
+    depends on (seed, position) alone, so a row gives the same draws in any batch shape."""
+    lead, v = logits.shape[:-1], logits.shape[-1]
+    key = jax.vmap(_key)(seed.reshape(-1), position.reshape(-1))
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(key)
+    return Draws(jnp.argmax(logits, axis=-1), _masked(logits, temperature, top_k, top_p), key.reshape(lead),
+                 gumbel.reshape(*lead, v))
+
+
+def pick(d: Draws, temperature: jax.Array) -> jax.Array:
+    """The token each row samples: Gumbel-max over its masked logits, or (temperature 0) the argmax."""
+    return jnp.where(temperature > 0, jnp.argmax(d.masked + d.gumbel, axis=-1), d.greedy).astype(jnp.int32)
+
+
 @jax.jit
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            seed: jax.Array, position: jax.Array) -> jax.Array:
     """logits [R, V] fp32; temperature/top_p [R] f32, top_k/seed/position [R] int32 -> tokens [R] int32."""
-    v = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1)
-    masked = _masked(logits, temperature, top_k, top_p)
-    keys = jax.vmap(_key)(seed, position)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-    drawn = jnp.argmax(masked + gumbel, axis=-1)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    return pick(draws(logits, temperature, top_k, top_p, seed, position), temperature)
 
 
 @jax.jit
@@ -108,6 +130,16 @@ def speculative_sample(logits: jax.Array, drafts: jax.Array, k: jax.Array, tempe
     after its j-th draft); drafts [R, K], the first k [R] of them checked; the sampler per request
     row; position [R]: the position row 0 samples for (row j: position + j).
     -> (accepted n [R], tokens [R, K + 1]: the drafts accepted, then at row n the target's token).
+    """
+    r, k1, _ = logits.shape
+    per_row = lambda a: jnp.broadcast_to(a[:, None], (r, k1))
+    d = draws(logits, per_row(temperature), per_row(top_k), per_row(top_p), per_row(seed),
+              position[:, None] + jnp.arange(k1))
+    return verify_drafts(d, drafts, k, temperature)
+
+
+def verify_drafts(d: Draws, drafts: jax.Array, k: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`speculative_sample` from the verify rows' draws d [R, K + 1, ...] (`draws` of each row).
 
     The drafts are the head's greedy chain, a point mass q = 1[d], so the rule of Leviathan et al.
     / Chen et al. (accept d with probability min(1, p(d) / q(d)), else draw from max(0, p - q)
@@ -117,23 +149,17 @@ def speculative_sample(logits: jax.Array, drafts: jax.Array, k: jax.Array, tempe
     emit the argmax, as plain greedy. Each row's randomness is keyed by (seed, the position it
     samples for), the acceptance uniform on a stream of its own.
     """
-    r, k1, v = logits.shape
+    r, k1, v = d.masked.shape
     j = jnp.arange(k1)
-    pos = position[:, None] + j                                                   # [R, K + 1]
-    per_row = lambda a: jnp.broadcast_to(a[:, None], (r, k1))
-    masked = _masked(logits, per_row(temperature), per_row(top_k), per_row(top_p))
-    d = jnp.concatenate([drafts, jnp.zeros((r, 1), drafts.dtype)], axis=1)       # [R, K + 1]: row j checks d[j]
+    dr = jnp.concatenate([drafts, jnp.zeros((r, 1), drafts.dtype)], axis=1)      # [R, K + 1]: row j checks dr[j]
     checked = j[None] < k[:, None]
-    p_d = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), d[..., None], axis=-1)[..., 0]
-    keys = jax.vmap(jax.vmap(_key))(per_row(seed), pos)
-    u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys)
-    greedy = jnp.argmax(logits, axis=-1)
+    p_d = jnp.take_along_axis(jax.nn.softmax(d.masked, axis=-1), dr[..., None], axis=-1)[..., 0]
+    u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(d.key.reshape(-1)).reshape(r, k1)
     sampled = temperature[:, None] > 0
-    ok = jnp.where(sampled, u < p_d, greedy == d) & checked
+    ok = jnp.where(sampled, u < p_d, d.greedy == dr) & checked
     n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
     # the residual: d removed where it was checked (and rejected, at row n)
-    residual = jnp.where(checked[..., None] & (jnp.arange(v) == d[..., None]), -jnp.inf, masked)
-    gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32)))(keys)
-    drawn = jnp.where(sampled, jnp.argmax(residual + gumbel, axis=-1), greedy)
-    tokens = jnp.where(j[None] < n[:, None], d, drawn)
+    residual = jnp.where(checked[..., None] & (jnp.arange(v) == dr[..., None]), -jnp.inf, d.masked)
+    drawn = jnp.where(sampled, jnp.argmax(residual + d.gumbel, axis=-1), d.greedy)
+    tokens = jnp.where(j[None] < n[:, None], dr, drawn)
     return n.astype(jnp.int32), tokens.astype(jnp.int32)

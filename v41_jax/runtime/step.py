@@ -58,7 +58,7 @@ from v41_jax.model.window import draft_context_idx
 from v41_jax.quant import dequant_fp8_rows
 from v41_jax.runtime.metadata import StepBatch
 from v41_jax.runtime.packed import BatchLayout, PackedBatch
-from v41_jax.runtime.sampling import sample, speculative_sample
+from v41_jax.runtime.sampling import Draws, draws, pick, verify_drafts
 from v41_jax.topology import Candidates, LayerTopology, Mode
 
 
@@ -372,8 +372,10 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
                                       forced_gates={l: g[None] for l, g in forced.get("gate_topk", {}).items()})
     collapsed, normed = final_hidden(params, cfg, x, pre)
     logits = lm_head(params["head"]["weight"], normed[0, batch.logit_rows])
-    sampled = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
-                     batch.positions[batch.logit_rows] + 1)
+    # each logits row's draws once: a verify span's rows check their drafts against the same ones
+    drawn = draws(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
+                  batch.positions[batch.logit_rows] + 1)
+    sampled = pick(drawn, batch.temperature)
     cache = state.cache
     slot = _drop(batch.req_len > 0, batch.slots, cache.cursor.shape[0])
     # each request's token from its last committed row's logits (the first logits row naming that
@@ -382,7 +384,7 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
                        axis=1)
     accepted = jnp.zeros_like(first)
     if speculative:
-        accepted, sampled = _verify(batch, tokens, logits, sampled, first)
+        accepted, sampled = _verify(batch, tokens, drawn, sampled, first)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), sampled[:, None], axis=-1)[:, 0]
     at = first + accepted
     cursor_rows = jnp.where((accepted < batch.spec_k)[:, None],
@@ -408,19 +410,20 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
                       accepted.astype(jnp.int32), drafts)
 
 
-def _verify(batch: StepBatch, tokens: jax.Array, logits: jax.Array, sampled: jax.Array,
+def _verify(batch: StepBatch, tokens: jax.Array, drawn: Draws, sampled: jax.Array,
             first: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each verify span's drafts checked against its rows' logits with its request's sampler
-    (`sampling.speculative_sample`: greedy, the longest prefix equal to the argmax; sampled,
-    rejection sampling) -> (accepted [R], sampled [O] with a verify span's rows holding what it
-    emits: the drafts accepted, then the target's token). Other spans: 0 accepted, rows unchanged."""
+    """Each verify span's drafts checked against its rows' draws (`sampling.verify_drafts`:
+    greedy, the longest prefix equal to the argmax; sampled, rejection sampling) -> (accepted [R],
+    sampled [O] with a verify span's rows holding what it emits: the drafts accepted, then the
+    target's token). Other spans: 0 accepted, rows unchanged. A verify span's logits rows are its
+    rows 0..k at positions req_pos + j with its request's sampler, so their draws (keyed by
+    (seed, position + 1)) are the ones `sampling.speculative_sample` would draw for them."""
     width = batch.spec_cursors.shape[1]
     j = jnp.arange(width + 1)
-    rows = jnp.minimum(first[:, None] + j, logits.shape[0] - 1)                         # [R, blk + 1]
+    rows = jnp.minimum(first[:, None] + j, sampled.shape[0] - 1)                        # [R, blk + 1]
     drafts = tokens[jnp.minimum(batch.req_offset[:, None] + 1 + j[:-1], tokens.shape[0] - 1)]
-    accepted, emitted = speculative_sample(logits[rows], drafts, batch.spec_k, batch.temperature[first],
-                                           batch.top_k[first], batch.top_p[first], batch.seed[first],
-                                           batch.req_pos + 1)
+    accepted, emitted = verify_drafts(jax.tree.map(lambda a: a[rows], drawn), drafts, batch.spec_k,
+                                      batch.temperature[first])
     verify = (batch.spec_k > 0)[:, None] & (j <= batch.spec_k[:, None])
     return accepted, sampled.at[jnp.where(verify, rows, sampled.shape[0])].set(emitted, mode="drop")
 
