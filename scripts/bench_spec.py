@@ -8,9 +8,12 @@
         --batches 1,8,32 --out C.json
 
 `generate`: per batch b, b requests (the prompts file cycled; greedy, EOS ignored) through
-`Engine.generate`, speculative off and on, one engine each (each run once untimed first); tokens/s
-and ms per step of each, the speed-up, the measured tokens per verify (drafts accepted + 1),
-acceptance per draft position, and the share of requests whose tokens equal the plain run's.
+`Engine.generate`, speculative off and on, one engine each (each run once untimed first, then
+`--rounds` timed runs alternating the two); median tokens/s and ms per step of each with their
+range over the rounds, the speed-up as the median of the rounds' paired ratios (one run is a
+fraction of a second at batch 1, so single runs of the same code were seen to differ by 1.5x), the
+measured tokens per verify (drafts accepted + 1), acceptance per draft position, and the share of
+requests whose tokens equal the plain run's.
 
 `steps`: per batch b, compiled executables called back to back with their inputs on the device:
 a plain decode step (plain engine, b x 1 rows), the same decode step of a speculating engine (it
@@ -44,6 +47,8 @@ def parse_args(argv=None):
     g.add_argument("--prompts", required=True, help="JSONL requests (request_parse schema)")
     g.add_argument("--new", type=int, default=128, help="new tokens per request")
     g.add_argument("--chunk", type=int, default=256)
+    g.add_argument("--rounds", type=int, default=7,
+                   help="timed runs of each engine per batch, alternating plain and DSpark; the median is reported")
     g.add_argument("--warm-only", action="store_true",
                    help="compile both engines into --compile-cache and exit (a later run loads them)")
     s = sub.add_parser("steps", help="verify / draft / plain decode step costs on random weights")
@@ -77,23 +82,33 @@ def _generate(args) -> list[dict]:
                         tokenizer=engines[True].tokenizer)
     prompts = [p for p in parsed if not isinstance(p, Exception)]
     for b in args.batches:
-        row, tokens = {"batch": b}, {}
-        for spec, engine in engines.items():
+        reqs = [prompts[i % len(prompts)] for i in range(b)]
+        reqs = [type(r)(r.prompt, args.new, r.sampling, ignore_eos=True, request_id=i) for i, r in enumerate(reqs)]
+        for engine in engines.values():       # untimed: first-call costs outside the figures
             engine.reset()
-            reqs = [prompts[i % len(prompts)] for i in range(b)]
-            reqs = [type(r)(r.prompt, args.new, r.sampling, ignore_eos=True, request_id=i) for i, r in enumerate(reqs)]
-            engine.generate(reqs)                 # untimed: first-call costs outside the figures
-            engine.reset()
-            stats = Stats()
-            tokens[spec] = [r.tokens for r in engine.generate(reqs, stats=stats)]
-            key = "spec" if spec else "plain"
-            row[f"{key}_tokens_per_s"] = stats.tokens_per_s
-            row[f"{key}_steps"] = stats.steps
-            row[f"{key}_ms_per_step"] = stats.run_s / stats.steps * 1e3
-            if spec:
-                row.update(tokens_per_verify=stats.tokens_per_verify, acceptance_at=stats.acceptance_at,
-                           drafts_proposed=stats.drafts_proposed, drafts_accepted=stats.drafts_accepted)
-        row["speedup"] = row["spec_tokens_per_s"] / row["plain_tokens_per_s"]
+            engine.generate(reqs)
+        runs, tokens = {False: [], True: []}, {}
+        for _ in range(args.rounds):          # interleaved, so drifts of the machine hit both alike
+            for spec, engine in engines.items():
+                engine.reset()
+                stats = Stats()
+                out = [r.tokens for r in engine.generate(reqs, stats=stats)]
+                if tokens.setdefault(spec, out) != out:
+                    raise SystemExit(f"batch {b}: speculative={spec} emitted other tokens in a later round")
+                runs[spec].append(stats)
+        row = {"batch": b, "rounds": args.rounds}
+        for spec, key in ((False, "plain"), (True, "spec")):
+            tps = [s.tokens_per_s for s in runs[spec]]
+            ms = [s.run_s / s.steps * 1e3 for s in runs[spec]]
+            row.update({f"{key}_tokens_per_s": float(np.median(tps)), f"{key}_tokens_per_s_range": [min(tps), max(tps)],
+                        f"{key}_steps": runs[spec][0].steps, f"{key}_ms_per_step": float(np.median(ms)),
+                        f"{key}_ms_per_step_range": [min(ms), max(ms)]})
+        last = runs[True][-1]
+        row.update(tokens_per_verify=last.tokens_per_verify, acceptance_at=last.acceptance_at,
+                   drafts_proposed=last.drafts_proposed, drafts_accepted=last.drafts_accepted)
+        # each round's plain and DSpark runs ran next to each other: their ratio is the paired figure
+        ups = [s.tokens_per_s / p.tokens_per_s for p, s in zip(runs[False], runs[True])]
+        row.update(speedup=float(np.median(ups)), speedup_range=[min(ups), max(ups)], speedup_rounds=ups)
         # greedy: equal unless the batch shapes move a near-tie (`fast` numerics on a GPU)
         row["requests_equal_to_plain"] = sum(x == y for x, y in zip(tokens[False], tokens[True])) / b
         rows.append(row)

@@ -308,6 +308,8 @@ class Engine:
             flight = self._launch(prepared, feedback)
         events = early + (self.scheduler.update(res) if res is not None else self.scheduler.drain())
         self._flight, self._flight_plan = flight, plan
+        if not self.scheduler.running:
+            self.runner.idle()
         if flight is None and res is None and not early and self.scheduler.running:
             raise RuntimeError("running requests but nothing to schedule")
         return events

@@ -243,6 +243,11 @@ class Runner:
             return None
         return last._replace(plan=plan)
 
+    def idle(self) -> None:
+        """Nothing runs: forget the batch kept for `steady`. Its requests have all finished, and
+        kept it would hold their sequences and its device buffers until the next steady step."""
+        self._steady = None
+
     def remember(self, prep: Prepared) -> Prepared:
         """Keep `prep` for `steady` if its spans are all pending (and its batch on the device)."""
         self._steady = prep if self._all_pending(prep.plan) and prep.device_batch is not None else None
