@@ -12,6 +12,9 @@ V41_KERNELS = xla | pallas | auto):
   sinkhorn.sinkhorn               the mHC Sinkhorn, one launch per call, rows in registers, every
                                   division in fp64 rounded once to fp32 (correctly rounded, as
                                   the reference; Triton's fp32 `/` is approximate on NVIDIA)
+  rmsnorm.rms_inv                 the RMSNorm statistic rsqrt(mean(x^2) + eps), one launch per
+                                  call: torch's sum order over 32-wide chunks in registers, the
+                                  division, sqrt and 1 / sqrt correctly rounded as the Sinkhorn's
 Measurements: BENCHMARKS.md (Kernels); CPU CI runs them in interpret mode and exports each one
 for ROCm (tests/test_kernels_*.py).
 """

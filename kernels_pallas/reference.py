@@ -38,6 +38,13 @@ mHC Sinkhorn (docs/MODEL.md §3.2; kernel: `kernels_pallas.sinkhorn`)
       e = exp(logits - row max). Rows normalised (+eps after), columns normalised (+eps in the
       divisor), then iters-1 rounds of (rows, columns) with +eps in both divisors; every sum over
       the N entries strictly left to right, every division correctly rounded fp32.
+
+RMSNorm statistic (docs/MODEL.md §3.1; kernel: `kernels_pallas.rmsnorm`)
+  rsqrt(v) -> fp32   1 / sqrt(v), each step correctly rounded: torch's CPU rsqrt bit for bit
+      (XLA's own rsqrt differs in ~1/3 of the cases).
+  rms_inv(x [..., D], eps) -> fp32 [..., 1]   rsqrt(mean(x^2) + eps) over the last axis in fp32:
+      each square rounded to fp32, summed in torch's CPU order (`numerics.cascade_sum`), divided by
+      D correctly rounded. RMSNorm, the mHC mixes and the Engram gate take it.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from v41_jax.linear import lin4
-from v41_jax.numerics import HIGHEST, Numerics, exact_div, ordered_sum, top_k
+from v41_jax.numerics import HIGHEST, Numerics, cascade_sum, exact_div, ordered_sum, rounded, top_k
 from v41_jax.quant import held
 
 
@@ -197,3 +204,18 @@ def sinkhorn(e: jax.Array, iters: int, eps: float) -> jax.Array:
 
     # a loop, not an unrolled chain: same operations, a fraction of the compile time
     return jax.lax.fori_loop(0, iters - 1, rows_then_columns, c)
+
+
+# ---- RMSNorm statistic --------------------------------------------------------------------------
+
+def rsqrt(v: jax.Array) -> jax.Array:
+    # exact_div keeps XLA from fusing 1 / sqrt into its approximate rsqrt
+    return exact_div(jnp.ones_like(v), jnp.sqrt(v))
+
+
+def rms_inv(x: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    # torch squares into a tensor of its own (each square rounded; XLA:CPU would otherwise fuse a
+    # square into the sum's add as an FMA), then its mean: the cascade sum and a true division
+    mean_sq = exact_div(cascade_sum(rounded(jnp.square(x)))[..., None], x.shape[-1])
+    return rsqrt(mean_sq + eps)

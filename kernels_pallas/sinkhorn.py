@@ -15,7 +15,7 @@ reshape is free); rows past T are masked.
 
 Exactness: the reference's operations in its order. A row or column sum adds its N entries left to
 right in fp32 (as `ordered_sum`), eps is added in fp32 where the reference adds it, and every
-division is correctly rounded fp32 (`_div_rn`: Triton's fp32 `/` is not). No products, so no FMA
+division is correctly rounded fp32 (`_ieee.div_rn`: Triton's fp32 `/` is not). No products, so no FMA
 contraction can change a rounding.
 """
 
@@ -32,30 +32,9 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import compiler_params, load, store
+from kernels_pallas._ieee import div_rn
 
 ROW_BLOCK = 32   # rows per program (one warp, a row per lane): 4,096 rows are 128 programs, one wave
-
-
-def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a / b correctly rounded to fp32, for fp32 a, b, inside a Triton kernel.
-
-    Triton lowers an fp32 `arith.divf` to PTX `div.full.f32` on NVIDIA (up to 2 ulp off) but an
-    fp64 one to `div.rn.f64` (IEEE); on ROCm both are LLVM `fdiv` without fast-math flags, which
-    AMDGPU expands to an IEEE-correct sequence. So the quotient is taken in fp64 and rounded to
-    fp32: RN24(RN53(a / b)) (a, b are exact in fp64; fptrunc rounds to nearest even). That double
-    rounding equals RN24(a / b) (the rule: p' >= 2p + 2 bits, 53 >= 50). The arithmetic: it can
-    only differ if the fp64 rounding moves q = a/b onto or across an fp32 rounding midpoint m.
-    Scale a, b by powers of two (exact) so that b = B 2^-23 in [1, 2) and q in [1, 2); then
-    a = A 2^-23 (A integer), m = M 2^-24 (M odd) and a - m b = 2^-47 (A 2^24 - M B), where M B has
-    at most 23 factors of two and A 2^24 at least 24: never 0, so |q - m| = |a - m b| / b > 2^-48,
-    while |RN53(q) - q| <= 2^-53. A subnormal fp32 q (midpoints the multiples of 2^-150; no
-    scaling) keeps a margin: a - m b is a multiple of 2^min(ea, eb - 150) (a = A 2^ea, b = B 2^eb,
-    A, B < 2^24), larger than 2^-53 a because a < 2^(ea + 24) and a = q b < 2^(eb - 102); an
-    exact midpoint q is exact in fp64 and ties alike. fp64 never underflows here (|q| >= 2^-277).
-    fp64 is traced inside `jax.enable_x64`: the kernel's own dtypes, whatever the process's flag.
-    """
-    with jax.enable_x64(True):
-        return (a.astype(jnp.float64) / b.astype(jnp.float64)).astype(jnp.float32)
 
 
 def _sum(xs: list) -> jax.Array:
@@ -64,18 +43,18 @@ def _sum(xs: list) -> jax.Array:
 
 def _columns(c: list[list], eps: float) -> list[list]:
     d = [_sum(list(col)) + eps for col in zip(*c)]
-    return [[_div_rn(x, d[j]) for j, x in enumerate(row)] for row in c]
+    return [[div_rn(x, d[j]) for j, x in enumerate(row)] for row in c]
 
 
 def _rows_then_columns(_, c: list[list], eps: float) -> list[list]:
-    return _columns([[_div_rn(x, _sum(row) + eps) for x in row] for row in c], eps)
+    return _columns([[div_rn(x, _sum(row) + eps) for x in row] for row in c], eps)
 
 
 def _sinkhorn_kernel(e_ref, o_ref, *, hc: int, iters: int, eps: float, bt: int):
     r = pl.program_id(0) * bt + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
     live = r < e_ref.shape[0]
     c = [[load(e_ref.at[r, i * hc + j], mask=live, other=1.0) for j in range(hc)] for i in range(hc)]
-    c = _columns([[_div_rn(x, _sum(row)) + eps for x in row] for row in c], eps)
+    c = _columns([[div_rn(x, _sum(row)) + eps for x in row] for row in c], eps)
     c = jax.lax.fori_loop(0, iters - 1, functools.partial(_rows_then_columns, eps=eps), c)
     for i in range(hc):
         for j in range(hc):

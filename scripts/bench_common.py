@@ -38,7 +38,8 @@ def copy_bandwidth(mib: int, reps: int = 10) -> dict:
 # the `name=` of every pallas_call and the `kernel_name=` of every Mosaic GPU kernel in
 # kernels_pallas: their launches are reported under these names
 PALLAS_KERNELS = ("sparse_latent_attn", "index_scores", "moe_gemv_gate_up", "moe_gemv_down",
-                  "moe_gate_up", "moe_down", "moe_dispatch", "moe_mgpu_gate_up", "moe_mgpu_down")
+                  "moe_gate_up", "moe_down", "moe_dispatch", "moe_mgpu_gate_up", "moe_mgpu_down",
+                  "mhc_sinkhorn", "rms_inv")
 
 
 def back_to_back_s(call, drained, iters: int) -> float:

@@ -1,6 +1,6 @@
 """Benchmark the Pallas kernels against their XLA paths at real V4.1 widths (bench_slice config).
 
-    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe,sinkhorn]
+    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe,sinkhorn,rmsnorm]
                                     [--budget SECONDS] [--smoke]
 
 Every case: after warm-up, five rounds of `--reps` calls queued back to back with one
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
+from kernels_pallas.rmsnorm import rms_inv  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth, kernel_profile  # noqa: E402
 from v41_jax.model.mhc import split_sinkhorn  # noqa: E402
@@ -364,66 +365,102 @@ def bench_head(b: Bench, cfg: dict):
     b.save()
 
 
-# ---- mHC Sinkhorn -------------------------------------------------------------------------------
+# ---- one small kernel against its XLA path (mHC Sinkhorn, RMSNorm statistic) ---------------------
+
+def compile_variants(fns: dict, args: tuple) -> dict:
+    """{backend: jitted fn} -> {"backend/options": compiled call on args}: each lowered once and
+    compiled with jit's default options and with the engine's (`compile_cache.compiler_options`:
+    command buffers with WHILE / CONDITIONAL, on CUDA only)."""
+    opts = {"default": {}, "engine": compiler_options()} if compiler_options() else {"default": {}}
+    out = {}
+    for backend, f in fns.items():
+        lowered = f.lower(*args)
+        for oname, o in opts.items():
+            compiled = lowered.compile(compiler_options=o) if o else lowered.compile()
+            out[f"{backend}/{oname}"] = functools.partial(compiled, *args)
+    return out
+
+
+def compare_variants(b: Bench, kernel: str, case: str, fns: dict, **meta):
+    """Time the variants of one case (`compile_variants`; "xla/default" the baseline) interleaved:
+    15 rounds, each variant's `--reps` calls queued back to back in turn; median and spread of the
+    rounds. At one token a profiler trace of each variant gives its launches and kernel time per
+    call. Every variant's outputs compared bit for bit with the baseline's (b.results[kernel +
+    "_check"][case]: the count of differing elements per variant)."""
+    bits = lambda outs: [np.asarray(x).view(np.uint32) for x in jax.tree_util.tree_leaves(outs)]
+    want = bits(fns["xla/default"]())
+    check = {k: int(sum((g != w).sum() for g, w in zip(bits(f()), want)))
+             for k, f in fns.items() if k != "xla/default"}
+    b.results.setdefault(f"{kernel}_check", {})[case] = check
+    ts = {k: [] for k in fns}
+    for f in fns.values():
+        jax.block_until_ready(f())
+    for _ in range(15):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(b.reps):
+                out = f()
+            jax.block_until_ready(out)
+            ts[k].append((time.perf_counter() - t0) / b.reps)
+    med = {k: float(np.median(v)) * 1e3 for k, v in ts.items()}
+    for k, f in fns.items():
+        q = np.percentile(np.asarray(ts[k]) * 1e3, [0, 25, 50, 75, 100])
+        base = "xla/" + k.split("/")[1]
+        row = dict(name=f"{kernel}/{case}/{k}", kernel=kernel, variant=k, **meta,
+                   ms=round(float(q[2]), 4), ms_min=round(float(q[0]), 4), ms_p25=round(float(q[1]), 4),
+                   ms_p75=round(float(q[3]), 4), ms_max=round(float(q[4]), 4),
+                   ms_over_xla=round(med[k] / med[base], 3), bit_differences=check.get(k, 0))
+        if meta.get("tokens") == 1:
+            prof = kernel_profile(lambda f=f: jax.block_until_ready(f()), 5, top=6)
+            row.update(launches_per_call=prof.get("launches_per_call"),
+                       kernel_ms_per_call=prof.get("device_ms_per_call"),
+                       top_kernels=[(x["name"], x["ms_per_call"], x["launches_per_call"])
+                                    for x in prof.get("kernels", [])])
+        b.record(**row)
+    b.results[f"{kernel}_bit_equal"] = all(v == 0 for c in b.results[f"{kernel}_check"].values()
+                                           for v in c.values())
+    b.save()
+
 
 def bench_sinkhorn(b: Bench, cfg: dict):
     """One `mhc.split_sinkhorn` call (sigmoids, exp, Sinkhorn) on [T, (2 + N) N] mixes, XLA path vs
-    the Pallas kernel, each compiled with jit's default options and with the engine's
-    (`compile_cache.compiler_options`: command buffers with WHILE / CONDITIONAL, on CUDA only).
-    Per T the variants are timed interleaved: 15 rounds, each variant's `--reps` calls queued back
-    to back in turn; median and spread of the rounds. At T = 1 a profiler trace of each variant
-    gives its launches and kernel time per call (inside command buffers the loop bodies may not be
-    traced one by one). Every variant's pre / post / comb compared bit for bit with the XLA path's."""
+    the Pallas kernel (`compare_variants`)."""
     hc, iters, eps = cfg["hc_mult"], cfg["hc_sinkhorn_iters"], cfg["hc_eps"]
     rng = np.random.default_rng(16)
     scale = jnp.asarray([0.8, 1.0, 1.6], jnp.float32)
     base = jnp.asarray(rng.standard_normal((2 + hc) * hc), jnp.float32)
-    opts = {"default": {}, "engine": compiler_options()} if compiler_options() else {"default": {}}
-    checks = b.results.setdefault("sinkhorn_check", {})
     for t in (1, 8, 32, 64) if b.smoke else (1, 8, 32, 4096):
         if b.left() < 0:
             b.record(name=f"sinkhorn/T{t}", skipped="time budget")
             continue
         m = rng.standard_normal((t, (2 + hc) * hc)).astype(np.float32) * 2
         m[::7] *= 30                                   # extreme rows: exact zeros and subnormals after exp
-        m = jnp.asarray(m)
-        fns = {}
-        for backend in ("xla", "pallas"):
-            f = jax.jit(functools.partial(split_sinkhorn, hc=hc, iters=iters, eps=eps, backend=backend))
-            lowered = f.lower(m, scale, base)
-            for oname, o in opts.items():
-                compiled = lowered.compile(compiler_options=o) if o else lowered.compile()
-                fns[f"{backend}/{oname}"] = functools.partial(compiled, m, scale, base)
-        want = [np.asarray(x).view(np.uint32) for x in fns["xla/default"]()]
-        checks[f"T{t}"] = {k: int(sum((np.asarray(g).view(np.uint32) != w).sum() for g, w in zip(f(), want)))
-                           for k, f in fns.items() if k != "xla/default"}
-        ts = {k: [] for k in fns}
-        for f in fns.values():
-            jax.block_until_ready(f())
-        for _ in range(15):
-            for k, f in fns.items():
-                t0 = time.perf_counter()
-                for _ in range(b.reps):
-                    out = f()
-                jax.block_until_ready(out)
-                ts[k].append((time.perf_counter() - t0) / b.reps)
-        med = {k: float(np.median(v)) * 1e3 for k, v in ts.items()}
-        for k, f in fns.items():
-            q = np.percentile(np.asarray(ts[k]) * 1e3, [0, 25, 50, 75, 100])
-            row = dict(name=f"sinkhorn/T{t}/{k}", kernel="sinkhorn", tokens=t, variant=k,
-                       ms=round(float(q[2]), 4), ms_min=round(float(q[0]), 4), ms_p25=round(float(q[1]), 4),
-                       ms_p75=round(float(q[3]), 4), ms_max=round(float(q[4]), 4),
-                       ms_over_xla=round(med[k] / med[k.replace("pallas", "xla")], 3),
-                       bit_differences=checks[f"T{t}"].get(k, 0))
-            if t == 1:
-                prof = kernel_profile(lambda f=f: jax.block_until_ready(f()), 5, top=6)
-                row.update(launches_per_call=prof.get("launches_per_call"),
-                           kernel_ms_per_call=prof.get("device_ms_per_call"),
-                           top_kernels=[(x["name"], x["ms_per_call"], x["launches_per_call"])
-                                        for x in prof.get("kernels", [])])
-            b.record(**row)
-    b.results["sinkhorn_bit_equal"] = all(v == 0 for c in checks.values() for v in c.values())
-    b.save()
+        fns = {backend: jax.jit(functools.partial(split_sinkhorn, hc=hc, iters=iters, eps=eps, backend=backend))
+               for backend in ("xla", "pallas")}
+        compare_variants(b, "sinkhorn", f"T{t}", compile_variants(fns, (jnp.asarray(m), scale, base)), tokens=t)
+
+
+def bench_rmsnorm(b: Bench, cfg: dict):
+    """One `rmsnorm.rms_inv` call on [T, D] rows, XLA path vs the Pallas kernel at one and at four
+    rows a program (`compare_variants`), at the widths the model normalises: the mHC mixes'
+    flattened streams (N x hidden, fp32), the hidden state and the query latent (bf16)."""
+    hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+    widths = {"mhc": (cfg["hc_mult"] * hidden, jnp.float32), "hidden": (hidden, jnp.bfloat16),
+              "q_lora": (cfg["q_lora_rank"], jnp.bfloat16)}
+    rng = np.random.default_rng(17)
+    for wname, (d, dt) in widths.items():
+        for t in (1, 8, 33) if b.smoke else (1, 32, 4096):
+            case = f"{wname}{d}/T{t}"
+            if b.left() < 0:
+                b.record(name=f"rmsnorm/{case}", skipped="time budget")
+                continue
+            x = rng.standard_normal((t, d)) * np.exp(2 * rng.standard_normal((t, d)))
+            fns = {"xla": jax.jit(functools.partial(rms_inv, eps=eps, backend="xla"))}
+            for bt in (1, 4):
+                fns[f"pallas-rows{bt}"] = jax.jit(functools.partial(rms_inv, eps=eps, backend="pallas",
+                                                                    block_rows=bt))
+            compare_variants(b, "rmsnorm", case, compile_variants(fns, (jnp.asarray(x, dt),)),
+                             tokens=t, width=d, dtype=jnp.dtype(dt).name)
 
 
 # ---- MoE ----------------------------------------------------------------------------------------
@@ -608,7 +645,7 @@ def main(argv=None):
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "head": bench_head, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
-             "sinkhorn": bench_sinkhorn,
+             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
     for name in args.sections.split(","):
@@ -643,7 +680,7 @@ def print_table(res):
         else:
             print(f"{c['name']:<48} {c.get('error') or c.get('skipped')}"[:160])
     for k in ("head_check", "attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups",
-              "sinkhorn_check", "sinkhorn_bit_equal"):
+              "sinkhorn_check", "sinkhorn_bit_equal", "rmsnorm_check", "rmsnorm_bit_equal"):
         if k in res:
             print(k, res[k])
 

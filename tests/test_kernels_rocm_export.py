@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas._compat import TRITON_CUSTOM_CALL
 from kernels_pallas.indexer import _index_scores_pallas
 from kernels_pallas.moe import _routed_gemv, _routed_pallas, dispatch_rows
+from kernels_pallas.rmsnorm import _rms_inv_pallas
 from kernels_pallas.sinkhorn import _sinkhorn_pallas
 from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config
 from v41_jax.model.numerics import Numerics
@@ -98,9 +99,18 @@ def test_moe_dispatch_lowers_for_rocm():
 
 @pytest.mark.parametrize("t,bt", [(1, 1), (4096, 32), (37, 32)])
 def test_sinkhorn_lowers_for_rocm(t, bt):
-    """The fp64 divisions (`_div_rn`) lower through Triton for ROCm too; rows past T masked."""
+    """The fp64 divisions (`_ieee.div_rn`) lower through Triton for ROCm too; rows past T masked."""
     fn = functools.partial(_sinkhorn_pallas, iters=20, eps=1e-6, block_rows=bt, num_warps=1, interpret=False)
     e = _export_rocm(fn, S((t, 16), F32))
+    assert _triton_calls(e) == 1
+
+
+@pytest.mark.parametrize("t,d,bt,dt", [(1, 20480, 1, F32), (37, 5120, 4, BF16), (3, 1000, 1, BF16)])
+def test_rmsnorm_lowers_for_rocm(t, d, bt, dt):
+    """The mHC width (4 x 5120, fp32) and the hidden width (bf16); the fp64 division and square
+    root lower through Triton for ROCm too; a width with a masked rest; rows past T masked."""
+    fn = functools.partial(_rms_inv_pallas, eps=1e-20, block_rows=bt, interpret=False)
+    e = _export_rocm(fn, S((t, d), dt))
     assert _triton_calls(e) == 1
 
 

@@ -2,7 +2,7 @@
 XLA path against the rule written out step by step in numpy (IEEE fp32 divisions, sums left to
 right). On CPU the kernel runs in Pallas interpret mode, where its outputs start as NaN, so
 equality also proves every element was written; its fp64 divisions run on XLA:CPU there, which
-checks the double-rounding argument of `_div_rn` on these inputs. Exact equality is the
+checks the double-rounding argument of `_ieee.div_rn` on these inputs. Exact equality is the
 tolerance: both sides do the same fp32 operations in the same order.
 """
 

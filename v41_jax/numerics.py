@@ -28,7 +28,13 @@ API
   cascade_sum(x) -> [...]   fp32 sum over the last axis in the exact order of torch's CPU sum
                         kernel (8-lane vectors, 4 interleaved accumulators, 4-level cascade, then
                         the scalar tail and the lanes in order): the reference's `.sum(-1)` /
-                        `.mean(-1)` bit for bit. XLA's reduce order is unspecified.
+                        `.mean(-1)` bit for bit. XLA's reduce order is unspecified. Not for
+                        rows of 5-7 values: torch sums those on its scalar path (one row of 4
+                        accumulators, the rest into the first), another order; no reduction of
+                        the model is that short.
+  cascade_chunks(chunks, zero), combine_lanes(...)   its two stages, for a kernel that holds the
+                        values in another layout (kernels_pallas.rmsnorm); CHUNK = 32 values a
+                        cascade row, LANES = 8 a vector.
 
 Fields
   act_dtype        dtype of everything the reference holds in bf16: residual streams, sublayer
@@ -106,7 +112,8 @@ class Numerics:
         return np.dtype(jnp.bfloat16) if self.index_score_bf16 else np.dtype(jnp.float32)
 
 
-_LANES, _ILP, _LEVELS = 8, 4, 4  # torch's Vectorized<float> on its (AVX2) reduce kernels; SumKernel.cpp
+LANES, _ILP, _LEVELS = 8, 4, 4  # torch's Vectorized<float> on its (AVX2) reduce kernels; SumKernel.cpp
+CHUNK = _ILP * LANES             # 32: one row of the cascade, its 4 accumulators of 8 lanes
 
 
 def _in_order(parts: list, zero: jax.Array) -> jax.Array:
@@ -114,16 +121,15 @@ def _in_order(parts: list, zero: jax.Array) -> jax.Array:
     return functools.reduce(operator.add, parts) if parts else zero
 
 
-def _cascade(rows: jax.Array) -> jax.Array:
-    """torch's multi_row_sum over axis -3 of [..., size, 4, 8]: running sums of `step` rows, their
-    running sums carried up a level every `step` chunks, 4 levels, added back down at the end."""
-    size = rows.shape[-3]
-    zero = jnp.zeros(rows.shape[:-3] + rows.shape[-2:], rows.dtype)
+def cascade_chunks(chunks: list, zero):
+    """torch's multi_row_sum over its rows, `chunks` (each one row's 32 values, in any layout:
+    everything here is elementwise): running sums of `step` rows, their running sums carried up a
+    level every `step` sums, 4 levels, added back down at the end. `zero` when there is no row."""
+    size = len(chunks)
     step = 1 << max(4, (size - 1).bit_length() // _LEVELS)
     n_full = size // step
-    take = lambda a, i: a[..., i, :, :]
-    acc = [_in_order([take(rows, i) for i in range(n_full * step, size)], zero)]  # open level-0 chunk
-    done = [_in_order([take(rows, c * step + i) for i in range(step)], zero) for c in range(n_full)]
+    acc = [_in_order(chunks[n_full * step:], zero)]                        # open level-0 run
+    done = [_in_order(chunks[c * step:(c + 1) * step], zero) for c in range(n_full)]
     for level in range(1, _LEVELS):
         cap = len(done) if level == _LEVELS - 1 else len(done) // step * step
         acc.append(_in_order(done[cap:], zero))
@@ -131,15 +137,25 @@ def _cascade(rows: jax.Array) -> jax.Array:
     return _in_order(acc, zero)
 
 
+def combine_lanes(part, rest_vec, tail, lane, n_rest: int):
+    """The end of torch's sum after the cascade: accumulator 0's lanes plus the 8-lane vectors past
+    the cascade's rows, then accumulators 1-3, then the scalars past the vectors and the 8 lanes in
+    order. part(k): [..., 8] lanes of accumulator k; rest_vec(p) / tail(p): the 8 values from /
+    the value at position p past the rows; lane(v, l): lane l of an [..., 8] vector; n_rest: the
+    number of values past the rows (< 32)."""
+    first = _in_order([part(0)] + [rest_vec(i * LANES) for i in range(n_rest // LANES)], None)
+    lanes = _in_order([first] + [part(k) for k in range(1, _ILP)], None)
+    tails = [tail(n_rest // LANES * LANES + j) for j in range(n_rest % LANES)]
+    return _in_order(tails + [lane(lanes, k) for k in range(LANES)], None)
+
+
 def cascade_sum(x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
-    n = x.shape[-1]
-    n_vec = n // _LANES
-    n_rows = n_vec // _ILP
+    n_rows = x.shape[-1] // CHUNK
     lead = x.shape[:-1]
-    vec = lambda i: x[..., i * _LANES:(i + 1) * _LANES]
-    part = _cascade(x[..., : n_rows * _ILP * _LANES].reshape(*lead, n_rows, _ILP, _LANES))  # [..., 4, 8]
-    first = _in_order([part[..., 0, :]] + [vec(i) for i in range(n_rows * _ILP, n_vec)], None)
-    lanes = _in_order([first] + [part[..., k, :] for k in range(1, _ILP)], None)          # [..., 8]
-    tail = [x[..., i] for i in range(n_vec * _LANES, n)]
-    return _in_order(tail + [lanes[..., k] for k in range(_LANES)], None)
+    rows = x[..., : n_rows * CHUNK].reshape(*lead, n_rows, _ILP, LANES)
+    part = cascade_chunks([rows[..., i, :, :] for i in range(n_rows)],
+                          jnp.zeros((*lead, _ILP, LANES), jnp.float32))     # [..., 4, 8]
+    rest = x[..., n_rows * CHUNK:]
+    return combine_lanes(lambda k: part[..., k, :], lambda p: rest[..., p:p + LANES],
+                         lambda j: rest[..., j], lambda v, k: v[..., k], rest.shape[-1])

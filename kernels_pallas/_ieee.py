@@ -1,0 +1,49 @@
+"""Correctly rounded fp32 division and square root inside Triton kernels.
+
+Triton's fp32 `/` and `sqrt` are approximate on NVIDIA (`div.full.f32`, up to 2 ulp; libdevice's
+`sqrtf` without the precise-sqrt reflection); their fp64 forms are IEEE (`div.rn.f64`,
+`sqrt.rn.f64`; on ROCm LLVM's `fdiv` without fast-math flags and OCML's `sqrt`, both correctly
+rounded). So both take their result in fp64 and round it to fp32 once, and that double rounding
+equals the single correct rounding: Figueroa's rule, a p'-bit intermediate is harmless for +, -,
+*, / and sqrt of p-bit operands when p' >= 2p + 2 (53 >= 50); `div_rn` spells the argument out.
+fp64 is traced inside `jax.enable_x64`: the kernel's own dtypes, whatever the process's flag.
+
+  div_rn(a, b)   a / b, fp32 operands
+  sqrt_rn(v)     sqrt(v), fp32 operand
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b correctly rounded to fp32, for fp32 a, b, inside a Triton kernel.
+
+    RN24(RN53(a / b)) (a, b are exact in fp64; fptrunc rounds to nearest even) equals RN24(a / b).
+    The arithmetic: it can only differ if the fp64 rounding moves q = a/b onto or across an fp32
+    rounding midpoint m. Scale a, b by powers of two (exact) so that b = B 2^-23 in [1, 2) and
+    q in [1, 2); then a = A 2^-23 (A integer), m = M 2^-24 (M odd) and a - m b = 2^-47
+    (A 2^24 - M B), where M B has at most 23 factors of two and A 2^24 at least 24: never 0, so
+    |q - m| = |a - m b| / b > 2^-48, while |RN53(q) - q| <= 2^-53. A subnormal fp32 q (midpoints
+    the multiples of 2^-150; no scaling) keeps a margin: a - m b is a multiple of
+    2^min(ea, eb - 150) (a = A 2^ea, b = B 2^eb, A, B < 2^24), larger than 2^-53 a because
+    a < 2^(ea + 24) and a = q b < 2^(eb - 102); an exact midpoint q is exact in fp64 and ties
+    alike. fp64 never underflows here (|q| >= 2^-277).
+    """
+    with jax.enable_x64(True):
+        return (a.astype(jnp.float64) / b.astype(jnp.float64)).astype(jnp.float32)
+
+
+def sqrt_rn(v: jax.Array) -> jax.Array:
+    """sqrt(v) correctly rounded to fp32, for fp32 v >= 0 (or NaN / inf), inside a Triton kernel.
+
+    RN24(RN53(sqrt v)) = RN24(sqrt v) by the rule above (53 >= 2 * 24 + 2). Directly: scaled by
+    a power of four so that an fp32 rounding midpoint m = M 2^-24 (M odd) is in [1, 2), v = V 2^-23
+    (V integer) and v - m^2 = 2^-48 (V 2^25 - M^2) != 0 (M^2 is odd), so |sqrt v - m| =
+    |v - m^2| / (sqrt v + m) > 2^-50, while |RN53(sqrt v) - sqrt v| <= 2^-53. The square root of
+    a subnormal v is a normal number, so the scaling argument covers it too.
+    """
+    with jax.enable_x64(True):
+        return jnp.sqrt(v.astype(jnp.float64)).astype(jnp.float32)

@@ -1,0 +1,106 @@
+"""The RMSNorm statistic rsqrt(mean(x^2) + eps) as one Pallas kernel (Triton lowering) per call.
+
+docs/MODEL.md §3.1; jnp reference and XLA path: `kernels_pallas.reference.rms_inv`.
+
+  rms_inv(x [..., D] any float dtype, eps, *, backend=None) -> fp32 [..., 1]
+      Bit-equal to the reference. RMSNorm, the mHC mixes and the Engram gate call it.
+
+Why a kernel: on the XLA path the two correctly rounded divisions (by D, and 1 / sqrt) sit behind
+optimization barriers, so one call is 2-3 unfused kernels, ~20 calls a decode step: the largest
+source of launches left (BENCHMARKS.md, issue 16: 130 of ~520 in the demo model's plain step).
+Here one program owns a block of rows (`x` as [T, D] in place; rows past T masked) and computes
+the whole statistic.
+
+Order: torch's CPU sum (`numerics.cascade_sum`). Up to its last stage that sum is elementwise over
+rows of 32 values (4 accumulators of 8 lanes), so the program holds [rows, 32] partial sums and
+adds the 32-wide chunks of x in the order of `numerics.cascade_chunks` (the same function, its
+loops unrolled at trace time). The last stage (`numerics.combine_lanes`) takes 8-wide windows and
+single columns of those register tensors, which Triton cannot slice: a masked sum picks them out
+exactly, because every other term is +0 and v + 0 = v for every v except -0.0, which no value here
+is (a square is >= +0, a sum of such too; the masked loads give +0). The < 32 values past the last
+full chunk come in as one masked load.
+
+Exactness: each square rounded to fp32 on its own (`numerics.rounded`: Triton, like XLA:CPU,
+contracts a product into the add after it as an FMA; torch rounds the square first), every add in
+fp32 in the reference's order, the division by D and the square root correctly rounded
+(`_ieee.div_rn`, `_ieee.sqrt_rn`: Triton's fp32 `/` and `sqrt` are not), eps added in fp32, then
+1 / root correctly rounded: the reference's rsqrt, two roundings.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas import backend as _backend
+from kernels_pallas import reference as ref
+from kernels_pallas._compat import compiler_params, load, store
+from kernels_pallas._ieee import div_rn, sqrt_rn
+from v41_jax.numerics import CHUNK, LANES, cascade_chunks, combine_lanes, rounded
+
+
+def _col(a: jax.Array, c: int) -> jax.Array:
+    """Column c of a [R, W] register tensor -> [R]."""
+    cols = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+    return jnp.sum(jnp.where(cols == c, a, 0.0), axis=1)
+
+
+def _window(a: jax.Array, p: int) -> jax.Array:
+    """Columns p .. p+7 of a [R, W] register tensor -> [R, 8]."""
+    shape = (a.shape[1], LANES)
+    take = jax.lax.broadcasted_iota(jnp.int32, shape, 0) == p + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return jnp.sum(jnp.where(take[None], a[:, :, None], 0.0), axis=1)
+
+
+def _rms_inv_kernel(x_ref, o_ref, *, eps: float, bt: int):
+    t, d = x_ref.shape
+    first = pl.program_id(0) * bt
+    r = first + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    live = r < t
+    lane = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+
+    def squares(at: tuple, mask: jax.Array) -> jax.Array:
+        v = load(x_ref.at[at], mask=mask, other=0).astype(jnp.float32)
+        return rounded(v * v)
+
+    n_chunks, n_rest = divmod(d, CHUNK)
+    rows, full = pl.ds(first, bt), jnp.broadcast_to(live[:, None], (bt, CHUNK))
+    part = cascade_chunks([squares((rows, pl.ds(i * CHUNK, CHUNK)), full) for i in range(n_chunks)],
+                          jnp.zeros((bt, CHUNK), jnp.float32))
+    # the values past the last full chunk, +0 after them: addressed by index vectors, because a
+    # static slice reaching past D is refused even where masked
+    rest = squares((r[:, None], n_chunks * CHUNK + lane[None, :]),
+                   full & (lane < n_rest)[None, :]) if n_rest else None
+    total = combine_lanes(lambda k: _window(part, k * LANES), lambda p: _window(rest, p),
+                          lambda p: _col(rest, p), _col, n_rest)
+    root = sqrt_rn(div_rn(total, jnp.float32(d)) + eps)
+    store(o_ref.at[r], div_rn(jnp.ones_like(root), root), mask=live)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_rows", "interpret"))
+def _rms_inv_pallas(x2, *, eps, block_rows, interpret):
+    t, d = x2.shape
+    kernel = functools.partial(_rms_inv_kernel, eps=eps, bt=block_rows)
+    return pl.pallas_call(
+        kernel, grid=(pl.cdiv(t, block_rows),),
+        in_specs=[pl.BlockSpec((t, d), lambda i: (0, 0))],   # rows addressed (and masked) in the kernel
+        out_specs=pl.BlockSpec((t,), lambda i: (0,)),
+        out_shape=jax.ShapeDtypeStruct((t,), jnp.float32),
+        compiler_params=compiler_params(1, 1), interpret=interpret, name="rms_inv",
+    )(x2)
+
+
+def rms_inv(x: jax.Array, eps: float, *, backend: str | None = None, block_rows: int = 1) -> jax.Array:
+    """The statistic of `kernels_pallas.reference.rms_inv` over x's last axis.
+
+    block_rows: rows a program (one warp; the lanes take a chunk's 32 columns). One by default:
+    a decode batch's rows spread over the SMs, and a prefill's thousands of one-warp programs
+    still fill them (scripts/bench_kernels.py --sections rmsnorm times 1 and 4)."""
+    if _backend.resolve(backend, kernel="rmsnorm") == "xla":
+        return ref.rms_inv(x, eps)
+    out = _rms_inv_pallas(x.reshape(-1, x.shape[-1]), eps=float(eps), block_rows=block_rows,
+                          interpret=_backend.interpret())
+    return out.reshape(*x.shape[:-1], 1)
