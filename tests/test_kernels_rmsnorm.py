@@ -85,3 +85,15 @@ def test_rms_norm_takes_the_kernel_under_its_per_kernel_switch():
     assert "pallas_call" not in str(jax.make_jaxpr(norm())(x))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(norm()(x)).view(np.uint16),
                                   err_msg=f"seed {seed}")
+
+
+def test_auto_keeps_unmeasured_kernels_on_xla_on_a_gpu(monkeypatch):
+    """auto takes Pallas on a GPU except for a kernel not yet measured there (backend.UNMEASURED);
+    an explicit choice still takes it."""
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    assert backend.resolve(kernel="sinkhorn") == "pallas"
+    assert backend.resolve(kernel="rmsnorm") == "xla"
+    with backend.use_backend("pallas", kernel="rmsnorm"):
+        assert backend.resolve(kernel="rmsnorm") == "pallas"
+    monkeypatch.setenv(backend.ENV_BACKEND, "pallas")
+    assert backend.resolve(kernel="rmsnorm") == "pallas"
