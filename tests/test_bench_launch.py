@@ -1,0 +1,21 @@
+"""scripts/bench_launch.py runs on CPU and its accounting holds (the figures are the H200's,
+BENCHMARKS.md; here only that the parts it times are parts of the step it reports)."""
+
+import json
+
+from scripts import bench_launch
+
+
+def test_loop_parts_add_up_within_the_step(tmp_path):
+    out = tmp_path / "L.json"
+    assert bench_launch.main(["--checkpoint", "models/demo", "--out", str(out), "--new", "6", "--rounds", "1",
+                              "--calls", "3"]) == 0
+    rep = json.loads(out.read_text())
+    (loop,) = rep["loop"]
+    assert loop["steps"] >= 6
+    # the launch is inside dispatch, and plan + prepare + dispatch + collect + update inside the step
+    assert 0 < loop["_launch_ms"] <= loop["dispatch_ms"]
+    parts = sum(loop[f"{k}_ms"] for k in ("schedule", "prepare", "dispatch", "collect", "update"))
+    assert parts <= loop["ms_per_step"]
+    call = rep["call"]
+    assert 0 < call["launch_ms"] <= call["synced_ms"] and call["param_leaves"] > 100
