@@ -42,6 +42,19 @@ PALLAS_KERNELS = ("sparse_latent_attn", "index_scores", "moe_gemv_gate_up", "moe
                   "mhc_sinkhorn", "rms_inv")
 
 
+def timed_calls(obj, name: str, acc: dict) -> None:
+    """Wrap obj.name to record the host seconds of each call in acc[name] (a list)."""
+    f = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return f(*a, **kw)
+        finally:
+            acc.setdefault(name, []).append(time.perf_counter() - t)
+    setattr(obj, name, wrapper)
+
+
 def back_to_back_s(call, drained, iters: int) -> float:
     """Seconds per call of `call` run `iters` times back to back, after one untimed call, the
     device drained (`block_until_ready(drained())`) before the clock starts and before it stops."""

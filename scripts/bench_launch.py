@@ -18,25 +18,12 @@ import datetime
 import json
 import sys
 import time
-from collections import defaultdict
 
 import jax
 import numpy as np
 
+from scripts.bench_common import timed_calls
 from v41_jax.runtime.engine import Engine, Stats
-
-
-def _timed(obj, name: str, into: dict) -> None:
-    """Wrap obj.name so that each call adds its seconds to into[name]."""
-    f = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            into[name] += time.perf_counter() - t
-    setattr(obj, name, wrapper)
 
 
 def call_costs(eng: Engine, bucket, packed, n: int) -> dict:
@@ -76,19 +63,19 @@ def main(argv=None) -> int:
     launch = eng.runner._launch
     eng.runner._launch = lambda bucket, packed, *a, **k: (launched.append((bucket, packed)), launch(bucket, packed, *a, **k))[1]
     eng.generate([args.prompt], max_new_tokens=args.new, ignore_eos=True)      # untimed: first calls
-    parts: dict = defaultdict(float)
+    parts: dict = {}
     for name in ("prepare", "dispatch", "collect", "_launch"):
-        _timed(eng.runner, name, parts)
+        timed_calls(eng.runner, name, parts)
     loop = []
     for _ in range(args.rounds):
         eng.reset()                        # a new scheduler: its methods wrapped afresh
-        _timed(eng.scheduler, "schedule", parts)
-        _timed(eng.scheduler, "update", parts)
+        timed_calls(eng.scheduler, "schedule", parts)
+        timed_calls(eng.scheduler, "update", parts)
         parts.clear()
         stats = Stats()
         eng.generate([args.prompt], max_new_tokens=args.new, ignore_eos=True, stats=stats)
         loop.append({"steps": stats.steps, "ms_per_step": stats.run_s / stats.steps * 1e3,
-                     **{f"{k}_ms": v / stats.steps * 1e3 for k, v in parts.items()}})
+                     **{f"{k}_ms": sum(v) / stats.steps * 1e3 for k, v in parts.items()}})
         print(json.dumps(loop[-1]), flush=True)
     bucket, packed = launched[-1]
     call = call_costs(eng, bucket, packed, args.calls)

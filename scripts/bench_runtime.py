@@ -34,7 +34,7 @@ import time
 import jax
 import numpy as np
 
-from scripts.bench_common import back_to_back_s
+from scripts.bench_common import back_to_back_s, timed_calls
 from scripts.bench_step import engram_token_map, param_leaf_specs, random_params
 from v41_jax.cache.geometry import EngineSettings, typed_format
 from v41_jax.config import ModelConfig
@@ -68,19 +68,6 @@ def _per_step(fn, iters: int) -> float:
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t) / iters
-
-
-def _timed(obj, name: str, acc: dict) -> None:
-    """Wrap obj.name to record the host seconds of each call in acc[name]."""
-    f = getattr(obj, name)
-
-    def wrapper(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return f(*a, **kw)
-        finally:
-            acc.setdefault(name, []).append(time.perf_counter() - t)
-    setattr(obj, name, wrapper)
 
 
 def main(argv=None) -> int:
@@ -118,7 +105,7 @@ def main(argv=None) -> int:
         for obj, names in ((engine.runner, ("prepare", "collect", "dispatch", "_launch")),
                            (engine.scheduler, ("schedule", "update"))):
             for name in names:
-                _timed(obj, name, phases)
+                timed_calls(obj, name, phases)
         reused = []                                       # per prepare: the batch on the device served again
         steady = engine.runner.steady
 
