@@ -55,9 +55,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--compile-cache", default=None, help="compile cache folder ('' off; default as the engine)")
     args = ap.parse_args(argv)
     eng = Engine.from_checkpoint(args.checkpoint, numerics="fast", max_batch=1,
-                                 speculative=None if args.speculative else False, progress=False)
+                                 speculative=None if args.speculative else False, progress=False,
+                                 compile_cache_dir=args.compile_cache)
     eng.warmup()
     launched = []
     launch = eng.runner._launch

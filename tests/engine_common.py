@@ -25,7 +25,8 @@ from v41_jax.runtime.engine import Engine
 from v41_jax.runtime.metadata import Bucket, BucketSet
 
 ROOT = Path(__file__).resolve().parents[1]
-jax.config.update("jax_compilation_cache_dir", str(ROOT / ".pytest_cache" / "xla"))
+SUITE_CACHE = ROOT / ".pytest_cache" / "xla"          # the suite's persistent compilation cache
+jax.config.update("jax_compilation_cache_dir", str(SUITE_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 # One bucket for every step (72-token one-shot prefills with every row's logits, decodes, mixes):

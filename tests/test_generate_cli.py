@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from scripts import generate as generate_script
-from tests.engine_common import ROOT, SETTINGS, build_model
+from tests.engine_common import SETTINGS, SUITE_CACHE, build_model
 from v41_jax.checkpoint import load as load_module
 from v41_jax.runtime.compile_cache import CompileMeter
 from v41_jax.runtime.engine import default_buckets
@@ -18,7 +18,7 @@ from v41_jax.runtime.request_parse import FIELDS
 S = SETTINGS
 ENGINE_FLAGS = ["--numerics", "fp32", "--buckets", "80x4x80", "--chunk", "16", "--page-tokens", str(S.page_tokens),
                 "--pages", str(S.num_pages), "--slots", str(S.slots), "--max-context", str(S.max_context),
-                "--compile-cache", str(ROOT / ".pytest_cache" / "xla")]
+                "--compile-cache", str(SUITE_CACHE)]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from scripts.make_checkpoint import make_checkpoint
+from tests.engine_common import SUITE_CACHE
 from v41_jax.checkpoint.load import ENGRAM_KEY
 from v41_jax.checkpoint.safetensors_io import DTYPES, INDEX_NAME
 from v41_jax.config import CheckpointError
@@ -146,9 +147,11 @@ def files_opened():
 def outside(opened: list[str], folder: Path) -> list[str]:
     """The opened paths that are not inside `folder` once symlinks are resolved, leaving out jax's
     persistent compilation cache: the engine's own files, where the loader's small jitted checks
-    look up their executables (a clean clone's first run reads and writes them there)."""
+    look up their executables (a clean clone's first run reads and writes them there). Both the
+    configured folder and the suite's: jax keeps the folder its cache started with, so after a test
+    in this process points the config elsewhere (`compile_cache.enable`), reads still go there."""
     cache = jax.config.jax_compilation_cache_dir
-    allowed = [os.path.realpath(folder)] + ([os.path.realpath(cache)] if cache else [])
+    allowed = [os.path.realpath(folder), os.path.realpath(SUITE_CACHE)] + ([os.path.realpath(cache)] if cache else [])
     return [p for p in opened
             if not any(os.path.commonpath([a, os.path.realpath(p)]) == a for a in allowed)]
 
