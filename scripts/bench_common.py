@@ -127,6 +127,29 @@ def kernel_profile(run, calls: int, top: int = 12) -> dict:
             "pallas_ms_per_call": {k: per_call(totals[k][0]) for k in PALLAS_KERNELS if k in totals}}
 
 
+def host_events(run, calls: int, top: int = 60) -> list[dict]:
+    """The host's trace events over `calls` calls of `run()` (jax.profiler), by name: ms and
+    count per call, the `top` names by total time. Events nest (a launch holds its parts), so the
+    totals overlap; the list shows where inside a call the host's time goes."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                run()
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return [{"error": "the profiler wrote no trace"}]
+        totals: dict[str, list[float]] = {}
+        for plane in jax.profiler.ProfileData.from_file(paths[0]).planes:
+            if plane.name.startswith("/host"):
+                for line in plane.lines:
+                    for ev in line.events:
+                        slot = totals.setdefault(ev.name, [0.0, 0])
+                        slot[0] += ev.duration_ns
+                        slot[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": n, "ms_per_call": round(t / calls / 1e6, 4), "per_call": c / calls} for n, (t, c) in ranked]
+
+
 def print_and_save(report: dict, out: str | None) -> None:
     """The report on stdout, and as JSON at `out` when given."""
     print(json.dumps(report, indent=1))

@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from scripts.bench_common import timed_calls
+from scripts.bench_common import host_events, timed_calls
 from v41_jax.runtime.engine import Engine, Stats
 
 
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--trace", type=int, default=0,
+                    help="also trace this many idle-device calls: the host's events by name, ms per call")
     ap.add_argument("--compile-cache", default=None, help="compile cache folder ('' off; default as the engine)")
     args = ap.parse_args(argv)
     eng = Engine.from_checkpoint(args.checkpoint, numerics="fast", max_batch=1,
@@ -82,6 +84,14 @@ def main(argv=None) -> int:
     bucket, packed = launched[-1]
     call = call_costs(eng, bucket, packed, args.calls)
     print(json.dumps(call), flush=True)
+    if args.trace:
+        r, fn = eng.runner, eng.runner.compiled[bucket]
+
+        def one():
+            jax.block_until_ready(r.cache)
+            r.cache = fn(r.params, r.cache, packed).cache
+        call["host_events"] = host_events(one, args.trace)
+        print(json.dumps(call["host_events"][:25], indent=0), flush=True)
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(args),
            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
            "bucket": repr(bucket), "loop": loop, "call": call}
