@@ -70,6 +70,7 @@ def _generate(args) -> list[dict]:
     rows = []
     engines = {spec: Engine.from_checkpoint(args.checkpoint, numerics=args.numerics, max_batch=max(args.batches),
                                             chunk=args.chunk, speculative=None if spec else False,
+                                            decode_sizes=args.batches,
                                             compile_cache_dir=args.compile_cache, progress=False)
                for spec in (False, True)}
     warm_concurrently(list(engines.values()))

@@ -34,6 +34,7 @@ import numpy as np
 
 from v41_jax.config import exit_2_on_refusal
 from v41_jax.runtime import compile_cache
+from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH
 
 NUMERICS_CHOICES = ("fast", "fp32", "reference")
 EXPERT_CHOICES = ("auto", "fp8", "fp4", "bf16")
@@ -73,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop-ids", type=_positive("--stop-ids", True), nargs="*", default=(),
                     help="token ids that end a request")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    ap.add_argument("--max-batch", type=_positive("--max-batch"), default=4, help="requests per step")
+    ap.add_argument("--max-batch", type=_positive("--max-batch"), default=DEFAULT_MAX_BATCH, help="requests per step")
     ap.add_argument("--chunk", type=_positive("--chunk"), default=64, help="prefill rows per step")
     ap.add_argument("--buckets", help="explicit step shapes TxRxO,... (tokens x requests x logits rows)")
+    ap.add_argument("--decode-sizes", help="request counts that get a decode step shape of their own, e.g. "
+                    "1,2,4 (default: the powers of two up to --max-batch on a GPU, --max-batch alone on a CPU)")
     ap.add_argument("--one-bucket", action="store_true",
                     help="one step shape, the prefill bucket, for decode steps too: half the compiling of a "
                          "first run, decode steps padded to it (make generate on a CPU)")
@@ -105,11 +108,26 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+def check_shape_flags(buckets: str | None, decode_sizes: str | None, max_batch: int) -> None:
+    """--buckets / --decode-sizes (shared with v41-serve): each well formed, not both."""
+    from v41_jax.runtime.engine import check_decode_sizes, parse_buckets, parse_decode_sizes
+
+    if buckets and decode_sizes is not None:
+        raise UsageError("--decode-sizes: not with --buckets (it picks the buckets)")
+    for flag, check in (("--buckets", lambda: buckets and parse_buckets(buckets)),
+                        ("--decode-sizes", lambda: decode_sizes is not None and
+                         check_decode_sizes(parse_decode_sizes(decode_sizes), max_batch))):
+        try:
+            check()
+        except ValueError as err:
+            raise UsageError(f"{flag}: {err}") from None
+
+
 def _validate(args):
     """Everything checkable without the weights -> (cfg, tokenizer, requests-or-errors)."""
     from v41_jax.checkpoint.load import config_path
     from v41_jax.config import CheckpointError, ModelConfig
-    from v41_jax.runtime.engine import check_draft_width, load_tokenizer, parse_buckets
+    from v41_jax.runtime.engine import check_draft_width, load_tokenizer
     from v41_jax.runtime.request_parse import RequestDefaults, RequestError, parse_file
 
     ckpt = Path(args.checkpoint)
@@ -119,13 +137,10 @@ def _validate(args):
         raise UsageError(f"{args.prompts}: prompts file not found")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UsageError(f"--out {args.out}: its folder does not exist")
-    if args.buckets and args.one_bucket:
-        raise UsageError("--one-bucket: not with --buckets (it picks the buckets)")
-    if args.buckets:
-        try:
-            parse_buckets(args.buckets)
-        except ValueError as err:
-            raise UsageError(f"--buckets: {err}") from None
+    if args.one_bucket and (args.buckets or args.decode_sizes is not None):
+        raise UsageError(f"--one-bucket: not with {'--buckets' if args.buckets else '--decode-sizes'} "
+                         "(it picks the buckets)")
+    check_shape_flags(args.buckets, args.decode_sizes, args.max_batch)
     try:
         defaults = RequestDefaults.from_args(args)
     except RequestError as err:
@@ -227,7 +242,8 @@ def _run(args, tokenizer, requests):
                                     max_context=args.max_context, compile_cache_dir=args.compile_cache,
                                     tokenizer=args.tokenizer, progress=not args.quiet,
                                     speculative=None if args.speculative == "on" else False,
-                                    draft_width=args.draft_width, decode_bucket=not args.one_bucket)
+                                    draft_width=args.draft_width,
+                                    decode_sizes=() if args.one_bucket else args.decode_sizes)
     stats = Stats()
     runnable = [r for r in requests if engine.check_request(r) is None]    # the others end at once
     for req in runnable:

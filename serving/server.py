@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-batch", type=_positive("--max-batch"), help="requests per step")
     e.add_argument("--chunk", type=_positive("--chunk"), help="prefill rows per step")
     e.add_argument("--buckets", help="explicit step shapes TxRxO,...")
+    e.add_argument("--decode-sizes", help="request counts with a decode step shape of their own, e.g. 1,2,4 "
+                   "(default: powers of two up to --max-batch on a GPU)")
     e.add_argument("--page-tokens", type=_positive("--page-tokens"))
     e.add_argument("--pages", type=_positive("--pages", True))
     e.add_argument("--slots", type=_positive("--slots", True))
@@ -134,8 +136,8 @@ def load_engine(args):
     Engine.from_checkpoint's."""
     from v41_jax.runtime.engine import Engine
 
-    kw = {k: getattr(args, k) for k in ("max_batch", "chunk", "buckets", "page_tokens", "pages", "slots",
-                                        "max_context", "numerics", "experts", "tokenizer")
+    kw = {k: getattr(args, k) for k in ("max_batch", "chunk", "buckets", "decode_sizes", "page_tokens", "pages",
+                                        "slots", "max_context", "numerics", "experts", "tokenizer")
           if getattr(args, k) is not None}
     kw["speculative"] = {"auto": None, "on": True, "off": False}[args.speculative]
     return Engine.from_checkpoint(args.checkpoint, compile_cache_dir=args.compile_cache, **kw)
@@ -146,9 +148,17 @@ def main(argv=None) -> int:
     # force: importing orbax (via the engine) already gave the root logger absl's default handler
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr, force=True)
+    from scripts.generate import UsageError, check_shape_flags
+    from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH
+
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").is_file():
         print(f"error: {ckpt}: not a checkpoint folder (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        check_shape_flags(args.buckets, args.decode_sizes, args.max_batch or DEFAULT_MAX_BATCH)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     log.info("loading %s", ckpt)
     engine = load_engine(args)

@@ -191,9 +191,9 @@ def main(out: Path) -> dict:
     # ---- the demo model from its checkpoint, mesh of 8 vs one device, DSpark speculation on ----
     # (its trained draft stages accept about half the drafts, so verifies accept 0..5 of them)
     # compile_cache_dir "": keep the suite's compilation cache (engine_common), not the user's;
-    # decode_bucket False: one bucket, one compile per engine (both engines pad the same steps alike)
+    # decode_sizes (): one bucket, one compile per engine (both engines pad the same steps alike)
     kw = dict(numerics="fp32", max_batch=4, chunk=32, max_context=128, speculative=True, compile_cache_dir="",
-              decode_bucket=False)
+              decode_sizes=())
     texts = ["The module provides", "If you do much work on computers,", "The Python standard library"]
 
     def speculate(eng):

@@ -12,7 +12,9 @@ from scripts import generate as generate_script
 from tests.engine_common import SETTINGS, SUITE_CACHE, build_model
 from v41_jax.checkpoint import load as load_module
 from v41_jax.runtime.compile_cache import CompileMeter
-from v41_jax.runtime.engine import default_buckets
+from v41_jax.runtime.engine import Engine, auto_decode_sizes, default_buckets, parse_decode_sizes
+from v41_jax.runtime.metadata import Bucket
+from v41_jax.runtime.request import Request
 from v41_jax.runtime.request_parse import FIELDS
 
 S = SETTINGS
@@ -172,6 +174,11 @@ def test_usage_errors_before_the_checkpoint_loads(model, tmp_path, capsys, load_
         (base + ["--buckets", "0x4x4"], "--buckets"),
         (base + ["--top-p", "2"], "--top-p"),
         (base + ["--one-bucket"], "--one-bucket"),               # ENGINE_FLAGS give --buckets
+        (base + ["--decode-sizes", "1,2"], "--decode-sizes"),     # likewise
+        (base[:-len(ENGINE_FLAGS)] + ["--decode-sizes", "1,8"], "--decode-sizes"),      # > --max-batch 4
+        (base[:-len(ENGINE_FLAGS)] + ["--decode-sizes", "1,x"], "--decode-sizes"),
+        (base[:-len(ENGINE_FLAGS)] + ["--decode-sizes", "0"], "--decode-sizes"),
+        (base[:-len(ENGINE_FLAGS)] + ["--decode-sizes", "1", "--one-bucket"], "--one-bucket"),
         (base + ["--out", tmp_path / "nowhere" / "o.jsonl"], "--out"),
     ]
     for argv, named in cases:
@@ -207,6 +214,41 @@ def test_help_documents_every_flag_and_the_schema(capsys):
 
 def test_one_bucket_is_the_prefill_bucket():
     """--one-bucket (make generate): decode steps run in the prefill bucket, nothing else compiles."""
-    both, one = default_buckets(4, 64, 6), default_buckets(4, 64, 6, decode_bucket=False)
+    both, one = default_buckets(4, 64, 6), default_buckets(4, 64, 6, decode_sizes=())
     assert len(both.buckets) == 2 and one.buckets == both.buckets[1:]
     assert (one.max_tokens, one.max_requests, one.buckets[0].logits) == (64 + 4 * 6, 4, 4 * 6)
+
+
+def test_decode_sizes_give_each_batch_its_own_bucket():
+    """A decode step of b requests runs in the smallest decode bucket holding b (width rows each),
+    not padded to the full batch; the GPU default is the powers of two up to the batch."""
+    buckets = default_buckets(32, 64, 6, (1, 8, 32))
+    assert buckets.buckets == (Bucket(6, 1, 6), Bucket(48, 8, 48), Bucket(192, 32, 192), Bucket(64 + 192, 32, 192))
+    assert [buckets.pick(b, 6 * b, 6 * b) for b in (1, 2, 8, 9)] == [Bucket(6, 1, 6)] + [Bucket(48, 8, 48)] * 2 + [Bucket(192, 32, 192)]
+    assert auto_decode_sizes(32, gpu=True) == (1, 2, 4, 8, 16, 32)
+    assert auto_decode_sizes(6, gpu=True) == (1, 2, 4, 6) and auto_decode_sizes(1, gpu=True) == (1,)
+    assert auto_decode_sizes(32, gpu=False) == (32,)
+    assert parse_decode_sizes("1,4") == (1, 4) and parse_decode_sizes("") == ()
+    for bad in ("1,x", "0", "-2"):
+        with pytest.raises(ValueError, match="decode sizes"):
+            parse_decode_sizes(bad)
+    with pytest.raises(ValueError, match=r"\[8\] not in 1..4"):
+        default_buckets(4, 64, 1, (1, 8))
+
+
+def test_smaller_decode_buckets_emit_the_same_tokens(model):
+    """Three requests ending at different lengths (3, 2, then 1 running) in an engine with decode
+    buckets for 1, 2 and 4 requests: the steps move to the smaller buckets, and every token equals
+    the engine whose decode steps all pad to 4 requests (fp32: padding rows change no real row)."""
+    path, _ = model
+    kw = dict(numerics="fp32", max_batch=4, chunk=16, page_tokens=S.page_tokens, max_context=S.max_context,
+              compile_cache_dir=str(SUITE_CACHE))
+    reqs = [Request([5 + i, 9, 11], max_new_tokens=n, ignore_eos=True) for i, n in enumerate((3, 7, 12))]
+    runs = {}
+    for sizes in ((4,), (1, 2, 4)):
+        eng = Engine.from_checkpoint(path, decode_sizes=sizes, **kw)
+        runs[sizes] = ([r.tokens for r in eng.generate(reqs)], eng.bucket_steps)
+    (one, steps_one), (many, steps_many) = runs[(4,)], runs[(1, 2, 4)]
+    assert many == one and [len(t) for t in one] == [3, 7, 12]
+    decode = lambda steps: {b.requests for b in steps if b.tokens == b.logits}      # not the prefill bucket
+    assert decode(steps_many) == {1, 2, 4} and decode(steps_one) == {4}

@@ -670,3 +670,17 @@ def test_v41_client_streams_text(served, capsys):
     assert 'model: "tiny"' in capsys.readouterr().out
     assert client.main(["--server", f"127.0.0.1:{served.server.grpc_port}", "--ids", "1", "--temperature", "-1"]) == 1
     assert "INVALID_ARGUMENT: temperature:" in capsys.readouterr().err
+
+
+def test_serve_cli_refuses_bad_step_shapes_before_loading(model, capsys, monkeypatch):
+    """v41-serve names a bad --decode-sizes / --buckets in one line and exits 2 before loading."""
+    from serving import server as server_module
+
+    monkeypatch.setattr(server_module, "load_engine", lambda args: pytest.fail("loaded the engine"))
+    for argv, named in ((["--decode-sizes", "1,9", "--max-batch", "8"], "--decode-sizes: decode sizes: [9] not in 1..8"),
+                        (["--decode-sizes", "2,a"], "--decode-sizes"),
+                        (["--buckets", "4x4"], "--buckets"),
+                        (["--buckets", "4x1x4", "--decode-sizes", "1"], "--decode-sizes: not with --buckets")):
+        assert server_module.main(["--checkpoint", str(model[0]), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: ") and named in err[-1], err

@@ -34,12 +34,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from kernels_pallas.backend import on_gpu
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format
 from v41_jax.config import ModelConfig
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime import compile_cache
 from v41_jax.runtime.mesh import MeshRunner, expert_sharding
-from v41_jax.runtime.metadata import Bucket, BucketSet, Span
+from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH, Bucket, BucketSet, Span
 from v41_jax.runtime.request import Request, Result
 from v41_jax.runtime.runner import InFlight, Ran, Runner
 from v41_jax.runtime.sampling import SamplingParams
@@ -48,15 +49,47 @@ from v41_jax.runtime.scheduler import Event, FinishEvent, Scheduler, SpecStats, 
 NUMERICS = {"reference": Numerics.reference, "fast": Numerics.fast, "fp32": Numerics.fp32}
 
 
-def default_buckets(max_requests: int, chunk: int, width: int = 1, decode_bucket: bool = True) -> BucketSet:
-    """One decode bucket and one prefill bucket, both at the full request width: two compiles,
-    and a step never waits for a bucket (padding rows cost little next to a recompile). width:
-    token and logits rows per decoding request (1 + the draft block when speculating).
-    decode_bucket=False: the prefill bucket alone, decode steps padded to it: one compile, for a
-    run whose compiling outweighs its decoding (a first short run on a CPU)."""
+def default_buckets(max_requests: int, chunk: int, width: int = 1,
+                    decode_sizes: Sequence[int] | None = None) -> BucketSet:
+    """Decode buckets and one prefill bucket at the full request width. decode_sizes: the request
+    counts that get a decode bucket of their own (`n * width` token and logits rows; width: 1 +
+    the draft block when speculating); a decode step runs in the smallest that holds it (padding
+    rows cost little next to a recompile, but at batch 1 a step padded to 32 requests is several
+    times the work). None: `max_requests` alone. (): the prefill bucket alone, decode steps padded
+    to it: one compile, for a run whose compiling outweighs its decoding (a first short run on a CPU)."""
+    sizes = (max_requests,) if decode_sizes is None else check_decode_sizes(decode_sizes, max_requests)
     rows = max_requests * width
     prefill = Bucket(chunk + rows, max_requests, rows)
-    return BucketSet(((Bucket(rows, max_requests, rows),) if decode_bucket else ()) + (prefill,))
+    return BucketSet(tuple(Bucket(n * width, n, n * width) for n in sizes) + (prefill,))
+
+
+def auto_decode_sizes(max_requests: int, gpu: bool) -> tuple[int, ...]:
+    """The decode buckets an engine compiles unless told: on a GPU the powers of two below
+    `max_requests` and `max_requests` (as vLLM's CUDA-graph batch sizes: a step of b requests pads
+    to fewer than 2b); on a CPU `max_requests` alone, since there a compile (tens of seconds) costs
+    more than the padding of a short run saves."""
+    if not gpu:
+        return (max_requests,)
+    return tuple(sorted({1 << i for i in range(max_requests.bit_length()) if 1 << i < max_requests} | {max_requests}))
+
+
+def check_decode_sizes(sizes: Sequence[int], max_requests: int) -> tuple[int, ...]:
+    sizes = tuple(sizes)
+    bad = [n for n in sizes if not 1 <= n <= max_requests]
+    if bad:
+        raise ValueError(f"decode sizes: {bad} not in 1..{max_requests} (the requests per step)")
+    return sizes
+
+
+def parse_decode_sizes(spec: str) -> tuple[int, ...]:
+    """"1,2,4" -> (1, 2, 4); "" -> () (the prefill bucket alone)."""
+    try:
+        sizes = tuple(int(x) for x in spec.split(",")) if spec.strip() else ()
+    except ValueError:
+        raise ValueError(f"decode sizes: {spec!r} is not a comma-separated list of request counts") from None
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"decode sizes: {spec!r}: request counts must be positive")
+    return sizes
 
 
 def parse_buckets(spec: str) -> BucketSet:
@@ -140,18 +173,20 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | os.PathLike, *, numerics: str = "fast", experts: str = "auto",
-                        max_batch: int = 4, chunk: int = 64, buckets: str | BucketSet | None = None,
+                        max_batch: int = DEFAULT_MAX_BATCH, chunk: int = 64, buckets: str | BucketSet | None = None,
                         page_tokens: int = 16, pages: int = 0, slots: int = 0, max_context: int = 0,
                         compile_cache_dir: str | None = None, tokenizer: str | None = None,
                         progress: bool = False, speculative: bool | None = None,
-                        draft_width: int | None = None, mesh=None, decode_bucket: bool = True) -> "Engine":
+                        draft_width: int | None = None, mesh=None,
+                        decode_sizes: str | Sequence[int] | None = None) -> "Engine":
         """An engine over a published checkpoint folder. The tokenizer (`tokenizer.json`) and the
         Engram token map (`engram_token_map.json`) are taken from the folder when they are there.
         compile_cache_dir: the persistent compilation cache (None: `compile_cache` default).
         speculative (None: on when the checkpoint has draft stages) reserves the draft slack and
         widens the default buckets to 1 + block rows per decoding request. mesh: as `Engine`; each
-        device's routed experts are read from the checkpoint straight onto it. decode_bucket: see
-        `default_buckets` (with `buckets` given, unused)."""
+        device's routed experts are read from the checkpoint straight onto it. decode_sizes: the
+        request counts with a decode bucket (`default_buckets`; "1,2,4" or a sequence; None:
+        `auto_decode_sizes`; with `buckets` given, unused)."""
         from v41_jax.checkpoint.load import load_params
         from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 
@@ -173,7 +208,11 @@ class Engine:
             buckets = parse_buckets(buckets)
         spec = bool(cfg.n_mtp_layers) if speculative is None else speculative
         width = 1 + cfg.dspark_block_size if spec and cfg.n_mtp_layers else 1
-        buckets = buckets or default_buckets(max_batch, chunk, width, decode_bucket)
+        if isinstance(decode_sizes, str):
+            decode_sizes = parse_decode_sizes(decode_sizes)
+        if decode_sizes is None:
+            decode_sizes = auto_decode_sizes(max_batch, on_gpu())
+        buckets = buckets or default_buckets(max_batch, chunk, width, decode_sizes)
         per_request = -(-max_context // page_tokens)
         ranks = 1 if mesh is None else mesh.size          # each data-parallel rank: one device's sizes
         settings = EngineSettings(page_tokens=page_tokens,

@@ -344,6 +344,9 @@ def _sampler_rows(samplers: list[SamplingParams], owner: np.ndarray, n: int) -> 
     return out
 
 
+DEFAULT_MAX_BATCH = 4      # requests per step unless told (v41-generate, v41-serve, Engine.from_checkpoint)
+
+
 @dataclass(frozen=True)
 class BucketSet:
     """The fixed shapes the step is compiled for; a batch runs in the smallest that holds it."""
