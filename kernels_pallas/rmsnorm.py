@@ -12,13 +12,17 @@ Here one program owns a block of rows (`x` as [T, D] in place; rows past T maske
 the whole statistic.
 
 Order: torch's CPU sum (`numerics.cascade_sum`). Up to its last stage that sum is elementwise over
-rows of 32 values (4 accumulators of 8 lanes), so the program holds [rows, 32] partial sums and
-adds the 32-wide chunks of x in the order of `numerics.cascade_chunks` (the same function, its
-loops unrolled at trace time). The last stage (`numerics.combine_lanes`) takes 8-wide windows and
-single columns of those register tensors, which Triton cannot slice: a masked sum picks them out
-exactly, because every other term is +0 and v + 0 = v for every v except -0.0, which no value here
-is (a square is >= +0, a sum of such too; the masked loads give +0). The < 32 values past the last
-full chunk come in as one masked load.
+rows of 32 values (4 accumulators of 8 lanes), so the program holds [rows, 32] partial sums. The
+first stage goes run by run (`numerics.cascade_step` chunks of 32: 16 up to D = 2^24): a loop over
+the runs sums a run's chunks in order and folds it into the cascade's levels
+(`numerics.cascade_fold`, the step the XLA path's `cascade_chunks` unrolls), so the kernel holds
+one run's loads whatever D (the loads of every chunk, unrolled, kept Triton's compile past 470 s
+at the mHC width). The chunks of a short last run past D are masked loads of +0. The last stage
+(`numerics.combine_lanes`) takes 8-wide windows and single columns of those register tensors,
+which Triton cannot slice: a masked sum picks them out. Both maskings are exact, because every
+added term is +0 and v + 0 = v for every v except -0.0, which no value here is (a square is >= +0,
+a sum of such too; the masked loads give +0). The < 32 values past the last full chunk come in as
+one masked load.
 
 Exactness: each square rounded to fp32 on its own (`numerics.rounded`: Triton, like XLA:CPU,
 contracts a product into the add after it as an FMA; torch rounds the square first), every add in
@@ -30,6 +34,7 @@ fp32 in the reference's order, the division by D and the square root correctly r
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +44,7 @@ from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import compiler_params, load, store
 from kernels_pallas._ieee import div_rn, sqrt_rn
-from v41_jax.numerics import CHUNK, LANES, cascade_chunks, combine_lanes, rounded
+from v41_jax.numerics import CHUNK, LANES, cascade_fold, cascade_step, cascade_total, combine_lanes, rounded
 
 
 def _col(a: jax.Array, c: int) -> jax.Array:
@@ -67,13 +72,23 @@ def _rms_inv_kernel(x_ref, o_ref, *, eps: float, bt: int):
         return rounded(v * v)
 
     n_chunks, n_rest = divmod(d, CHUNK)
-    rows, full = pl.ds(first, bt), jnp.broadcast_to(live[:, None], (bt, CHUNK))
-    part = cascade_chunks([squares((rows, pl.ds(i * CHUNK, CHUNK)), full) for i in range(n_chunks)],
-                          jnp.zeros((bt, CHUNK), jnp.float32))
+    step, rows = cascade_step(n_chunks), pl.ds(first, bt)
+
+    def chunk(c) -> jax.Array:
+        # chunk c of the rows; past the last one (in a short last run) masked to +0
+        return squares((rows, pl.ds(c * CHUNK, CHUNK)),
+                       jnp.broadcast_to(live[:, None] & (c < n_chunks), (bt, CHUNK)))
+
+    def add_run(k, levels: tuple) -> tuple:
+        run = functools.reduce(operator.add, [chunk(k * step + j) for j in range(step)])
+        return cascade_fold(levels, run, k, (k + 1) * step <= n_chunks, step)
+
+    zero = jnp.zeros((bt, CHUNK), jnp.float32)
+    part = cascade_total(jax.lax.fori_loop(0, pl.cdiv(n_chunks, step), add_run, (zero,) * 4))
     # the values past the last full chunk, +0 after them: addressed by index vectors, because a
     # static slice reaching past D is refused even where masked
     rest = squares((r[:, None], n_chunks * CHUNK + lane[None, :]),
-                   full & (lane < n_rest)[None, :]) if n_rest else None
+                   live[:, None] & (lane < n_rest)[None, :]) if n_rest else None
     total = combine_lanes(lambda k: _window(part, k * LANES), lambda p: _window(rest, p),
                           lambda p: _col(rest, p), _col, n_rest)
     root = sqrt_rn(div_rn(total, jnp.float32(d)) + eps)

@@ -7,7 +7,8 @@ Every case: after warm-up, five rounds of `--reps` calls queued back to back wit
 block_until_ready per round; the median round's time per call. One call runs L independent
 "layers" (separate inputs, one jit); times are per layer. Reported: ms, achieved TFLOP/s and
 GB/s (minimum bytes: every input row read once, every output written once), ratio to the measured bf16 GEMM peak and copy bandwidth, and the
-speed-up over the XLA path in the same run. Sections stop starting new cases once the time
+speed-up over the XLA path in the same run; the sinkhorn and rmsnorm sections also give each
+variant's compile seconds. Sections stop starting new cases once the time
 budget is spent; results are written after every case. --smoke: tiny shapes, for CPU checks.
 """
 
@@ -367,26 +368,30 @@ def bench_head(b: Bench, cfg: dict):
 
 # ---- one small kernel against its XLA path (mHC Sinkhorn, RMSNorm statistic) ---------------------
 
-def compile_variants(fns: dict, args: tuple) -> dict:
-    """{backend: jitted fn} -> {"backend/options": compiled call on args}: each lowered once and
-    compiled with jit's default options and with the engine's (`compile_cache.compiler_options`:
-    command buffers with WHILE / CONDITIONAL, on CUDA only)."""
+def compile_variants(fns: dict, args: tuple) -> tuple[dict, dict]:
+    """{backend: jitted fn} -> ({"backend/options": compiled call on args}, {same: seconds of its
+    compile}): each lowered once and compiled with jit's default options and with the engine's
+    (`compile_cache.compiler_options`: command buffers with WHILE / CONDITIONAL, on CUDA only). The
+    compile seconds include a Pallas kernel's Triton compile (XLA runs it while compiling)."""
     opts = {"default": {}, "engine": compiler_options()} if compiler_options() else {"default": {}}
-    out = {}
+    calls, seconds = {}, {}
     for backend, f in fns.items():
         lowered = f.lower(*args)
         for oname, o in opts.items():
+            t0 = time.perf_counter()
             compiled = lowered.compile(compiler_options=o) if o else lowered.compile()
-            out[f"{backend}/{oname}"] = functools.partial(compiled, *args)
-    return out
+            seconds[f"{backend}/{oname}"] = time.perf_counter() - t0
+            calls[f"{backend}/{oname}"] = functools.partial(compiled, *args)
+    return calls, seconds
 
 
-def compare_variants(b: Bench, kernel: str, case: str, fns: dict, **meta):
-    """Time the variants of one case (`compile_variants`; "xla/default" the baseline) interleaved:
-    15 rounds, each variant's `--reps` calls queued back to back in turn; median and spread of the
-    rounds. At one token a profiler trace of each variant gives its launches and kernel time per
-    call. Every variant's outputs compared bit for bit with the baseline's (b.results[kernel +
-    "_check"][case]: the count of differing elements per variant)."""
+def compare_variants(b: Bench, kernel: str, case: str, variants: tuple[dict, dict], **meta):
+    """Time the variants of one case (`compile_variants`' calls and compile seconds; "xla/default"
+    the baseline) interleaved: 15 rounds, each variant's `--reps` calls queued back to back in
+    turn; median and spread of the rounds. At one token a profiler trace of each variant gives its
+    launches and kernel time per call. Every variant's outputs compared bit for bit with the
+    baseline's (b.results[kernel + "_check"][case]: the count of differing elements per variant)."""
+    fns, compile_s = variants
     bits = lambda outs: [np.asarray(x).view(np.uint32) for x in jax.tree_util.tree_leaves(outs)]
     want = bits(fns["xla/default"]())
     check = {k: int(sum((g != w).sum() for g, w in zip(bits(f()), want)))
@@ -409,7 +414,8 @@ def compare_variants(b: Bench, kernel: str, case: str, fns: dict, **meta):
         row = dict(name=f"{kernel}/{case}/{k}", kernel=kernel, variant=k, **meta,
                    ms=round(float(q[2]), 4), ms_min=round(float(q[0]), 4), ms_p25=round(float(q[1]), 4),
                    ms_p75=round(float(q[3]), 4), ms_max=round(float(q[4]), 4),
-                   ms_over_xla=round(med[k] / med[base], 3), bit_differences=check.get(k, 0))
+                   ms_over_xla=round(med[k] / med[base], 3), bit_differences=check.get(k, 0),
+                   compile_s=round(compile_s[k], 2))
         if meta.get("tokens") == 1:
             prof = kernel_profile(lambda f=f: jax.block_until_ready(f()), 5, top=6)
             row.update(launches_per_call=prof.get("launches_per_call"),
@@ -673,7 +679,8 @@ def print_table(res):
     for c in res["cases"]:
         if "ms" in c and "tflops" not in c:
             print(f"{c['name']:<48} {c['ms']:>9.4f} ms (rounds {c['ms_min']:.4f}-{c['ms_max']:.4f}) "
-                  f"x{c['ms_over_xla']} of XLA; launches/call {c.get('launches_per_call', '-')}")
+                  f"x{c['ms_over_xla']} of XLA; launches/call {c.get('launches_per_call', '-')}; "
+                  f"compile {c.get('compile_s', '-')} s")
         elif "ms" in c:
             extra = f" x{c['pallas_speedup']}" if "pallas_speedup" in c else ""
             print(f"{c['name']:<48} {c['ms']:>9.4f} ms {c['tflops']:>7.1f} TF/s {c['gbs']:>8.1f} GB/s{extra}")

@@ -8,20 +8,28 @@ tolerance: every side rounds the same fp32 operations in the same order.
 The widths reach every part of torch's sum order (`numerics.cascade_chunks` / `combine_lanes`):
 no full 32-wide chunk (1, 7, 20), whole 8-lane vectors past the chunks (8, 56), a scalar tail
 (7, 20, 100, 1000, 9000), exact multiples of 32 (32, 256), an open level-0 run (100, 1000), and
-level-1 groups of 16 runs beside an open run (9000: 281 chunks). The real mHC width (4 x 5120 =
-20480) is checked on the GPU by scripts/bench_kernels.py --sections rmsnorm.
+level-1 groups of 16 runs beside an open run (9000: 281 chunks), a level-2 group moved up into
+level 3 (131211: 4100 chunks, 256 runs). The real mHC width (4 x 5120 = 20480) is checked on the
+GPU by scripts/bench_kernels.py --sections rmsnorm.
 """
 
 from __future__ import annotations
+
+import collections
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.lib.triton import dialect as tt_dialect   # internal: what Pallas' Triton lowering registers
+from jax.extend.mlir import ir
+from jax.interpreters import mlir
 
 from kernels_common import fresh_rng
 from kernels_pallas import backend
-from kernels_pallas.rmsnorm import rms_inv
+from kernels_pallas._compat import TRITON_CUSTOM_CALL
+from kernels_pallas.rmsnorm import _rms_inv_pallas, rms_inv
 from v41_jax.model.norm import rms_norm
 
 EPS = 1e-20   # the checkpoints' rms_norm_eps
@@ -48,7 +56,7 @@ def _bits(a) -> np.ndarray:
     (1, 1, 1, jnp.float32), (7, 3, 1, jnp.bfloat16), (8, 33, 4, jnp.float32),
     (20, 33, 4, jnp.bfloat16), (32, 1, 1, jnp.bfloat16), (56, 3, 2, jnp.float32),
     (100, 33, 4, jnp.float32), (256, 3, 1, jnp.bfloat16), (1000, 3, 2, jnp.bfloat16),
-    (9000, 3, 2, jnp.float32),
+    (9000, 3, 2, jnp.float32), (131211, 2, 1, jnp.float32),
 ])
 def test_kernel_equals_xla_path_bit_for_bit(d, t, bt, dtype):
     rng, seed = fresh_rng()
@@ -57,6 +65,46 @@ def test_kernel_equals_xla_path_bit_for_bit(d, t, bt, dtype):
     got = jax.jit(lambda x: rms_inv(x, EPS, backend="pallas", block_rows=bt))(x)   # interpret mode on CPU
     assert got.shape == want.shape == (t, 1) and got.dtype == want.dtype == jnp.float32
     np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"seed {seed}")
+
+
+def _walk(op):
+    """The operations nested in op, depth first."""
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                yield child.operation
+                yield from _walk(child.operation)
+
+
+def _triton_ops(d: int) -> collections.Counter:
+    """Op names (with multiplicity) of the kernel's Triton module at width d: the module is the `ir`
+    bytecode of the Triton custom call in the kernel's ROCm export (the Pallas Triton lowering
+    runs on CPU there), parsed with the Triton dialect registered (as unregistered ops, the
+    unrolled kernel's bytecode did not parse)."""
+    fn = functools.partial(_rms_inv_pallas, eps=EPS, block_rows=1, interpret=False)
+    allow = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]
+    exported = jax.export.export(jax.jit(fn), platforms=["rocm"], disabled_checks=allow)(
+        jax.ShapeDtypeStruct((3, d), jnp.float32))
+    with mlir.make_ir_context() as ctx:
+        tt_dialect.register_dialect(ctx)
+        call = next(op for op in _walk(ir.Module.parse(exported.mlir_module()).operation)
+                    if op.name == "stablehlo.custom_call")
+        kernel = ir.Module.parse(call.attributes["mhlo.backend_config"]["ir"].value_bytes)
+        return collections.Counter(op.name for op in _walk(kernel.operation))
+
+
+@pytest.mark.parametrize("widths", [(1024, 16384, 20480), (1000, 9000)])
+def test_kernel_size_does_not_grow_with_the_width(widths):
+    """The kernel loops over the cascade's runs, one run's loads in its body. Widths with the same
+    rest (D mod 32) and run length (`numerics.cascade_step`: 16 chunks for all of these) trace to
+    the same kernel with other constants (D, the chunk count, the loop's trip count), so their
+    Triton modules hold exactly the same ops; unrolled chunk loads (the kernel before this
+    test) grew from 33 loads at D = 1024 to 641 at 20480."""
+    ops = [_triton_ops(d) for d in widths]
+    for d, o in zip(widths[1:], ops[1:]):
+        assert o == ops[0], f"D={d}: {sum(o.values())} ops ({o['tt.load']} loads), " \
+                            f"D={widths[0]}: {sum(ops[0].values())} ({ops[0]['tt.load']} loads)"
+    assert ops[0]["scf.for"] == 1
 
 
 @pytest.mark.parametrize("d", [3, 100, 256, 1000, 5120])

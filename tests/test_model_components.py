@@ -235,8 +235,9 @@ def test_moe_exec_fp32(case):
 
 # ---- torch-CPU parity of the reductions the reference performs (rms_inv: test_kernels_rmsnorm) --
 
-@pytest.mark.parametrize("n", [3, 8, 33, 64, 256, 1000, 5120, 20480])
+@pytest.mark.parametrize("n", [3, 8, 33, 64, 256, 1000, 5120, 20480, 131211])
 def test_cascade_sum_is_torch_cpu_sum_bit_for_bit(n):
+    """131211 = 4100 rows of 32 and 11: level 3 of the cascade holds a sum (256 runs of 16 rows)."""
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)
     rng = np.random.default_rng(n)

@@ -32,9 +32,11 @@ API
                         rows of 5-7 values: torch sums those on its scalar path (one row of 4
                         accumulators, the rest into the first), another order; no reduction of
                         the model is that short.
-  cascade_chunks(chunks, zero), combine_lanes(...)   its two stages, for a kernel that holds the
-                        values in another layout (kernels_pallas.rmsnorm); CHUNK = 32 values a
-                        cascade row, LANES = 8 a vector.
+  cascade_chunks(chunks, zero), combine_lanes(...)   its two stages, for values held in another
+                        layout; CHUNK = 32 values a cascade row, LANES = 8 a vector.
+                        cascade_step / cascade_fold / cascade_total: the first stage run by run,
+                        for a kernel that loops over the runs (kernels_pallas.rmsnorm;
+                        cascade_chunks is their unrolled form).
 
 Fields
   act_dtype        dtype of everything the reference holds in bf16: residual streams, sublayer
@@ -121,20 +123,49 @@ def _in_order(parts: list, zero: jax.Array) -> jax.Array:
     return functools.reduce(operator.add, parts) if parts else zero
 
 
+def cascade_step(n_rows: int) -> int:
+    """Rows in a run (level_step) of torch's cascade over n_rows rows: 16 up to 2^19 rows."""
+    return 1 << max(4, (n_rows - 1).bit_length() // _LEVELS)
+
+
+def _pick(c, a, b):
+    # a Python bool (the unrolled cascade of the XLA path) picks at trace time, a traced one (a
+    # kernel's loop over runs) selects
+    return (a if c else b) if isinstance(c, bool) else jnp.where(c, a, b)
+
+
+def cascade_fold(levels: tuple, run, r, closed, step: int) -> tuple:
+    """torch's multi_row_sum after its run r (0-based), `run` being that run's rows summed in order.
+    levels: (open run, level 1, 2, 3), each starting at zero. A closed run (all `step` rows) is
+    added to level 1; a level holding `step` sums then moves up (added to the next, restarting at
+    zero): level 1 after every step-th run, level 2 after every step^2-th. The open run (the last
+    one, short) stays apart. r and closed: ints (unrolled) or traced scalars (a loop)."""
+    open_run, l1, l2, l3 = levels
+    # torch's mask test on its row count (step is a power of two); jnp's `%` on a loop index
+    # does not lower through Pallas' Triton lowering
+    up1 = closed & (((r + 1) & (step - 1)) == 0)
+    up2 = up1 & (((r + 1) & (step * step - 1)) == 0)
+    open_run, l1 = _pick(closed, open_run, run), _pick(closed, l1 + run, l1)
+    l1, l2 = _pick(up1, jnp.zeros_like(l1), l1), _pick(up1, l2 + l1, l2)
+    l2, l3 = _pick(up2, jnp.zeros_like(l2), l2), _pick(up2, l3 + l2, l3)
+    return open_run, l1, l2, l3
+
+
+def cascade_total(levels: tuple):
+    """The end of multi_row_sum: the open run, then levels 1-3 added in order."""
+    return _in_order(list(levels), None)
+
+
 def cascade_chunks(chunks: list, zero):
     """torch's multi_row_sum over its rows, `chunks` (each one row's 32 values, in any layout:
-    everything here is elementwise): running sums of `step` rows, their running sums carried up a
-    level every `step` sums, 4 levels, added back down at the end. `zero` when there is no row."""
-    size = len(chunks)
-    step = 1 << max(4, (size - 1).bit_length() // _LEVELS)
-    n_full = size // step
-    acc = [_in_order(chunks[n_full * step:], zero)]                        # open level-0 run
-    done = [_in_order(chunks[c * step:(c + 1) * step], zero) for c in range(n_full)]
-    for level in range(1, _LEVELS):
-        cap = len(done) if level == _LEVELS - 1 else len(done) // step * step
-        acc.append(_in_order(done[cap:], zero))
-        done = [_in_order(done[g:g + step], zero) for g in range(0, cap, step)]
-    return _in_order(acc, zero)
+    everything here is elementwise), unrolled: `cascade_fold` over its runs in order. A kernel
+    that loops over the runs folds them itself."""
+    step = cascade_step(len(chunks))
+    levels = (zero,) * _LEVELS
+    for r in range(-(-len(chunks) // step)):
+        run = chunks[r * step:(r + 1) * step]
+        levels = cascade_fold(levels, _in_order(run, zero), r, len(run) == step, step)
+    return cascade_total(levels)
 
 
 def combine_lanes(part, rest_vec, tail, lane, n_rest: int):
