@@ -7,6 +7,10 @@ rounded). So both take their result in fp64 and round it to fp32 once, and that 
 equals the single correct rounding: Figueroa's rule, a p'-bit intermediate is harmless for +, -,
 *, / and sqrt of p-bit operands when p' >= 2p + 2 (53 >= 50); `div_rn` spells the argument out.
 fp64 is traced inside `jax.enable_x64`: the kernel's own dtypes, whatever the process's flag.
+On CUDA LLVM folds fptrunc(fdiv(fpext a, fpext b)) into an fp32 fdiv (the same value in IEEE
+arithmetic, by this rule), and XLA lowers an fp32 fdiv to `div.full` unless its LLVM option
+-nvptx-prec-divf32=2 is set: `v41_jax.xla_env` sets it (without it, 20 % of `div_rn`'s quotients
+were 1 ulp off on the H200; the square root is not folded this way and was exact either way).
 
   div_rn(a, b)   a / b, fp32 operands
   sqrt_rn(v)     sqrt(v), fp32 operand

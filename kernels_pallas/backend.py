@@ -7,8 +7,7 @@ function was jitted needs a re-trace, e.g. a new jit or `jax.clear_caches()`):
      (KERNELS; e.g. to compare one kernel inside a whole step, the others unchanged),
   3. `set_backend(...)` / `with use_backend(...)` in this process,
   4. the environment variable V41_KERNELS = xla | pallas | auto,
-  5. auto: "pallas" on a GPU (CUDA or ROCm), "xla" elsewhere; a kernel of UNMEASURED stays on
-     "xla" under auto until it has been measured on a GPU (the explicit choices still take it).
+  5. auto: "pallas" on a GPU (CUDA or ROCm), "xla" elsewhere.
 
 On a machine without a GPU a "pallas" request runs the kernels in Pallas interpret mode (the
 CPU CI does this on small shapes); V41_PALLAS_INTERPRET=1 forces interpret mode on a GPU too.
@@ -28,12 +27,6 @@ ENV_BACKEND = "V41_KERNELS"
 ENV_INTERPRET = "V41_PALLAS_INTERPRET"
 CHOICES = ("xla", "pallas")
 KERNELS = ("sinkhorn", "rmsnorm")  # the names `resolve(kernel=...)` is called with
-
-# Kernels that auto leaves on XLA. rmsnorm: bit-equal on CPU (interpret mode) and in the ROCm
-# export, but its only H200 call (2026-12-03) ended inside the device limit (470 s) with no output
-# from `bench_kernels --sections rmsnorm`, most likely the Triton compile of its unrolled chunk
-# loads at the mHC width (512-640 loads a row); a serving default waits for a measurement.
-UNMEASURED = frozenset({"rmsnorm"})
 
 _overrides: dict[str | None, str] = {}   # None: every kernel; a name of KERNELS: that kernel only
 
@@ -72,7 +65,7 @@ def resolve(backend: str | None = None, kernel: str | None = None) -> str:
     name = _check(backend or _overrides.get(kernel) or _overrides.get(None)
                   or os.environ.get(ENV_BACKEND, "auto"))
     if name == "auto":
-        return "pallas" if on_gpu() and kernel not in UNMEASURED else "xla"
+        return "pallas" if on_gpu() else "xla"
     return name
 
 

@@ -135,13 +135,15 @@ def test_rms_norm_takes_the_kernel_under_its_per_kernel_switch():
                                   err_msg=f"seed {seed}")
 
 
-def test_auto_keeps_unmeasured_kernels_on_xla_on_a_gpu(monkeypatch):
-    """auto takes Pallas on a GPU except for a kernel not yet measured there (backend.UNMEASURED);
-    an explicit choice still takes it."""
+def test_auto_takes_every_kernel_on_a_gpu_only(monkeypatch):
+    """auto: Pallas on a GPU for every named kernel (the RMS norm measured on the H200, 2026-12-03),
+    XLA elsewhere; a per-kernel choice still wins."""
+    monkeypatch.delenv(backend.ENV_BACKEND, raising=False)
+    for gpu, want in ((True, "pallas"), (False, "xla")):
+        monkeypatch.setattr(backend, "on_gpu", lambda gpu=gpu: gpu)
+        assert [backend.resolve(kernel=k) for k in backend.KERNELS] == [want] * len(backend.KERNELS)
     monkeypatch.setattr(backend, "on_gpu", lambda: True)
-    assert backend.resolve(kernel="sinkhorn") == "pallas"
-    assert backend.resolve(kernel="rmsnorm") == "xla"
-    with backend.use_backend("pallas", kernel="rmsnorm"):
-        assert backend.resolve(kernel="rmsnorm") == "pallas"
+    with backend.use_backend("xla", kernel="rmsnorm"):
+        assert backend.resolve(kernel="rmsnorm") == "xla" and backend.resolve(kernel="sinkhorn") == "pallas"
     monkeypatch.setenv(backend.ENV_BACKEND, "pallas")
     assert backend.resolve(kernel="rmsnorm") == "pallas"
