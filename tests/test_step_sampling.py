@@ -61,6 +61,26 @@ def test_seeded_and_independent_of_the_batch():
     assert len(set(_draws(logits[0], 64, temperature=1.0, seed=7).tolist())) > 5   # positions vary it
 
 
+def test_a_sampled_row_draws_alike_among_greedy_rows():
+    """A batch of greedy rows skips the vocabulary's sort and noise (`sampling.draws`); one sampled
+    row among them must still draw exactly what it draws in an all-sampled batch, and the greedy
+    rows stay argmax."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(4, 100)), jnp.float32)
+    row = lambda *v: jnp.asarray(v)
+    args = dict(top_k=row(0, 0, 5, 0).astype(jnp.int32), top_p=row(1.0, 1.0, 0.9, 1.0).astype(jnp.float32),
+                seed=row(7, 7, 7, 7).astype(jnp.int32), position=row(3, 4, 5, 6).astype(jnp.int32))
+    mixed = np.asarray(sample(logits, row(0.0, 0.0, 1.3, 0.0).astype(jnp.float32), **args))
+    alone = np.asarray(sample(logits, jnp.full((4,), 1.3, jnp.float32), **args))
+    greedy = np.asarray(sample(logits, jnp.zeros((4,), jnp.float32), **args))
+    assert mixed[2] == alone[2]
+    assert list(mixed[[0, 1, 3]]) == list(greedy[[0, 1, 3]]) == list(np.argmax(np.asarray(logits), -1)[[0, 1, 3]])
+    # over 20 positions the sampled row draws more than one token: the sampled path really ran
+    draws = {int(sample(logits, row(0.0, 0.0, 1.3, 0.0).astype(jnp.float32),
+                        **{**args, "position": row(3, 4, p, 6).astype(jnp.int32)})[2]) for p in range(5, 25)}
+    assert len(draws) > 1
+
+
 def test_params_validated():
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)

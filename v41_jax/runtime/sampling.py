@@ -102,9 +102,18 @@ def draws(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: ja
     depends on (seed, position) alone, so a row gives the same draws in any batch shape."""
     lead, v = logits.shape[:-1], logits.shape[-1]
     key = jax.vmap(_key)(seed.reshape(-1), position.reshape(-1))
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(key)
-    return Draws(jnp.argmax(logits, axis=-1), _masked(logits, temperature, top_k, top_p), key.reshape(lead),
-                 gumbel.reshape(*lead, v))
+
+    def sampled() -> tuple[jax.Array, jax.Array]:
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(key)
+        return _masked(logits, temperature, top_k, top_p), gumbel.reshape(*lead, v)
+
+    def greedy() -> tuple[jax.Array, jax.Array]:
+        # greedy rows read only the argmax (`pick`, `verify_drafts`): a batch of them skips the
+        # vocabulary's sort and noise (on the H200 bench slice ~0.9 ms of a 10 ms step at 32 rows)
+        return logits, jnp.zeros_like(logits)
+
+    masked, gumbel = jax.lax.cond(jnp.any(temperature > 0), sampled, greedy)
+    return Draws(jnp.argmax(logits, axis=-1), masked, key.reshape(lead), gumbel)
 
 
 def pick(d: Draws, temperature: jax.Array) -> jax.Array:
