@@ -105,18 +105,24 @@ def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str]]:
     return totals, used
 
 
-def kernel_profile(run, calls: int, top: int = 12) -> dict:
-    """Device time by kernel over `calls` calls of `run()` (launch and wait), from a jax.profiler
-    trace: the total per call, the `top` kernels by time (per call: ms, launches, share) and every
-    Pallas kernel's time per call. Kernel time, not wall time: gaps between launches are left out."""
+def _traced(run, calls: int):
+    """jax.profiler's trace of `calls` calls of `run()`, read back whole (ProfileData), or None."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(calls):
                 run()
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return {"error": "the profiler wrote no trace"}
-        totals, lines = _kernel_events(jax.profiler.ProfileData.from_file(paths[0]))
+        return jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+
+
+def kernel_profile(run, calls: int, top: int = 12) -> dict:
+    """Device time by kernel over `calls` calls of `run()` (launch and wait), from a jax.profiler
+    trace: the total per call, the `top` kernels by time (per call: ms, launches, share) and every
+    Pallas kernel's time per call. Kernel time, not wall time: gaps between launches are left out."""
+    profile = _traced(run, calls)
+    if profile is None:
+        return {"error": "the profiler wrote no trace"}
+    totals, lines = _kernel_events(profile)
     total_ns = sum(t for t, _ in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     per_call = lambda ns: round(ns / calls / 1e6, 4)
@@ -131,21 +137,17 @@ def host_events(run, calls: int, top: int = 60) -> list[dict]:
     """The host's trace events over `calls` calls of `run()` (jax.profiler), by name: ms and
     count per call, the `top` names by total time. Events nest (a launch holds its parts), so the
     totals overlap; the list shows where inside a call the host's time goes."""
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls):
-                run()
-        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return [{"error": "the profiler wrote no trace"}]
-        totals: dict[str, list[float]] = {}
-        for plane in jax.profiler.ProfileData.from_file(paths[0]).planes:
-            if plane.name.startswith("/host"):
-                for line in plane.lines:
-                    for ev in line.events:
-                        slot = totals.setdefault(ev.name, [0.0, 0])
-                        slot[0] += ev.duration_ns
-                        slot[1] += 1
+    profile = _traced(run, calls)
+    if profile is None:
+        return [{"error": "the profiler wrote no trace"}]
+    totals: dict[str, list[float]] = {}
+    for plane in profile.planes:
+        if plane.name.startswith("/host"):
+            for line in plane.lines:
+                for ev in line.events:
+                    slot = totals.setdefault(ev.name, [0.0, 0])
+                    slot[0] += ev.duration_ns
+                    slot[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"name": n, "ms_per_call": round(t / calls / 1e6, 4), "per_call": c / calls} for n, (t, c) in ranked]
 
