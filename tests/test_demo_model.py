@@ -14,6 +14,7 @@ from scripts.demo_eval import engine_nll, greedy_tokens, small_engine
 from v41_jax.checkpoint.load import load_params
 from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 from v41_jax.runtime.engine import Stats
+from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams
 from v41_jax.topology import Candidates, Mode, resolve_topology
 
@@ -85,9 +86,13 @@ def test_heldout_perplexity(engine):
     assert ppl < PPL_BOUND, ppl
 
 
-def test_draft_stages_are_accepted_on_heldout_text(engine):
+def test_draft_stages_are_accepted_on_heldout_text_and_emit_the_plain_tokens(engine):
     tokens = engine.tokenizer.encode((FIXTURES / "demo_heldout.txt").read_text()).ids
+    prompts = [tokens[start: start + 64] for start in (0, 128, 256)]
     stats = Stats()
-    engine.generate([tokens[start: start + 64] for start in (0, 128, 256)], SamplingParams(temperature=0.0),
-                    max_new_tokens=32, ignore_eos=True, stats=stats)
+    spec = engine.generate(prompts, SamplingParams(temperature=0.0), max_new_tokens=32, ignore_eos=True, stats=stats)
     assert stats.verifies > 0 and stats.tokens_per_verify > SPEC_BOUND, (stats.tokens_per_verify, stats.acceptance_at)
+    # greedy with DSpark emits exactly plain greedy's tokens (issue 14; reference numerics)
+    plain = engine.generate([Request(p, 32, SamplingParams(temperature=0.0), ignore_eos=True, speculative=False)
+                             for p in prompts])
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
