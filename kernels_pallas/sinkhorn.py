@@ -15,8 +15,16 @@ reshape is free); rows past T are masked.
 
 Exactness: the reference's operations in its order. A row or column sum adds its N entries left to
 right in fp32 (as `ordered_sum`), eps is added in fp32 where the reference adds it, and every
-division is correctly rounded fp32 (`_ieee.div_rn`: Triton's fp32 `/` is not). No products, so no FMA
-contraction can change a rounding.
+division is correctly rounded fp32 (Triton's fp32 `/` is not). No products, so no FMA contraction
+can change a rounding. The first division (e by its row sums) is `_ieee.div_rn`: its quotients may
+be subnormal. Every later one divides the N entries sharing a sum by one reciprocal
+(`_ieee.div_rn_by`, no division instruction: on CUDA a chain of `div.rn.f32` made the kernel 5x
+slower at one row, BENCHMARKS.md 2026-12-03), which is exact for normal quotients. Their range,
+for e >= 0 (exp of something, or NaN): after the first step every entry is in [eps, 1 + eps], and
+a normalisation divides by a sum plus eps of at most S = N (1 + eps) + eps and leaves every entry
+<= 1, so after k of them every entry is >= eps / S^k; `_fast_divisions_exact` checks the 2 iters
+- 1 divisions that follow against the smallest normal fp32 (N = 4, eps = 1e-6, 20 iterations:
+2^-98), and the kernel keeps `div_rn` everywhere when it fails (eps = 0, many iterations).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import compiler_params, load, store
-from kernels_pallas._ieee import div_rn
+from kernels_pallas._ieee import div_rn, div_rn_by
 
 ROW_BLOCK = 32   # rows per program (one warp, a row per lane): 4,096 rows are 128 programs, one wave
 
@@ -41,21 +49,32 @@ def _sum(xs: list) -> jax.Array:
     return functools.reduce(operator.add, xs)      # left to right, as `ordered_sum`
 
 
-def _columns(c: list[list], eps: float) -> list[list]:
-    d = [_sum(list(col)) + eps for col in zip(*c)]
-    return [[div_rn(x, d[j]) for j, x in enumerate(row)] for row in c]
+def _fast_divisions_exact(hc: int, iters: int, eps: float) -> bool:
+    """Whether every division after the first has a normal fp32 quotient (module docstring)."""
+    smallest_normal = float(jnp.finfo(jnp.float32).tiny)
+    return eps > 0 and math.log2(eps) - (2 * iters - 1) * math.log2(hc * (1 + eps) + eps) > math.log2(smallest_normal)
 
 
-def _rows_then_columns(_, c: list[list], eps: float) -> list[list]:
-    return _columns([[div_rn(x, _sum(row) + eps) for x in row] for row in c], eps)
+def _divided(xs: list, b: jax.Array, fast: bool) -> list:
+    return div_rn_by(xs, b) if fast else [div_rn(x, b) for x in xs]
+
+
+def _columns(c: list[list], eps: float, fast: bool) -> list[list]:
+    cols = [_divided(list(col), _sum(list(col)) + eps, fast) for col in zip(*c)]
+    return [list(row) for row in zip(*cols)]
+
+
+def _rows_then_columns(_, c: list[list], eps: float, fast: bool) -> list[list]:
+    return _columns([_divided(row, _sum(row) + eps, fast) for row in c], eps, fast)
 
 
 def _sinkhorn_kernel(e_ref, o_ref, *, hc: int, iters: int, eps: float, bt: int):
     r = pl.program_id(0) * bt + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
     live = r < e_ref.shape[0]
+    fast = _fast_divisions_exact(hc, iters, eps)
     c = [[load(e_ref.at[r, i * hc + j], mask=live, other=1.0) for j in range(hc)] for i in range(hc)]
-    c = _columns([[div_rn(x, _sum(row)) + eps for x in row] for row in c], eps)
-    c = jax.lax.fori_loop(0, iters - 1, functools.partial(_rows_then_columns, eps=eps), c)
+    c = _columns([[div_rn(x, _sum(row)) + eps for x in row] for row in c], eps, fast)
+    c = jax.lax.fori_loop(0, iters - 1, functools.partial(_rows_then_columns, eps=eps, fast=fast), c)
     for i in range(hc):
         for j in range(hc):
             store(o_ref.at[r, i * hc + j], c[i][j], mask=live)

@@ -15,7 +15,8 @@ import pytest
 
 from kernels_common import fresh_rng
 from kernels_pallas import backend
-from kernels_pallas.sinkhorn import sinkhorn
+from kernels_pallas._ieee import div_rn_by
+from kernels_pallas.sinkhorn import _fast_divisions_exact, sinkhorn
 from v41_jax.model.mhc import split_sinkhorn
 
 EPS = 1e-6
@@ -52,15 +53,49 @@ def _numpy_sinkhorn(e: np.ndarray, iters: int, eps: float) -> np.ndarray:
     return c
 
 
-@pytest.mark.parametrize("t,hc,iters", [(1, 4, 20), (37, 4, 20), (70, 2, 3), (5, 3, 1)])
-def test_kernel_equals_xla_path_bit_for_bit(t, hc, iters):
+# the last two keep `div_rn` for every division (eps = 0: no lower bound on the entries; 40
+# iterations at N = 4: the bound passes below the smallest normal), the others take `div_rn_by`
+@pytest.mark.parametrize("t,hc,iters,eps", [(1, 4, 20, EPS), (37, 4, 20, EPS), (70, 2, 3, EPS), (5, 3, 1, EPS),
+                                            (6, 4, 20, 0.0), (6, 4, 40, EPS)])
+def test_kernel_equals_xla_path_bit_for_bit(t, hc, iters, eps):
     rng, seed = fresh_rng()
     e = _exp(_logits(rng, t, hc))
-    want = jax.jit(lambda e: sinkhorn(e, iters, EPS, backend="xla"))(e)
-    got = jax.jit(lambda e: sinkhorn(e, iters, EPS, backend="pallas"))(e)     # interpret mode on CPU
+    assert _fast_divisions_exact(hc, iters, eps) == (eps > 0 and iters < 40)
+    want = jax.jit(lambda e: sinkhorn(e, iters, eps, backend="xla"))(e)
+    got = jax.jit(lambda e: sinkhorn(e, iters, eps, backend="pallas"))(e)     # interpret mode on CPU
     np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(_bits(want), _bits(_numpy_sinkhorn(np.asarray(e), iters, EPS)),
+    np.testing.assert_array_equal(_bits(want), _bits(_numpy_sinkhorn(np.asarray(e), iters, eps)),
                                   err_msg=f"XLA path vs numpy, seed {seed}")
+
+
+def _near_midpoints(rng, n: int, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+    """Divisors in [lo, hi] and dividends whose quotient lies within an ulp of an fp32 rounding
+    midpoint (a = RN(m b) for a midpoint m), where a quotient wrong in its last bit shows."""
+    b = np.exp(rng.uniform(np.log(lo), np.log(hi), n)).astype(np.float32)
+    q = np.exp(rng.uniform(np.log(1e-30), np.log(1e3), n)).astype(np.float32)
+    m = q.astype(np.float64) + np.spacing(q).astype(np.float64) / 2
+    return (m * b).astype(np.float32), b
+
+
+def test_division_by_a_reciprocal_is_correctly_rounded():
+    """`_ieee.div_rn_by` against numpy's IEEE fp32 division, over the Sinkhorn kernel's range of
+    divisors (eps .. N (1 + eps) + eps) and far beyond it, near rounding midpoints and at random,
+    traced as in the kernel (fp64 inside `enable_x64`), on XLA:CPU; its range: normal dividends
+    and quotients. Tolerance: none."""
+    rng, seed = fresh_rng()
+    near = _near_midpoints(rng, 1 << 18, 1e-6, 5.0)
+    wide = _near_midpoints(rng, 1 << 18, 1e-30, 1e30)
+    anywhere = (rng.uniform(0, 1, 1 << 18).astype(np.float32),
+                np.exp(rng.uniform(np.log(1e-6), np.log(5.0), 1 << 18)).astype(np.float32))
+    divide = jax.jit(lambda a, b: div_rn_by([a, -a], b))
+    for name, (a, b) in {"near midpoints": near, "wide divisors": wide, "random": anywhere}.items():
+        want = a / b
+        tiny = np.finfo(np.float32).tiny
+        normal = (np.abs(want) >= tiny) & (np.abs(a) >= tiny)
+        got, neg = (np.asarray(g) for g in divide(a, b))
+        assert normal.mean() > 0.8          # most cases are in the range checked
+        np.testing.assert_array_equal(_bits(got[normal]), _bits(want[normal]), err_msg=f"{name}, seed {seed}")
+        np.testing.assert_array_equal(_bits(neg[normal]), _bits(-want[normal]), err_msg=f"{name}, seed {seed}")
 
 
 def test_split_sinkhorn_takes_the_kernel_under_its_per_kernel_switch():
