@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from kernels_pallas import sinkhorn as kernel_sinkhorn
 from v41_jax.model.linear import lin_f32
 from v41_jax.model.norm import rms_inv
-from v41_jax.model.numerics import exact_div, ordered_sum
+from v41_jax.model.numerics import exact_div, ordered_sum, rounded
 
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 
 def split_sinkhorn(m: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int,
                    eps: float, backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
+    # each product rounded before its bias is added (the reference's two operations, no FMA)
+    pre = jax.nn.sigmoid(rounded(m[..., :hc] * scale[0]) + base[:hc]) + eps
+    post = 2 * jax.nn.sigmoid(rounded(m[..., hc:2 * hc] * scale[1]) + base[hc:2 * hc])
+    comb = (rounded(m[..., 2 * hc:] * scale[2]) + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
     # the row softmax's numerator here; its normalisation and the Sinkhorn rounds in one kernel
     e = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
     return pre, post, kernel_sinkhorn.sinkhorn(e, iters, eps, backend=backend)
