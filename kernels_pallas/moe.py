@@ -92,6 +92,11 @@ def sort_pairs(idx: jax.Array, w: jax.Array, n_experts: int):
     return idx_t, w_t, order, sizes
 
 
+def in_stack(ids: jax.Array, base: jax.Array | None) -> jax.Array:
+    """Expert ids (-1 = none) -> rows of a flattened [L * E] stack starting at `base` (None: as given)."""
+    return ids if base is None else jnp.where(ids >= 0, ids + base, ids)
+
+
 def tile_table(sizes: jax.Array, block_m: int, n_pairs: int):
     """Group sizes [E] -> (expert, first row, group end) per tile, static length
     ceil(n_pairs / BM) + min(E, n_pairs); unused tiles get expert -1 and an empty row range."""
@@ -269,14 +274,15 @@ def default_block_m(n_pairs: int, n_experts: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn", "bk", "num_warps",
-                                             "num_stages", "interpret"))
-def _routed_pallas(x, idx, w, w1, w3, w2, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
-                   interpret):
+                                             "num_stages", "interpret", "n_exp"))
+def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
+                   interpret, n_exp=None):
     t, d = x.shape
     k = idx.shape[1]
-    n_exp, f, _ = w1.shape
+    n_exp = n_exp or w1.shape[0]
     _, w_t, order, sizes = sort_pairs(idx, w, n_exp)
     te, tf, tend = tile_table(sizes, bm, t * k)
+    f, te = w1.shape[1], in_stack(te, base)
     tok = order // k                                                  # token of each sorted pair
     pw = w_t.reshape(-1)[order].astype(jnp.float32)                  # its routing weight
     xq = _act_in(x, numerics)
@@ -367,12 +373,13 @@ def gemv_down(pe, a, w2, *, numerics, bn, bk, num_warps, num_stages, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bn", "bk", "num_warps", "num_stages",
-                                             "interpret"))
-def _routed_gemv(x, idx, w, w1, w3, w2, *, numerics, limit, bn, bk, num_warps, num_stages, interpret):
+                                             "interpret", "n_exp"))
+def _routed_gemv(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bn, bk, num_warps, num_stages, interpret,
+                 n_exp=None):
     t, d = x.shape
     k = idx.shape[1]
-    idx_t, w_t, _, _ = sort_pairs(idx, w, w1.shape[0])               # per token: ascending experts
-    pe = idx_t.reshape(-1)                                            # pair p = token * k + slot
+    idx_t, w_t, _, _ = sort_pairs(idx, w, n_exp or w1.shape[0])      # per token: ascending experts
+    pe = in_stack(idx_t.reshape(-1), base)                            # pair p = token * k + slot
     pw = w_t.reshape(-1).astype(jnp.float32)
     launch = dict(numerics=numerics, bn=bn, bk=bk, num_warps=num_warps, num_stages=num_stages,
                   interpret=interpret)
@@ -455,8 +462,8 @@ def dispatch_rows(te: jax.Array, tok: jax.Array, x: jax.Array, tile_m: int, *, i
     )(te, tok, x)
 
 
-@functools.partial(jax.jit, static_argnames=("numerics", "limit", "tile_m", "steps", "reference"))
-def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, steps, reference):
+@functools.partial(jax.jit, static_argnames=("numerics", "limit", "tile_m", "steps", "reference", "n_exp"))
+def _routed_mgpu(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, tile_m, steps, reference, n_exp=None):
     """The Mosaic GPU path (`moe_mgpu`): pairs dispatched into tile-aligned rows [M_pad, D] (the
     tile table's tiles, each one expert), the warp-specialised gate/up GEMM with the SwiGLU
     epilogue (`moe_mgpu.preset` launches), fp8 fake-quant of a in XLA, the
@@ -464,13 +471,13 @@ def _routed_mgpu(x, idx, w, w1, w3, w2, *, numerics, limit, tile_m, steps, refer
     `reference` runs the kernels' jnp references instead (CPU tests of the dispatch)."""
     t, k = idx.shape
     n_pairs = t * k
-    _, w_t, order, sizes = sort_pairs(idx, w, w1.shape[0])
+    _, w_t, order, sizes = sort_pairs(idx, w, n_exp or w1.shape[0])
     te, tf, tend = tile_table(sizes, tile_m, n_pairs)
     rows = tf[:, None] + jnp.arange(tile_m, dtype=jnp.int32)[None, :]  # [tiles, tile_m] sorted rows
     pair = jnp.where(rows < tend[:, None], order[jnp.minimum(rows, n_pairs - 1)], n_pairs).reshape(-1)
     pw = _padded_weights(w_t)                                          # [T*k + 1], pad id T*k -> 0
     cfg = moe_mgpu.preset(tile_m)
-    tiles = dict(tile_expert=te, tile_m=tile_m, steps=steps, split=cfg["split"])
+    tiles = dict(tile_expert=in_stack(te, base), tile_m=tile_m, steps=steps, split=cfg["split"])
     xs = dispatch_rows(te, jnp.where(pair < n_pairs, pair // k, t), _act_in(x, numerics), tile_m,
                        interpret=reference)                           # [M_pad, D]
     swiglu = moe_mgpu.grouped_swiglu_ref if reference else moe_mgpu.grouped_swiglu
@@ -579,7 +586,7 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
                  w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
                  backend: str | None = None, impl: str | None = None, block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> jax.Array:
+                 num_stages: int | None = None, stack_index: jax.Array | None = None) -> jax.Array:
     """The SwiGLU output of every (token, pick) pair before the combine -> [T, k, D] in the
     activation dtype, each token's picks in ascending expert id (ties in the given order: every
     path sorts stably). Expert parallelism sums these across devices (`model/expert_parallel.py`).
@@ -587,25 +594,37 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
     backend "xla" (or numerics.block_gemm) -> the reference's per-token loop; "pallas" -> `impl`
     ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity" | "mgpu"; None = `choose_impl`, the fastest exact
     one measured on the H200). Launch parameters default to `launch_config(block_m)`; for
-    "capacity", block_m is the rows per expert and round (default `capacity_rows`)."""
+    "capacity", block_m is the rows per expert and round (default `capacity_rows`).
+
+    stack_index: w1/w3/w2 are [L, E, ...] stacks (a scanned run's, `v41_jax/model/layer_runs.py`)
+    and this traced int32 picks the layer. The reference loop and the grouped / GEMV / Mosaic
+    kernels read the layer's experts in place (ids offset into the flattened [L * E] stack); the
+    XLA alternatives that take a whole [E] block (ragged_dot, dense, capacity) get a sliced copy."""
+    n_exp, base = w1.shape[0], None
+    if stack_index is not None:
+        n_exp, base = w1.shape[1], stack_index.astype(jnp.int32) * w1.shape[1]
+        w1, w3, w2 = (jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), w_) for w_ in (w1, w3, w2))
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
-        return ref.routed_pairs(x, idx, w, w1, w3, w2, numerics, swiglu_limit)
+        return ref.routed_pairs(x, idx, w, w1, w3, w2, numerics, swiglu_limit, 0 if base is None else base)
     impl = impl or auto_impl(x.shape[0], w1, w3, w2, numerics)
     kw = dict(numerics=numerics, limit=float(swiglu_limit))
+    if impl in ("ragged_dot", "dense", "capacity") and base is not None:
+        w1, w3, w2 = (jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, base, n_exp), w_)
+                      for w_ in (w1, w3, w2))
     if impl == "ragged_dot":
         return _routed_ragged_dot(x, idx, w, w1, w3, w2, **kw)
     if impl == "dense":
         return _routed_dense(x, idx, w, w1, w3, w2, **kw)
+    if impl == "capacity":
+        return _routed_capacity(x, idx, w, w1, w3, w2, **kw, capacity=block_m or capacity_rows(idx.size, n_exp))
+    kw.update(n_exp=n_exp)
     if impl == "mgpu":
         if not mgpu_ok(w1, w3, w2, numerics):
             raise ValueError("impl='mgpu' takes bf16 experts and bf16 activations; held FP8 / FP4 "
                              "experts and fp32 numerics take impl='pallas'")
         # off an NVIDIA Hopper GPU (CPU tests) the GEMMs run as their jnp reference
-        return _routed_mgpu(x, idx, w, w1, w3, w2, **kw, tile_m=block_m or 256, steps=num_stages or 3,
+        return _routed_mgpu(x, idx, w, w1, w3, w2, base, **kw, tile_m=block_m or 256, steps=num_stages or 3,
                             reference=not moe_mgpu.available())
-    if impl == "capacity":
-        return _routed_capacity(x, idx, w, w1, w3, w2, **kw,
-                                capacity=block_m or capacity_rows(idx.size, w1.shape[0]))
     d, f = x.shape[1], w1.shape[1]
 
     def fit(default: int) -> int:
@@ -629,14 +648,14 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
 
     if impl == "gemv":
         # 32 x 256 weight tiles, 8 warps: the fastest of the H200 sweep at 1 and 8 tokens
-        return _routed_gemv(x, idx, w, w1, w3, w2, **tiles(block_n or fit(32), block_k or fit(256)),
+        return _routed_gemv(x, idx, w, w1, w3, w2, base, **tiles(block_n or fit(32), block_k or fit(256)),
                             num_warps=num_warps or 8, num_stages=num_stages or 3,
                             interpret=_backend.interpret(), **kw)
     if impl != "pallas":
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
-    bm = block_m or default_block_m(idx.size, w1.shape[0])
+    bm = block_m or default_block_m(idx.size, n_exp)
     cfg = launch_config(bm)
-    return _routed_pallas(x, idx, w, w1, w3, w2, bm=bm,
+    return _routed_pallas(x, idx, w, w1, w3, w2, base, bm=bm,
                           **tiles(block_n or fit(128), block_k or fit(cfg["block_k"])),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],

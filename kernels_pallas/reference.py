@@ -170,13 +170,16 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3
 
 
 def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
-                 w2: jax.Array, numerics: Numerics, swiglu_limit: float) -> jax.Array:
-    """Each (token, pick) pair's expert output [T, k, D], picks in ascending expert id (stable)."""
+                 w2: jax.Array, numerics: Numerics, swiglu_limit: float,
+                 base: jax.Array | int = 0) -> jax.Array:
+    """Each (token, pick) pair's expert output [T, k, D], picks in ascending expert id (stable).
+    base: the first row of this call's experts in w1/w3/w2 (a scanned run's flattened stack)."""
     order = jnp.argsort(idx, axis=-1, stable=True)
     idx = jnp.take_along_axis(idx, order, axis=-1)
     w = jnp.take_along_axis(w, order, axis=-1)
 
     def one_token(xt, e, wt):  # [D], expert id, routing weight -> [D]
+        e = e + base
         return swiglu_ffn(xt[None], held(w1[e]), held(w3[e]), held(w2[e]), numerics, swiglu_limit,
                           wt)[0]
 

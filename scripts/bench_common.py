@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -12,6 +13,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from v41_jax.config import ModelConfig, validate
 
 
 def copy_bandwidth(mib: int, reps: int = 10) -> dict:
@@ -158,3 +161,17 @@ def print_and_save(report: dict, out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def cut(cfg: ModelConfig, n: int) -> ModelConfig:
+    """`cfg` with its first n backbone layers (and all its draft stages)."""
+    keep = lambda ids: tuple(i for i in ids if i < n)
+    engram = [(l, rows) for l, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if l < n]
+    out = dataclasses.replace(
+        cfg, n_layers=n, compress_ratios=cfg.compress_ratios[:n] + cfg.compress_ratios[cfg.n_layers:],
+        kv_source_layers=keep(cfg.kv_source_layers), index_source_layers=keep(cfg.index_source_layers),
+        candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
+        engram_layer_ids=tuple(l for l, _ in engram), engram_num_embeddings=tuple(r for _, r in engram),
+        dspark_target_layer_ids=keep(cfg.dspark_target_layer_ids) or (n - 1,))
+    validate(out)
+    return out

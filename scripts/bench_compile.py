@@ -4,7 +4,7 @@ each layer count.
 
     python -m scripts.bench_compile --config v41_jax/configs/bench_slice.config.json \
         --layers 1,2,4,6 --out R.json [--bucket 1x1x1] [--numerics fast] [--experts auto] [--by-source N]
-        [--speculative]
+        [--speculative] [--scan-layers off|on|both]
 
 Cutting a config to n layers (`cut`) keeps its first n backbone layers and its draft stages, and
 drops every layer id >= n from the source lists (kv, index, candidate, Engram, DSpark taps; taps
@@ -15,13 +15,14 @@ CPU seconds too, which a shared host does not inflate. The compile cache is not 
 compile is a real one). `--by-source N`: the optimized HLO's kernels (fusions, custom calls, sorts,
 ...) by the model function that traced them, times the trip counts of the loops around them: the
 launches one call makes, on the backend that compiled (`kernels_by_source`; a loop whose trip
-count XLA does not record counts once).
+count XLA does not record counts once). `--scan-layers on`: the params in the scanned layout
+(`v41_jax/model/layer_runs.py`: each run of identical layers stacked and compiled once, as
+`Engine(scan_layers=True)` runs it); `both`: each depth unrolled, then scanned.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import re
@@ -34,30 +35,18 @@ if __package__ in (None, ""):  # python scripts/bench_compile.py
 
 import jax  # noqa: E402
 
+from scripts.bench_common import cut  # noqa: E402
 from scripts.bench_step import NUMERICS, param_leaf_specs  # noqa: E402
 from v41_jax.cache.buffer import allocate  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format  # noqa: E402
 from v41_jax.checkpoint.load import EXPERT_HOLDS, HELD_DTYPES, nest  # noqa: E402
-from v41_jax.config import ModelConfig, validate  # noqa: E402
+from v41_jax.config import ModelConfig  # noqa: E402
+from v41_jax.model.layer_runs import layer_runs, stack_runs  # noqa: E402
 from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
 from v41_jax.runtime import compile_cache  # noqa: E402
 from v41_jax.runtime.metadata import Bucket, build_step  # noqa: E402
 from v41_jax.runtime.packed import BatchLayout  # noqa: E402
 from v41_jax.runtime.step import make_step  # noqa: E402
-
-
-def cut(cfg: ModelConfig, n: int) -> ModelConfig:
-    """`cfg` with its first n backbone layers (and all its draft stages)."""
-    keep = lambda ids: tuple(i for i in ids if i < n)
-    engram = [(l, rows) for l, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if l < n]
-    out = dataclasses.replace(
-        cfg, n_layers=n, compress_ratios=cfg.compress_ratios[:n] + cfg.compress_ratios[cfg.n_layers:],
-        kv_source_layers=keep(cfg.kv_source_layers), index_source_layers=keep(cfg.index_source_layers),
-        candidate_source_layer=cfg.candidate_source_layer if cfg.candidate_source_layer < n else -1,
-        engram_layer_ids=tuple(l for l, _ in engram), engram_num_embeddings=tuple(r for _, r in engram),
-        dspark_target_layer_ids=keep(cfg.dspark_target_layer_ids) or (n - 1,))
-    validate(out)
-    return out
 
 
 def abstract_params(cfg: ModelConfig, experts: str) -> dict:
@@ -156,7 +145,7 @@ def kernels_by_source(text: str, top: int = 25) -> list[dict]:
 
 
 def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: str, context: int,
-                  by_source: int = 0, speculative: bool = False) -> dict:
+                  by_source: int = 0, speculative: bool = False, scan: bool = False) -> dict:
     c = cut(cfg, n)
     fmt = typed_format(numerics.act_dtype)
     # speculative: the step as a DSpark engine compiles it (draft slack of one block, verify + draft)
@@ -167,15 +156,19 @@ def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: s
     host = build_step(geom, c, bucket, []).batch
     layout = BatchLayout.of(host)
     cache = jax.eval_shape(lambda: allocate(geom))
+    params = abstract_params(c, experts)
+    if scan:
+        params = jax.eval_shape(lambda p: stack_runs(p, c), params)
     t0, c0 = time.perf_counter(), time.process_time()
-    lowered = make_step(c, geom, numerics, speculative=speculative).lower(abstract_params(c, experts), cache,
-                                                                          layout.pack(host), layout=layout)
+    lowered = make_step(c, geom, numerics, speculative=speculative).lower(params, cache, layout.pack(host),
+                                                                          layout=layout)
     t1, c1 = time.perf_counter(), time.process_time()
     compiled = lowered.compile(compiler_options=compile_cache.compiler_options())
     t2, c2 = time.perf_counter(), time.process_time()
     # CPU seconds beside wall seconds: on a shared host the wall clock also counts other jobs
     text = compiled.as_text() or ""
-    row = {"layers": n, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
+    row = {"layers": n, "scan": scan, "runs": [[r.start, r.stop - 1] for r in layer_runs(c)] if scan else [],
+           "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
            "lower_cpu_s": round(c1 - c0, 2), "compile_cpu_s": round(c2 - c1, 2), **hlo_counts(text)}
     if by_source:
         row["kernels_by_source"] = kernels_by_source(text, by_source)
@@ -195,6 +188,8 @@ def main(argv=None) -> int:
                     help="the DSpark step (verify spans, then the draft); bucket e.g. 6x1x6 = block + 1 rows")
     ap.add_argument("--by-source", type=int, default=0, metavar="N",
                     help="also list the N source functions with the most kernel launches per call")
+    ap.add_argument("--scan-layers", choices=("off", "on", "both"), default="off",
+                    help="compile with the runs of identical layers stacked and scanned (both: each depth twice)")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_file(args.config)
     bucket = Bucket(*(int(x) for x in args.bucket.split("x")))
@@ -203,9 +198,10 @@ def main(argv=None) -> int:
            "numerics": args.numerics, "experts": args.experts,
            "platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
-    for n in (int(x) for x in args.layers.split(",")):
+    scans = {"off": (False,), "on": (True,), "both": (False, True)}[args.scan_layers]
+    for n, scan in ((int(x), s) for x in args.layers.split(",") for s in scans):
         rows.append(compile_depth(cfg, n, bucket, NUMERICS[args.numerics](), args.experts, args.context,
-                                  args.by_source, args.speculative))
+                                  args.by_source, args.speculative, scan))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels_by_source"}), flush=True)
         for k in rows[-1].get("kernels_by_source", []):
             print(f"  {k['launches']:6d} launches ({k['instructions']:4d} in the HLO)  {k['source']}", flush=True)

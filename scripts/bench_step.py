@@ -4,7 +4,7 @@ and an HBM roofline ratio, on random weights generated on the device.
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
         [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N] [--compare-kernel sinkhorn|rmsnorm]
+        [--profile N] [--compare-kernel sinkhorn|rmsnorm | --compare-scan] [--layers N] [--routed-experts E]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -50,6 +50,15 @@ case runs twice, NAME on its XLA path and on its Pallas kernel (`backend.use_bac
 NAME)` around the lowering of a step function of its own; every other kernel as `--kernels`). After
 the timing above, each pair is timed again interleaved (5 rounds, each variant `--iters` / 5 calls
 in turn): `comparisons` in the JSON, per variant the median and spread of those calls.
+`--compare-scan` pairs the unrolled layer stack with the scanned one (`Engine(scan_layers=True)`:
+the same params stacked per run of identical layers, `v41_jax/model/layer_runs.py`) the same way,
+and first runs each from a copy of one cache: `differing_outputs` lists the outputs (logits,
+cache fields) whose bytes differ between the variants, and, as a control, between two runs of the
+unrolled one.
+
+Smaller models of a config's layer pattern: `--layers N` keeps its first N layers (the cut of
+`scripts/bench_compile.py`), `--routed-experts E` holds E routed experts per layer (so a cut of the
+released config fits one device).
 
 Profile (`--profile N`, after all timing): N more steps per case under `jax.profiler.trace`; the
 kernel time per step by kernel (Pallas kernels by their names, XLA fusions without their numeric
@@ -86,7 +95,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import backend as kernel_backend  # noqa: E402
-from scripts.bench_common import copy_bandwidth, kernel_profile  # noqa: E402
+from scripts.bench_common import copy_bandwidth, cut, kernel_profile  # noqa: E402
 from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
@@ -96,6 +105,7 @@ from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, Engr
 from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
+from v41_jax.model.layer_runs import stack_runs  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
 from v41_jax.runtime import compile_cache  # noqa: E402
 from v41_jax.runtime.engine import Engine  # noqa: E402
@@ -103,6 +113,7 @@ from v41_jax.runtime.metadata import Bucket, BucketSet, build_step  # noqa: E402
 from v41_jax.topology import Mode, resolve_topology  # noqa: E402
 
 NUMERICS = {"fast": Numerics.fast, "reference": Numerics.reference, "fp32": Numerics.fp32}
+SCAN_VARIANTS = ("unrolled", "scanned")
 NOMINAL_COPY_GBS = 4300.0   # the workplace's measured H200 copy figure (BENCHMARKS.md)
 GiB = float(1 << 30)
 
@@ -297,7 +308,7 @@ class Case:
     batch: int                 # requests
     tokens: int                # token rows
     bucket: Bucket
-    variant: str | None = None  # --compare-kernel: the backend of that kernel in this case
+    variant: str | None = None  # --compare-kernel: that kernel's backend; --compare-scan: unrolled | scanned
     device_batch: object = None
     host_build_ms: float = 0.0
     lowered: object = None
@@ -363,6 +374,10 @@ def parse_args(argv=None):
                     help="how the routed experts are held (load_params' experts=)")
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (0: 4096 on GPU, 64 elsewhere)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare-scan", action="store_true",
+                    help="every case unrolled and with the layer runs scanned; timed interleaved, outputs compared")
+    ap.add_argument("--layers", type=int, default=0, help="keep the config's first N layers (0 = all)")
+    ap.add_argument("--routed-experts", type=int, default=0, help="routed experts per layer (0 = the config's)")
     ap.add_argument("--compare-kernel", choices=kernel_backend.KERNELS, default=None,
                     help="run every case with this kernel on xla and on pallas, then time each pair interleaved")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -416,6 +431,13 @@ def main(argv=None) -> int:
     clock = Clock()
     args = parse_args(argv)
     cfg = ModelConfig.from_file(args.config)
+    if args.compare_scan and args.compare_kernel:
+        raise SystemExit("--compare-scan and --compare-kernel: one comparison per run")
+    if args.layers:
+        cfg = cut(cfg, args.layers)
+    if args.routed_experts:
+        cfg = cfg.replace(n_routed_experts=args.routed_experts,
+                          dspark_n_routed_experts=min(cfg.moe_experts(cfg.n_layers)[0], args.routed_experts))
     numerics = NUMERICS[args.numerics]()
     if args.kernels != "auto":
         kernel_backend.set_backend(args.kernels)
@@ -498,12 +520,17 @@ def main(argv=None) -> int:
              for b in batches]
     cases += [Case(f"prefill {n} (b=1, pos 0)", "prefill", 1, n, Bucket(n, 1, 1))
               for n in prefills]
-    if args.compare_kernel:
-        cases = [Case(f"{c.name} [{args.compare_kernel}={v}]", c.kind, c.batch, c.tokens, c.bucket, v)
-                 for c in cases for v in kernel_backend.CHOICES]
+    compared, variants = (("scan", SCAN_VARIANTS) if args.compare_scan else
+                          (args.compare_kernel, kernel_backend.CHOICES) if args.compare_kernel else (None, ()))
+    if compared:
+        cases = [Case(f"{c.name} [{compared}={v}]", c.kind, c.batch, c.tokens, c.bucket, v)
+                 for c in cases for v in variants]
     token_map = np.asarray(engram_token_map(cfg)) if cfg.engram_layer_ids else None
     engine = Engine(params, cfg, settings=settings, buckets=BucketSet(tuple(c.bucket for c in cases)),
                     numerics=numerics, token_map=token_map)
+    # the params each case runs with: the scanned variant's stacked per run (a second copy of those layers)
+    by_variant = {"scanned": stack_runs(params, cfg)} if args.compare_scan else {}
+    params_of = lambda c: by_variant.get(c.variant, params)
 
     # decode request i: slot i, its own pages, position context - 1; the prefill request: slot 0,
     # pages of its own, position 0. Cursor rows: each decode slot at its position.
@@ -554,10 +581,10 @@ def main(argv=None) -> int:
     for c in cases:
         t1 = time.perf_counter()
         try:
-            with (kernel_backend.use_backend(c.variant, kernel=args.compare_kernel) if c.variant
+            with (kernel_backend.use_backend(c.variant, kernel=args.compare_kernel) if args.compare_kernel
                   else contextlib.nullcontext()):
                 c.lowered = step_fns.get(c.variant, engine.step_fn).lower(
-                    params, engine.cache, c.device_batch, layout=engine.runner.layout(c.bucket))
+                    params_of(c), engine.cache, c.device_batch, layout=engine.runner.layout(c.bucket))
         except Exception as err:  # noqa: BLE001
             c.error = f"lower: {type(err).__name__}: {str(err)[:400]}"
             traceback.print_exc()
@@ -586,7 +613,7 @@ def main(argv=None) -> int:
                "bucket": f"{c.bucket.tokens}/{c.bucket.requests}/{c.bucket.logits}",
                "lower_s": round(c.lower_s, 2), "host_build_ms": round(c.host_build_ms, 2)}
         if c.variant:
-            row["variant"] = {args.compare_kernel: c.variant}
+            row["variant"] = {compared: c.variant}
         if c.kind == "decode":
             nbytes = decode_bytes(cfg, geom, specs, c.batch, args.context)
             row["bytes"] = nbytes
@@ -613,7 +640,7 @@ def main(argv=None) -> int:
             continue
 
         def fn(cache, c=c):
-            out = c.compiled(params, cache, c.device_batch)
+            out = c.compiled(params_of(c), cache, c.device_batch)
             return out.logits, out.cache
 
         try:
@@ -664,7 +691,13 @@ def main(argv=None) -> int:
         if len(fns) < 2 or args.total_s - clock() < 2 * args.case_s + 10:
             continue
         ts = {v: [] for v in fns}
+        first, second = variants
         try:
+            if args.compare_scan:   # each from a copy of one cache: the first twice (the control), the second
+                start = jax.tree.map(jnp.copy, state["cache"])
+                outs = [fns[v](jax.tree.map(jnp.copy, start)) for v in (first, first, second)]
+                equal = {"control": differing(outs[0], outs[1]), "variants": differing(outs[0], outs[2])}
+                del start, outs
             for _ in range(5):
                 for v, fn in fns.items():
                     ts[v] += time_calls(fn, state, max(1, args.iters // 5), args.case_s / 5)
@@ -675,11 +708,14 @@ def main(argv=None) -> int:
         comp = {v: dict(zip(("min_ms", "p25_ms", "median_ms", "p75_ms", "max_ms"),
                             (round(float(q), 4) for q in np.percentile(np.asarray(t) * 1e3, [0, 25, 50, 75, 100]))),
                         calls=len(t)) for v, t in ts.items()}
-        comp["pallas_minus_xla_ms"] = round(comp["pallas"]["median_ms"] - comp["xla"]["median_ms"], 4)
-        res.data.setdefault("comparisons", {})[base] = dict(kernel=args.compare_kernel, **comp)
+        comp[f"{second}_minus_{first}_ms"] = round(comp[second]["median_ms"] - comp[first]["median_ms"], 4)
+        if args.compare_scan:
+            comp["differing_outputs"] = equal   # the control: the first variant against itself
+        res.data.setdefault("comparisons", {})[base] = dict(compared=compared, **comp)
         res.save()
-        clock.log(f"{base}, {args.compare_kernel} interleaved: xla {comp['xla']['median_ms']:.3f} ms, pallas "
-                  f"{comp['pallas']['median_ms']:.3f} ms ({comp['pallas_minus_xla_ms']:+.3f})")
+        clock.log(f"{base}, {compared} interleaved: {first} {comp[first]['median_ms']:.3f} ms, {second} "
+                  f"{comp[second]['median_ms']:.3f} ms ({comp[f'{second}_minus_{first}_ms']:+.3f})"
+                  + (f"; outputs differing {equal}" if args.compare_scan else ""))
 
     # ---- where the device time goes (after every compile: autotuning would show up) ----
     for name, (row, fn) in rows.items() if args.profile else ():
@@ -710,6 +746,19 @@ def main(argv=None) -> int:
           f"position {args.context - 1}; synthetic weights and cache; wall {res.data['wall_s']} s\n", flush=True)
     print(res.data["table_md"], flush=True)
     return 0
+
+
+def differing(a, b) -> dict[str, int]:
+    """The leaves of two pytrees (same structure) that differ -> how many elements differ, by path;
+    NaN equals NaN whatever its payload (the random cache holds NaN bit patterns)."""
+    out = {}
+    for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        same = (x == y) | ((x != x) & (y != y)) if np.issubdtype(x.dtype, np.inexact) or x.dtype.kind == "V" \
+            else x == y
+        if not same.all():
+            out[jax.tree_util.keystr(p)] = int((~same).sum())
+    return out
 
 
 def _timing(row: dict, ts: list[float], c: Case, cfg: ModelConfig, specs: dict) -> None:

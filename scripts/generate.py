@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--one-bucket", action="store_true",
                     help="one step shape, the prefill bucket, for decode steps too: half the compiling of a "
                          "first run, decode steps padded to it (make generate on a CPU)")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="compile each run of identical layers once (a scanned loop): about half the compile time")
     ap.add_argument("--page-tokens", type=_positive("--page-tokens"), default=16, help="tokens per cache page")
     ap.add_argument("--pages", type=_positive("--pages", True), default=0,
                     help="page pool size (default: max-batch full contexts)")
@@ -243,7 +245,8 @@ def _run(args, tokenizer, requests):
                                     tokenizer=args.tokenizer, progress=not args.quiet,
                                     speculative=None if args.speculative == "on" else False,
                                     draft_width=args.draft_width,
-                                    decode_sizes=() if args.one_bucket else args.decode_sizes)
+                                    decode_sizes=() if args.one_bucket else args.decode_sizes,
+                                    scan_layers=args.scan_layers)
     stats = Stats()
     runnable = [r for r in requests if engine.check_request(r) is None]    # the others end at once
     for req in runnable:

@@ -342,3 +342,22 @@ def test_fixture_moe_exec(name):
                               backend="pallas", impl="pallas", block_n=16, block_k=16)
     got = np.asarray(got)[:, :d]
     assert_close(got, routed_want, rtol=1e-5, atol=1e-5 * np.abs(routed_want).max())
+
+
+@pytest.mark.parametrize("impl, held", [(i, "bf16") for i in ("xla",) + kmoe.IMPLS]
+                         + [("pallas", "fp4"), ("gemv", "fp4")])   # held experts: the decode kernels
+def test_a_stacked_run_reads_its_layer_in_place_bit_for_bit(impl, held):
+    """A scanned run's experts stay one [L, E, ...] stack (`stack_index`, model/layer_runs.py):
+    every path, given the stack and a traced layer index, returns bit for bit what it returns on
+    that layer's own [E, ...] experts, for every layer of the stack (a wrong offset would read
+    another layer's experts, which are drawn independently here)."""
+    rng, seed = fresh_rng()
+    layers = [_case(rng, t=5, d=128, held=held) for _ in range(3)]
+    x, idx, w = layers[1][:3]
+    stack = [jax.tree.map(lambda *a: jnp.stack(a), *(c[3 + i] for c in layers)) for i in range(3)]
+    backend = dict(backend="xla") if impl == "xla" else dict(backend="pallas", impl=impl)
+    run = jax.jit(lambda j, *ws: kmoe.routed_experts(x, idx, w, *ws, FAST, 10.0, stack_index=j, **backend))
+    for j, case in enumerate(layers):
+        want = kmoe.routed_experts(x, idx, w, *case[3:], FAST, 10.0, **backend)
+        got = run(jnp.int32(j), *stack)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"layer {j} (seed {seed})")

@@ -171,7 +171,7 @@ def _record(topo: LayerTopology, ctx: AttnContext, scores: jax.Array | None) -> 
     aux = {}
     if scores is not None:
         aux["index_topk"], aux["index_scores"] = ctx.selected[topo.layer], scores
-    if topo.layer in ctx.candidates:
+    if topo.candidates is Candidates.PRODUCE and topo.layer in ctx.candidates:  # (a scanned layer's id is traced)
         aux["candidate_blocks"] = ctx.candidates[topo.layer]
     return aux
 

@@ -11,6 +11,8 @@ API
       p = params["layers"][l] (or params["mtp"][m]). `pre` is the collapse weight handed in by the
       previous sublayer; the returned `pre` (this block's FFN-side pre) collapses the next block.
       forced_gate [B, T, k]: route with these experts (teacher forcing); gate_idx stays the router's own.
+      expert_layer: inside a scanned run (model/layer_runs.py), p's routed experts are the run's
+      [L, E, ...] stack and this traced index picks the layer's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _mixes(p: dict, sub: str, x: jax.Array, cfg: ModelConfig):
 
 def block(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, pre: jax.Array, attend: Attend,
           numerics: Numerics, image_mask: jax.Array | None = None,
-          forced_gate: jax.Array | None = None) -> BlockOut:
+          forced_gate: jax.Array | None = None, expert_layer: jax.Array | None = None) -> BlockOut:
     b, t, _, d = x.shape
     # the attention side's pre is not used here: it collapses the FFN input below
     pre_a, post_a, comb_a = _mixes(p, "attn", x, cfg)
@@ -55,6 +57,6 @@ def block(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, pre: jax.Array, a
     h = rms_norm(collapse(x, pre_a), p["ffn_norm"]["weight"], cfg.norm_eps)
     flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
     m, gate_idx, gate_scores = moe(p["ffn"], cfg, layer, h.reshape(b * t, d), numerics, flat(image_mask),
-                                   flat(forced_gate))
+                                   flat(forced_gate), expert_layer)
     x = expand(m.reshape(b, t, d), x, post_f, comb_f)
     return BlockOut(x, pre_f, gate_idx.reshape(b, t, -1), gate_scores.reshape(b, t, -1), aux)

@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from v41_jax.model.attention import AttnContext, empty_context, full_attention
-from v41_jax.model.block import block
+from v41_jax.model.block import BlockOut, block
 from v41_jax.model.engram import engram
 from v41_jax.model.head import final_hidden, lm_head
+from v41_jax.model.layer_runs import RUNS_KEY, layer_params
 from v41_jax.model.mhc import one_hot_pre, stream_mean
 from v41_jax.model.numerics import Numerics
 from v41_jax.topology import LayerTopology, Mode, resolve_topology
@@ -76,7 +77,7 @@ def _attend(p: dict, cfg: ModelConfig, topo: LayerTopology, h: jax.Array, ctx: A
             numerics: Numerics, forced: dict | None) -> tuple[jax.Array, tuple[AttnContext, dict]]:
     """One attention sublayer -> (out, (context for the next layers, this layer's own picks))."""
     out, ctx, own = full_attention(p, cfg, topo, h, ctx, numerics)
-    if forced is None or topo.layer not in ctx.selected:
+    if forced is None or not topo.scores or topo.layer not in ctx.selected:  # (a scanned layer's id is traced)
         return out, (ctx, own)
     # attend again with the forced picks: as a REUSE layer of itself, reading what it published
     candidates, selected = force_picks(ctx.candidates, ctx.selected, topo.layer, forced)
@@ -92,7 +93,8 @@ def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, pre: jax.Array, car
                *, engram_rows: dict | None = None, image_mask: jax.Array | None = None,
                forced_gates: dict | None = None):
     """The layer stack shared by `forward` and the cached step (`runtime.step`): Engram before its
-    block, the drafter's taps, the blocks; the two differ only in how a layer attends.
+    block, the drafter's taps, the blocks; the two differ only in how a layer attends. Params in
+    the scanned layout (`layer_runs.stack_runs`) run each stacked run as one `lax.scan`.
 
     x [B, S, N, D], pre [B, S, N]; attend(p_attn, topo, h, carry) -> (out, (carry, picks)), picks =
     this layer's own selections {kind: [B, S, ...]}; engram_rows {layer: [B, S, cols, hd]};
@@ -100,27 +102,72 @@ def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, pre: jax.Array, car
     documents but the final hidden states)."""
     topology = resolve_topology(cfg)
     token_mask = None if image_mask is None else ~image_mask
+    forced_gates = forced_gates or {}
     inter: dict = {"block_out": [], "next_pre": [], "engram_out": {}, **{k: {} for k in PICK_KINDS}}
     taps = []
-    for layer in range(cfg.n_layers):
-        topo, p = topology[layer], params["layers"][layer]
+
+    def record(layer: int, out: BlockOut, tap: jax.Array) -> None:
+        if layer in cfg.dspark_target_layer_ids:
+            taps.append(tap)  # the drafter reads the block's input, not its output
+        inter["block_out"].append(out.x)
+        inter["next_pre"].append(out.pre)
+        inter["gate_topk"][layer] = out.gate_idx
+        inter["gate_scores"][layer] = out.gate_scores
+        for kind, ids in out.attn_aux[1].items():
+            inter[kind][layer] = ids
+
+    runs = params.get(RUNS_KEY, {})
+    layer = 0
+    while layer < cfg.n_layers:
+        if layer in runs:
+            x, pre, carry, outs = _scan_run(runs[layer], cfg, topology[layer], x, pre, carry, attend, numerics,
+                                            image_mask, forced_gates)
+            for j, (out, tap) in enumerate(outs):
+                record(layer + j, out, tap)
+            layer += len(outs)
+            continue
+        topo, p = topology[layer], layer_params(params, layer)
         if topo.engram:
             x = engram(p["engram"], cfg, x, engram_rows[layer], numerics, token_mask)
             inter["engram_out"][layer] = x
-        if layer in cfg.dspark_target_layer_ids:
-            taps.append(stream_mean(x))  # the drafter reads the block's input, not its output
+        tap = stream_mean(x) if layer in cfg.dspark_target_layer_ids else None
         out = block(p, cfg, layer, x, pre, lambda h, p=p, topo=topo, carry=carry: attend(p["attn"], topo, h, carry),
-                    numerics, image_mask, (forced_gates or {}).get(layer))
-        x, pre, (carry, picks) = out.x, out.pre, out.attn_aux
-        inter["block_out"].append(x)
-        inter["next_pre"].append(pre)
-        inter["gate_topk"][layer] = out.gate_idx
-        inter["gate_scores"][layer] = out.gate_scores
-        for kind, ids in picks.items():
-            inter[kind][layer] = ids
+                    numerics, image_mask, forced_gates.get(layer))
+        x, pre, carry = out.x, out.pre, out.attn_aux[0]
+        record(layer, out, tap)
+        layer += 1
     inter.update(block_out=jnp.stack(inter["block_out"]), next_pre=jnp.stack(inter["next_pre"]),
                  main_hidden=jnp.concatenate(taps, -1) if taps else None)
     return x, pre, carry, inter
+
+
+def _scan_run(stacked: dict, cfg: ModelConfig, first: LayerTopology, x: jax.Array, pre: jax.Array, carry,
+              attend, numerics: Numerics, image_mask: jax.Array | None, forced_gates: dict):
+    """One stacked run (model/layer_runs.py) as a `lax.scan` over its layers: the block traced once,
+    the layer index traced (the window ring's), the routed experts read in place from the stack.
+    -> (x, pre, carry, per layer (BlockOut with attn_aux = (None, picks), its input's stream mean))."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    layers = range(first.layer, first.layer + n)
+    forced = [forced_gates[l] for l in layers if l in forced_gates]
+    if forced and len(forced) != n:
+        raise ValueError(f"forced gates on part of the scanned run of layers {layers.start}-{layers.stop - 1}; "
+                         "pass the per-layer params (without `layer_runs.stack_runs`)")
+    experts = stacked["ffn"]["experts"]
+    per_layer = {**stacked, "ffn": {k: v for k, v in stacked["ffn"].items() if k != "experts"}}
+
+    def body(c, xs):
+        x, pre, carry = c
+        p, j, gate = xs
+        p = {**p, "ffn": {**p["ffn"], "experts": experts}}
+        topo = dataclasses.replace(first, layer=first.layer + j)
+        out = block(p, cfg, first.layer, x, pre, lambda h: attend(p["attn"], topo, h, carry), numerics,
+                    image_mask, gate, expert_layer=j)
+        carry, picks = out.attn_aux
+        return (out.x, out.pre, carry), (out._replace(attn_aux=(None, picks)), stream_mean(x))
+
+    (x, pre, carry), (outs, taps) = jax.lax.scan(
+        body, (x, pre, carry), (per_layer, jnp.arange(n, dtype=jnp.int32), jnp.stack(forced) if forced else None))
+    return x, pre, carry, [(jax.tree.map(lambda a: a[j], outs), taps[j]) for j in range(n)]
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Numerics,

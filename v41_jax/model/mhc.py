@@ -57,12 +57,12 @@ def one_hot_pre(lead_shape: tuple[int, ...], hc: int) -> jax.Array:
 
 
 def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
-    return ordered_sum(pre[..., None] * x.astype(jnp.float32), -2).astype(x.dtype)
+    return ordered_sum(rounded(pre[..., None] * x.astype(jnp.float32)), -2).astype(x.dtype)
 
 
 def expand(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    mixed = ordered_sum(comb[..., None] * x.astype(jnp.float32)[..., :, None, :], -3)  # [..., N(j), D]
-    return (post[..., None] * f.astype(jnp.float32)[..., None, :] + mixed).astype(f.dtype)
+    mixed = ordered_sum(rounded(comb[..., None] * x.astype(jnp.float32)[..., :, None, :]), -3)  # [..., N(j), D]
+    return (rounded(post[..., None] * f.astype(jnp.float32)[..., None, :]) + mixed).astype(f.dtype)
 
 
 def stream_mean(x: jax.Array) -> jax.Array:

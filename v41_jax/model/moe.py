@@ -9,9 +9,10 @@ API
   swiglu_ffn, routed_experts   the SwiGLU expert FFN and the reference's routed-expert loop: the
       kernels' jnp references, defined (and documented) in `kernels_pallas.reference`, below both
       the model and the kernels; re-exported here.
-  moe(p, cfg, layer, x [T, D], numerics, image_mask=None, forced_idx=None)
+  moe(p, cfg, layer, x [T, D], numerics, image_mask=None, forced_idx=None, expert_layer=None)
       -> (y act dtype [T, D], idx [T, k], select [T, E])   idx: the router's own selection (also
       when forced); select: the scores it was taken from (bias included), for tie diagnostics.
+      expert_layer: p's experts are a scanned run's [L, E, ...] stack; this traced index is the layer.
       p = params["layers"][l]["ffn"] (gate.weight/bias[/bias_vl], experts.{w1,w3,w2}, shared_experts,
       and under a mesh `expert_axis`: the experts are this device's block, `model/expert_parallel.py`).
 """
@@ -57,7 +58,8 @@ def route(logits: jax.Array, bias: jax.Array, k: int, cfg: ModelConfig,
 
 def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,
         image_mask: jax.Array | None = None,
-        forced_idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        forced_idx: jax.Array | None = None,
+        expert_layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     _, k = cfg.moe_experts(layer)
     bias = p["gate"]["bias"]
     if image_mask is not None and "bias_vl" in p["gate"]:
@@ -72,7 +74,8 @@ def moe(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, numerics: Numerics,
     # Under a mesh (`expert_axis`, docs/PARALLEL.md) this device holds a block of the experts.
     axis = p.get("expert_axis")
     y = (expert_parallel.routed_experts(x, idx, w, ex, numerics, cfg.swiglu_limit, axis) if axis else
-         kernel_moe.routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit))
+         kernel_moe.routed_experts(x, idx, w, ex["w1"], ex["w3"], ex["w2"], numerics, cfg.swiglu_limit,
+                                   stack_index=expert_layer))
     shared = swiglu_ffn(x, sh["w1"]["weight"], sh["w3"]["weight"], sh["w2"]["weight"], numerics,
                         cfg.swiglu_limit)
     return numerics.act(y + shared.astype(jnp.float32)), own, score(logits, cfg) + bias

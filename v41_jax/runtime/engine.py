@@ -37,6 +37,7 @@ import numpy as np
 from kernels_pallas.backend import on_gpu
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format
 from v41_jax.config import ModelConfig
+from v41_jax.model.layer_runs import stack_runs
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime import compile_cache
 from v41_jax.runtime.mesh import MeshRunner, expert_sharding
@@ -148,12 +149,14 @@ class Engine:
                  numerics: Numerics, token_map: np.ndarray | None = None, prefill_chunk: int | None = None,
                  eos_id: int | None = None, record: bool = False, tokenizer=None,
                  device_engram: bool | None = None, speculative: bool | None = None,
-                 draft_width: int | None = None, mesh=None):
+                 draft_width: int | None = None, mesh=None, scan_layers: bool = False):
         """speculative: DSpark speculative decoding for the requests that do not turn it off; None =
         on when the checkpoint has draft stages and the settings reserve the draft slack.
         draft_width: drafts per verify if given, which must be the checkpoint's block.
         mesh: a `jax.sharding.Mesh` from `runtime.mesh.make_mesh`: data-parallel attention and
-        expert-parallel MoE over its devices (docs/PARALLEL.md §3; slots and pages split evenly)."""
+        expert-parallel MoE over its devices (docs/PARALLEL.md §3; slots and pages split evenly).
+        scan_layers: stack each run of identical layers (`model/layer_runs.py`) and scan it: the step
+        compiles once per distinct layer instead of once per layer (one device only, for now)."""
         geom = CacheGeometry.build(cfg, settings)
         self.speculative = resolve_speculative(cfg, settings, speculative, draft_width)
         if buckets.max_requests > settings.slots:
@@ -162,11 +165,13 @@ class Engine:
         self.eos_id = cfg.eos_token_id if eos_id is None else eos_id
         self.prefill_chunk = prefill_chunk or buckets.max_tokens
         if mesh is None:
-            self.runner = Runner(params, cfg, geom, numerics, buckets, token_map, record, device_engram,
-                                 self.speculative)
+            self.runner = Runner(stack_runs(params, cfg) if scan_layers else params, cfg, geom, numerics, buckets,
+                                 token_map, record, device_engram, self.speculative)
         else:
             if record:
                 raise ValueError("a mesh does not record intermediates yet (record=False)")
+            if scan_layers:
+                raise ValueError("a mesh does not scan layer runs yet (scan_layers=False)")
             self.runner = MeshRunner(params, cfg, geom, numerics, buckets, token_map, device_engram,
                                      self.speculative, mesh=mesh)
         self.reset()
@@ -178,7 +183,7 @@ class Engine:
                         compile_cache_dir: str | None = None, tokenizer: str | None = None,
                         progress: bool = False, speculative: bool | None = None,
                         draft_width: int | None = None, mesh=None,
-                        decode_sizes: str | Sequence[int] | None = None) -> "Engine":
+                        decode_sizes: str | Sequence[int] | None = None, scan_layers: bool = False) -> "Engine":
         """An engine over a published checkpoint folder. The tokenizer (`tokenizer.json`) and the
         Engram token map (`engram_token_map.json`) are taken from the folder when they are there.
         compile_cache_dir: the persistent compilation cache (None: `compile_cache` default).
@@ -186,7 +191,7 @@ class Engine:
         widens the default buckets to 1 + block rows per decoding request. mesh: as `Engine`; each
         device's routed experts are read from the checkpoint straight onto it. decode_sizes: the
         request counts with a decode bucket (`default_buckets`; "1,2,4" or a sequence; None:
-        `auto_decode_sizes`; with `buckets` given, unused)."""
+        `auto_decode_sizes`; with `buckets` given, unused). scan_layers: as `Engine`."""
         from v41_jax.checkpoint.load import load_params
         from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 
@@ -221,7 +226,8 @@ class Engine:
                                   kv_format=fmt, index_format=fmt,
                                   draft_slack=cfg.dspark_block_size if spec and cfg.n_mtp_layers else 0)
         return cls(params, cfg, settings=settings, buckets=buckets, numerics=num, token_map=token_map,
-                   prefill_chunk=chunk, tokenizer=tok, speculative=speculative, draft_width=draft_width, mesh=mesh)
+                   prefill_chunk=chunk, tokenizer=tok, speculative=speculative, draft_width=draft_width, mesh=mesh,
+                   scan_layers=scan_layers)
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
