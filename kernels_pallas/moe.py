@@ -600,12 +600,14 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
     and this traced int32 picks the layer. The reference loop and the grouped / GEMV / Mosaic
     kernels read the layer's experts in place (ids offset into the flattened [L * E] stack); the
     XLA alternatives that take a whole [E] block (ragged_dot, dense, capacity) get a sliced copy."""
-    n_exp, base = w1.shape[0], None
+    base = None
     if stack_index is not None:
         n_exp, base = w1.shape[1], stack_index.astype(jnp.int32) * w1.shape[1]
         w1, w3, w2 = (jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), w_) for w_ in (w1, w3, w2))
     if _backend.resolve(backend) == "xla" or numerics.block_gemm:
-        return ref.routed_pairs(x, idx, w, w1, w3, w2, numerics, swiglu_limit, 0 if base is None else base)
+        return ref.routed_pairs(x, idx, w, w1, w3, w2, numerics, swiglu_limit, *(() if base is None else (base,)))
+    if base is None:
+        n_exp = w1.shape[0]
     impl = impl or auto_impl(x.shape[0], w1, w3, w2, numerics)
     kw = dict(numerics=numerics, limit=float(swiglu_limit))
     if impl in ("ragged_dot", "dense", "capacity") and base is not None:
