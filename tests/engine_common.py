@@ -27,7 +27,11 @@ from v41_jax.runtime.metadata import Bucket, BucketSet
 ROOT = Path(__file__).resolve().parents[1]
 SUITE_CACHE = ROOT / ".pytest_cache" / "xla"          # the suite's persistent compilation cache
 jax.config.update("jax_compilation_cache_dir", str(SUITE_CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+# every executable, however fast it compiled, as the engine's own cache does (compile_cache.enable):
+# the suite's two workers and its child processes compile the same small programs (eager ops, the
+# loader's dequantization) and would each pay XLA:CPU's ~0.1 s per program
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # One bucket for every step (72-token one-shot prefills with every row's logits, decodes, mixes):
 # a single compile per config.

@@ -214,7 +214,7 @@ SECOND_START = """
 import json, sys, time
 from v41_jax.runtime.engine import Engine
 from v41_jax.runtime.compile_cache import CompileMeter
-eng = Engine.from_checkpoint(sys.argv[1], numerics="fp32", buckets="80x4x80,4x4x4", chunk=16, page_tokens=8,
+eng = Engine.from_checkpoint(sys.argv[1], numerics="fp32", buckets="80x4x80", chunk=16, page_tokens=8,
                              pages=96, slots=4, max_context=128, compile_cache_dir=sys.argv[2])
 before = CompileMeter.xla_compiles()
 t = time.perf_counter()
