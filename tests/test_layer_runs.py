@@ -29,10 +29,8 @@ from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams
 from scripts.make_checkpoint import make_checkpoint
+from scripts.scan_rounding import RUNS_WIRING
 
-RUNS_WIRING = {"num_hidden_layers": 11, "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0, 0],
-               "kv_source_layer_ids": [2, 6], "index_source_layer_ids": [2, 6, 8], "candidate_source_layer_id": 6,
-               "engram_layer_ids": [2, 6], "dspark_target_layer_ids": [4, 5, 10]}
 EXPECTED_RUNS = [(0, 1), (3, 5), (9, 10)]
 
 
