@@ -54,11 +54,13 @@ def make_engine(cfg, params, token_map, settings=SETTINGS, buckets=BUCKETS, nume
 
 
 def forward_logits(params, cfg, token_map, tokens, numerics=FP32) -> np.ndarray:
-    """The full forward from position 0 (the oracle), eagerly: fp32 logits [S, V]."""
+    """The full forward from position 0 (the oracle), one jitted program: fp32 logits [S, V].
+    Jitted, not eager: eagerly each op is its own XLA:CPU compile (~300 of them, ~27 s per new
+    sequence length) and the forward's loops re-compile on every call."""
     hasher = EngramHasher(cfg, token_map)
     _, rows = sequence_rows(params[ENGRAM_KEY], hasher, cfg, np.asarray(tokens)[None])
-    logits = forward(params, cfg, jnp.asarray(tokens)[None], numerics=numerics,
-                     engram_rows={k: jnp.asarray(v) for k, v in rows.items()})
+    run = jax.jit(lambda p, t, r: forward(p, cfg, t, numerics=numerics, engram_rows=r))
+    logits = run(params, jnp.asarray(tokens)[None], {k: jnp.asarray(v) for k, v in rows.items()})
     return np.asarray(logits[0])
 
 
