@@ -2,7 +2,7 @@
 costs <= 2 % over today's unsharded step on the bench slice").
 
 Two engines over the same random params (`bench_step.random_params`, the loader's layout) and the
-same synthetic cache (`bench_step._randomize`, the same key): `Engine(...)` and
+same synthetic cache (`bench_step.randomize_cache`, the same key): `Engine(...)` and
 `Engine(..., mesh=make_mesh(1))` (MeshRunner: the step under `shard_map` on a mesh of one
 device, its batch stacked on a rank axis, jitted with explicit shardings; a mesh of one splits no
 experts). Each compiles its buckets as the engine does (`runner.warmup()`), then the same decode
@@ -30,9 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from scripts.bench_step import NUMERICS, _randomize, param_leaf_specs, random_params
+from scripts.bench_step import NUMERICS, decode_cursors, param_leaf_specs, random_params, randomize_cache
 from scripts.make_checkpoint import engram_token_map
-from v41_jax.cache.buffer import DEAD
 from v41_jax.cache.geometry import EngineSettings, typed_format
 from v41_jax.checkpoint.load import EXPERT_HOLDS
 from v41_jax.config import ModelConfig
@@ -92,14 +91,12 @@ def main(argv=None) -> dict:
     save()
 
     rng = np.random.default_rng(args.seed)
-    cursor = np.zeros((settings.slots, engines["plain"].geom.history + 1), np.int64)
-    cursor[:, 1:] = DEAD
     pages = {name: [e.pages.allocate(per_req) for _ in range(max(batches))] for name, e in engines.items()}
-    for i in range(max(batches)):
-        cursor[i] = [args.context - 1, *rng.integers(0, cfg.engram_compressed_vocab_size, engines["plain"].geom.history)]
+    cursor = decode_cursors(rng, cfg, settings.slots, engines["plain"].geom.history,
+                            args.context, max(batches))
     key = jax.random.key(args.seed + 1, impl="rbg")
     for name, e in engines.items():
-        cache = _randomize(e.runner.cache, key, jnp.asarray(cursor))
+        cache = randomize_cache(e.runner.cache, key, jnp.asarray(cursor))
         if name == "mesh1":
             cache = jax.device_put(cache, NamedSharding(e.runner.mesh, P(AXIS)))
         e.runner.cache = cache

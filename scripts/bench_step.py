@@ -287,8 +287,19 @@ def memory_analysis(compiled) -> dict:
     return {k: int(getattr(m, k)) for k in keys if hasattr(m, k)}
 
 
+def decode_cursors(rng: np.random.Generator, cfg: ModelConfig, slots: int, history: int, context: int,
+                   n: int) -> np.ndarray:
+    """Cursor rows [slots, history + 1] for a synthetic cache: slots 0..n-1 decoding at position
+    context - 1 with a random Engram history, the others at position 0 with none (DEAD)."""
+    cursor = np.zeros((slots, history + 1), np.int64)
+    cursor[:, 1:] = DEAD
+    for i in range(n):
+        cursor[i] = [context - 1, *rng.integers(0, cfg.engram_compressed_vocab_size, history)]
+    return cursor
+
+
 @partial(jax.jit, donate_argnums=(0,))
-def _randomize(cache: Cache, key, cursor) -> Cache:
+def randomize_cache(cache: Cache, key, cursor) -> Cache:
     """Random rows in every PAGE / STATE array (N(0, 1) in its dtype); cursor rows as given."""
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     out = []
@@ -535,15 +546,12 @@ def main(argv=None) -> int:
     # decode request i: slot i, its own pages, position context - 1; the prefill request: slot 0,
     # pages of its own, position 0. Cursor rows: each decode slot at its position.
     rng = np.random.default_rng(args.seed)
-    hist = geom.history
-    cursor = np.zeros((settings.slots, hist + 1), np.int64)
-    cursor[:, 1:] = DEAD
     decode_pages = [engine.pages.allocate(pages_decode) for _ in range(max(batches, default=0))]
-    for i in range(len(decode_pages)):
-        cursor[i] = [args.context - 1, *rng.integers(0, cfg.engram_compressed_vocab_size, hist)]
+    cursor = decode_cursors(rng, cfg, settings.slots, geom.history, args.context,
+                            len(decode_pages))
     prefill_pages = engine.pages.allocate(pages_prefill) if prefills else []
     fill_key = jax.random.key(args.seed + 1, impl="rbg")
-    engine.cache = _randomize(engine.cache, fill_key, jnp.asarray(cursor))
+    engine.cache = randomize_cache(engine.cache, fill_key, jnp.asarray(cursor))
     cursors = engine.cursors()
     clock.log("cache filled")
 
@@ -602,7 +610,7 @@ def main(argv=None) -> int:
 
     def refill():
         if any(x.is_deleted() for x in jax.tree_util.tree_leaves(state["cache"])):
-            state["cache"] = _randomize(allocate(geom), fill_key, jnp.asarray(cursor))
+            state["cache"] = randomize_cache(allocate(geom), fill_key, jnp.asarray(cursor))
 
     def busy() -> int:
         return sum(1 for c in cases if c.thread is not None and c.thread.is_alive())

@@ -25,9 +25,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from scripts.bench_step import _randomize, param_leaf_specs, random_params  # noqa: E402
+from scripts.bench_step import decode_cursors, param_leaf_specs, random_params, randomize_cache  # noqa: E402
 from scripts.make_checkpoint import engram_token_map  # noqa: E402
-from v41_jax.cache.buffer import DEAD  # noqa: E402
 from v41_jax.cache.geometry import EngineSettings  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.layer_runs import layer_runs, stack_runs  # noqa: E402
@@ -60,10 +59,8 @@ def block_outputs(cfg: ModelConfig, tokens: tuple[int, ...], context: int, seed:
     buckets = {t: Bucket(t, 1, t) for t in tokens}
     eng = Engine(params, cfg, settings=settings, buckets=BucketSet(tuple(buckets.values())),
                  numerics=Numerics.fp32(), token_map=np.asarray(engram_token_map(cfg)), record=True)
-    rng = np.random.default_rng(seed)
-    cursor = np.full((1, eng.geom.history + 1), DEAD, np.int64)
-    cursor[0] = [context - 1, *rng.integers(0, cfg.engram_compressed_vocab_size, eng.geom.history)]
-    cache = _randomize(eng.cache, jax.random.key(seed + 1, impl="rbg"), jnp.asarray(cursor))
+    cursor = decode_cursors(np.random.default_rng(seed), cfg, 1, eng.geom.history, context, 1)
+    cache = randomize_cache(eng.cache, jax.random.key(seed + 1, impl="rbg"), jnp.asarray(cursor))
     eng.cache = cache
     span = eng.make_span("d", 0, context - 1, np.array([7], np.int32), eng.pages.allocate(context // PAGE),
                          eng.cursors()[0])
