@@ -79,12 +79,12 @@ def kernel_group(name: str) -> str:
     return re.sub(r"([._-]?\d+)+$", "", name) or name
 
 
-def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str]]:
-    """(report name -> [total ns, launches], the lines read). GPU: the stream lines of the device
-    planes (one event per kernel launch); without a device plane (CPU), the XLA CPU client's op
-    events on the host plane."""
+def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str], list[tuple]]:
+    """(report name -> [total ns, launches], the lines read, every event as (start ns, end ns,
+    report name)). GPU: the stream lines of the device planes (one event per kernel launch);
+    without a device plane (CPU), the XLA CPU client's op events on the host plane."""
     totals: dict[str, list[float]] = {}
-    used = []
+    used, spans = [], []
 
     def add(line, keep):
         used.append(line.name)
@@ -93,6 +93,7 @@ def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str]]:
                 slot = totals.setdefault(kernel_group(ev.name), [0.0, 0])
                 slot[0] += ev.duration_ns
                 slot[1] += 1
+                spans.append((ev.start_ns, ev.start_ns + ev.duration_ns, kernel_group(ev.name)))
 
     planes = list(profile.planes)
     for plane in planes:
@@ -105,27 +106,78 @@ def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str]]:
             for line in plane.lines:
                 if line.name.startswith("tf_XLA") and "Eigen" not in line.name:
                     add(line, lambda ev: ev.duration_ns > 0 and not ev.name.startswith(("Threadpool", "ThunkExecutor", "end:")))
-    return totals, used
+    return totals, used, spans
+
+
+GAP_EDGES_US = (2.0, 5.0, 20.0, 100.0)
+
+
+def device_timeline(spans: list[tuple], calls: int, top: int = 12) -> dict:
+    """Where a call's device span is idle: the events split into calls at gaps longer than half of
+    CALL_PAUSE_S; per call (medians) the span from the first kernel's start to the last one's end,
+    the time some kernel runs (the union of the events: streams may overlap) and the idle rest;
+    the idle gaps by length (counts and ms per call in the bins of GAP_EDGES_US) and the `top`
+    longest gaps with the kernels on either side (all calls)."""
+    spans = sorted(spans)
+    groups, end = [], None
+    for ev in spans:
+        if end is None or ev[0] - end > CALL_PAUSE_S * 0.5e9:
+            groups.append([])
+        groups[-1].append(ev)
+        end = ev[1] if end is None else max(end, ev[1])
+    per_call, gaps = [], []
+    for g in groups:
+        busy, last, prev = 0, g[0][0], g[0]
+        for ev in g:
+            if ev[0] > last:
+                gaps.append((ev[0] - last, prev[2], ev[2]))
+                busy += ev[1] - ev[0]
+            else:
+                busy += max(0, ev[1] - last)
+            if ev[1] >= last:
+                last, prev = ev[1], ev
+        per_call.append((last - g[0][0], busy))
+    ms = lambda ns: round(ns / 1e6, 4)
+    edges = (0.0,) + GAP_EDGES_US + (float("inf"),)
+    bins = []
+    for lo, hi in zip(edges, edges[1:]):
+        sel = [d for d, _, _ in gaps if lo * 1e3 <= d < hi * 1e3]
+        bins.append({"us": [lo, hi if hi < float("inf") else None], "per_call": round(len(sel) / len(groups), 1), "ms_per_call": ms(sum(sel) / len(groups))})
+    return {"calls_found": len(groups), "calls": calls,
+            "span_ms": ms(float(np.median([s for s, _ in per_call]))),
+            "busy_ms": ms(float(np.median([b for _, b in per_call]))),
+            "idle_ms": ms(float(np.median([s - b for s, b in per_call]))),
+            "gaps": bins,
+            "longest_gaps": [{"us": round(d / 1e3, 1), "after": a, "before": b}
+                             for d, a, b in sorted(gaps, reverse=True)[:top]]}
+
+
+# the host's pause between traced calls: longer than any gap inside one call, so the device
+# timeline splits into calls at the gaps longer than half of it
+CALL_PAUSE_S = 0.01
 
 
 def _traced(run, calls: int):
-    """jax.profiler's trace of `calls` calls of `run()`, read back whole (ProfileData), or None."""
+    """jax.profiler's trace of `calls` calls of `run()` (each followed by CALL_PAUSE_S of host
+    sleep), read back whole (ProfileData), or None."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(calls):
                 run()
+                time.sleep(CALL_PAUSE_S)
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         return jax.profiler.ProfileData.from_file(paths[0]) if paths else None
 
 
 def kernel_profile(run, calls: int, top: int = 12) -> dict:
     """Device time by kernel over `calls` calls of `run()` (launch and wait), from a jax.profiler
-    trace: the total per call, the `top` kernels by time (per call: ms, launches, share) and every
-    Pallas kernel's time per call. Kernel time, not wall time: gaps between launches are left out."""
+    trace: the total per call, the `top` kernels by time (per call: ms, launches, share), every
+    Pallas kernel's time per call, and the device timeline of a call (`device_timeline`: its span,
+    and the idle gaps between kernels that the kernel time leaves out)."""
     profile = _traced(run, calls)
     if profile is None:
         return {"error": "the profiler wrote no trace"}
-    totals, lines = _kernel_events(profile)
+    totals, lines, spans = _kernel_events(profile)
     total_ns = sum(t for t, _ in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     per_call = lambda ns: round(ns / calls / 1e6, 4)
@@ -133,7 +185,8 @@ def kernel_profile(run, calls: int, top: int = 12) -> dict:
             "launches_per_call": sum(c for _, c in totals.values()) / calls,
             "kernels": [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
                          "share": round(t / total_ns, 4) if total_ns else 0.0} for n, (t, c) in ranked[:top]],
-            "pallas_ms_per_call": {k: per_call(totals[k][0]) for k in PALLAS_KERNELS if k in totals}}
+            "pallas_ms_per_call": {k: per_call(totals[k][0]) for k in PALLAS_KERNELS if k in totals},
+            "timeline": device_timeline(spans, calls)}
 
 
 def host_events(run, calls: int, top: int = 60) -> list[dict]:

@@ -91,11 +91,13 @@ def _frames(text: str) -> tuple[dict, dict]:
     return where, parent
 
 
-def kernels_by_source(text: str, top: int = 25) -> list[dict]:
+def kernels_by_source(text: str, top: int = 25) -> dict:
     """Top-level kernel instructions of an optimized HLO module (fusions, custom calls, sorts, ...;
     not the instructions inside a fusion) by the innermost model function that traced them (the
     numerics / linear / quant helpers count for their caller), each weighted by the trip counts
-    of the while loops around it (once where XLA records no trip count): launches per call."""
+    of the while loops around it (once where XLA records no trip count): launches per call
+    (`kernels`); and every while loop and conditional with its source, the computation holding it,
+    its known trip count and how often one call reaches it (`loops`)."""
     where, parent = _frames(text)
 
     def owner(frame: int) -> str:
@@ -141,7 +143,17 @@ def kernels_by_source(text: str, top: int = 25) -> list[dict]:
                 static[o] = static.get(o, 0) + 1
                 launches[o] = launches.get(o, 0) + weight(name)
     ranked = sorted(launches, key=lambda o: -launches[o])
-    return [{"source": o, "launches": launches[o], "instructions": static[o]} for o in ranked[:top]]
+    loops = []
+    for name, lines in comps.items():
+        for line in lines:
+            if " while(" in line or " conditional(" in line:
+                m = re.search(r"stack_frame_id=(\d+)", line)
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                loops.append({"op": "while" if " while(" in line else "conditional",
+                              "source": owner(int(m[1])) if m else "?", "in": name,
+                              "trip_count": int(trips[1]) if trips else None, "times_per_call": weight(name)})
+    return {"kernels": [{"source": o, "launches": launches[o], "instructions": static[o]} for o in ranked[:top]],
+            "loops": loops}
 
 
 def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: str, context: int,
@@ -203,8 +215,11 @@ def main(argv=None) -> int:
         rows.append(compile_depth(cfg, n, bucket, NUMERICS[args.numerics](), args.experts, args.context,
                                   args.by_source, args.speculative, scan))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels_by_source"}), flush=True)
-        for k in rows[-1].get("kernels_by_source", []):
+        by = rows[-1].get("kernels_by_source", {})
+        for k in by.get("kernels", []):
             print(f"  {k['launches']:6d} launches ({k['instructions']:4d} in the HLO)  {k['source']}", flush=True)
+        for lp in by.get("loops", []):
+            print(f"  {lp['op']} x{lp['times_per_call']} (trips {lp['trip_count']}) in {lp['in']}: {lp['source']}", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
 

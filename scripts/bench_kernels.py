@@ -471,8 +471,15 @@ def bench_rmsnorm(b: Bench, cfg: dict):
 
 # ---- MoE ----------------------------------------------------------------------------------------
 
+# launch parameters of the grouped GEMM tried at batched-decode sizes (`--sections moe-sweep-decode`)
+DECODE_SWEEP = [("auto", {}), ("bn64", dict(block_n=64)), ("bn256", dict(block_n=256)),
+                ("bk256", dict(block_k=256)), ("bk256s3", dict(block_k=256, num_stages=3)),
+                ("bk512s2", dict(block_k=512, num_stages=2)), ("w8", dict(num_warps=8)),
+                ("bk256w8", dict(block_k=256, num_warps=8)), ("s6", dict(num_stages=6))]
+
+
 def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False,
-              helds: tuple[str, ...] = ("bf16", "fp8", "fp4")):
+              helds: tuple[str, ...] = ("bf16", "fp8", "fp4"), decode_sweep: bool = False):
     d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     limit = cfg["swiglu_limit"]
     if b.smoke:
@@ -579,6 +586,11 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         b.case(f"moe/T{t}/gemv_down_only", lambda: dn(pes, a_s, w2), (), layers=layers,
                flops=2.0 * t * k * d * f, bytes_=t * k * d * f * 2, **meta)
 
+    if decode_sweep:       # batched decode: the grouped GEMM streams the weights of ~all experts
+        grouped = lambda kw: dict(impl="pallas", **kw)
+        for t in ((16,) if b.smoke else (32, 64)):
+            shape_case(t, [(label, grouped(kw)) for label, kw in DECODE_SWEEP], others=False)
+        return
     if b.smoke and not sweep_only:
         shape_case(16, [("auto", {}), ("bm32", dict(block_m=32))])
     elif sweep_only:
@@ -653,7 +665,8 @@ def main(argv=None):
     funcs = {"peak": bench_peak, "head": bench_head, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
              "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
-             "moe-sweep": functools.partial(bench_moe, sweep_only=True), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
+             "moe-sweep": functools.partial(bench_moe, sweep_only=True),
+             "moe-sweep-decode": functools.partial(bench_moe, decode_sweep=True, helds=("fp8", "bf16")), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
     for name in args.sections.split(","):
         if b.left() < 0:
             print(f"skip {name}: budget", flush=True)

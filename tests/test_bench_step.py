@@ -94,6 +94,24 @@ def test_kernel_profile_attributes_device_time_to_kernels():
     assert kernel_group("moe_gemv_down") == "moe_gemv_down" and kernel_group("moe_down") == "moe_down"
 
 
+def test_device_timeline_splits_calls_and_measures_idle_gaps():
+    """Two calls 20 ms apart; in each, two overlapping kernels (on two streams) then a 3 us and a
+    30 us gap: the span, the busy union and the idle rest per call, the gaps in their bins."""
+    from scripts.bench_common import device_timeline
+    us = 1000
+    def call(t0):
+        return [(t0, t0 + 10 * us, "a"), (t0 + 5 * us, t0 + 12 * us, "b"),
+                (t0 + 15 * us, t0 + 16 * us, "c"), (t0 + 46 * us, t0 + 50 * us, "d")]
+    tl = device_timeline(call(0) + call(20_000 * us), 2)
+    assert tl["calls_found"] == 2
+    assert tl["span_ms"] == pytest.approx(0.050) and tl["busy_ms"] == pytest.approx(0.017)
+    assert tl["idle_ms"] == pytest.approx(0.033)
+    counts = {tuple(b["us"]): b["per_call"] for b in tl["gaps"]}
+    assert counts[(2.0, 5.0)] == 1 and counts[(20.0, 100.0)] == 1 and sum(counts.values()) == 2
+    assert tl["longest_gaps"][0] == {"us": 30.0, "after": "c", "before": "d"}
+    assert tl["longest_gaps"][2] == {"us": 3.0, "after": "b", "before": "c"}
+
+
 def test_bench_compile_cuts_configs_and_matches_the_loaders_layout():
     """scripts/bench_compile.py: every cut of the released config is a valid config whose layers
     are the released ones; its abstract params have the loader's layout (bench_step's specs)."""
@@ -114,9 +132,14 @@ def test_bench_compile_cuts_configs_and_matches_the_loaders_layout():
     text = jax.jit(_loop_then_sort).lower(np.ones(64, np.float32)).compile().as_text()
     counts = bc.hlo_counts(text)
     assert counts["while_loops"] == 1 and counts["instructions"] > counts["fusions"] >= 0
-    by = {k["source"].split(":")[-1]: k for k in bc.kernels_by_source(text)}
+    found = bc.kernels_by_source(text)
+    by = {k["source"].split(":")[-1]: k for k in found["kernels"]}
     # the sort is one launch; the loop body's kernels run 7 times each
     assert by["_loop_then_sort"]["launches"] >= 1 and by["_doubled"]["launches"] == 7 * by["_doubled"]["instructions"] > 0
+    # the one loop, traced in _loop_then_sort, its trip count known, reached once a call
+    [loop] = found["loops"]
+    assert loop["op"] == "while" and loop["source"].endswith(":_loop_then_sort")
+    assert loop["trip_count"] == 7 and loop["times_per_call"] == 1
 
 
 def _doubled(i, x):
