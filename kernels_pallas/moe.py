@@ -106,7 +106,10 @@ def tile_table(sizes: jax.Array, block_m: int, n_pairs: int):
     ends = jnp.cumsum(per)
     starts = jnp.cumsum(sizes) - sizes                                # first sorted row per expert
     i = jnp.arange(n_tiles, dtype=jnp.int32)
-    e = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+    # compare_all: one [tiles, E] comparison fusion. The default binary search is a while loop,
+    # and on the H200 each such loop of a step (one per MoE layer) left the GPU idle ~75 us
+    # between its graph's condition node and its body (bench_step's timeline, 2026-12-04)
+    e = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)
     live = e < n_exp
     ec = jnp.minimum(e, n_exp - 1)
     first = starts[ec] + (i - (ends[ec] - per[ec])) * block_m

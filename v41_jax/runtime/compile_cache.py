@@ -59,15 +59,23 @@ def enable(path: str | None = None) -> str | None:
     return folder
 
 
-# XLA command buffers (CUDA graphs) for every kind of kernel, however small the graph: a decode
-# step is ~750 kernels, and launched one by one their launch costs as long as the step itself. On
-# the H200 (bench slice, batch 1, BENCHMARKS.md "Engine loop") the step took 6.1 ms with XLA's
-# defaults and 4.1 ms with these, and its launch returned in 0.5-0.9 ms instead of after 6.0 ms.
-# Measured on CUDA only: ROCm keeps XLA's defaults until measured there. XLA_FLAGS that name
-# either option win (the user's choice).
-CUDA_COMMAND_BUFFERS = {
+# XLA options for the step's executables on CUDA. Measured on CUDA only: ROCm keeps XLA's
+# defaults until measured there. XLA_FLAGS that name an option win (the user's choice).
+CUDA_OPTIONS = {
+    # command buffers (CUDA graphs) for every kind of kernel, however small the graph: a decode
+    # step is ~450-750 kernels, and launched one by one their launch costs as long as the step
+    # itself. On the H200 (bench slice, batch 1, BENCHMARKS.md "Engine loop") the step took 6.1 ms
+    # with XLA's defaults and 4.1 ms with these, its launch returning in 0.5-0.9 ms, not 6.0 ms.
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
     "xla_gpu_graph_min_graph_size": 1,
+    # XLA's own sort kernels, not CUB's radix sort: a CUB sort cannot be captured in a command
+    # buffer, so the sampler's `lax.cond` around its vocabulary sort (runtime/sampling.py) ran on
+    # the host, which waited for the predicate mid-step, split the step into three graphs, and
+    # could not queue the next step behind it (H200, bench slice: a batch-1 step's host-side
+    # conditional took 2.3 ms; BENCHMARKS.md, 2026-12-04). XLA's sort of the 129,280-entry rows
+    # measured 0.34 vs 0.25 ms at 1 row, 0.53 vs 0.59 at 8 and 1.29 vs 1.39 at 32, and only
+    # sampled steps run it.
+    "xla_gpu_enable_cub_radix_sort": False,
 }
 
 
@@ -77,7 +85,7 @@ def compiler_options() -> dict:
     if backend.platform != "gpu" or "cuda" not in backend.platform_version.lower():
         return {}
     flags = os.environ.get("XLA_FLAGS", "")
-    return {k: v for k, v in CUDA_COMMAND_BUFFERS.items() if k not in flags}
+    return {k: v for k, v in CUDA_OPTIONS.items() if k not in flags}
 
 
 def _source_digest() -> str:
