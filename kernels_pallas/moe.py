@@ -566,15 +566,19 @@ def auto_impl(tokens: int, w1, w3, w2, numerics: Numerics) -> str:
     return choose_impl(tokens, moe_mgpu.available() and mgpu_ok(w1, w3, w2, numerics))
 
 
-def launch_config(block_m: int) -> dict:
+def launch_config(block_m: int, coded: bool = False) -> dict:
     """Measured Triton parameters per tile height: 128-row tiles need 8 warps for their two fp32
     [128, 128] accumulators (2.2x over 4 warps at 2048 tokens); short decode tiles are weight
-    streams that like a deeper K step."""
+    streams that like a deeper K step. `coded`: the experts are held as FP8 rows / FP4, decoded in
+    registers; their short tiles run 4-8 % faster on 64-column blocks (more programs in flight for
+    the decode work; H200, 16-128 tokens, 64 experts: 0.62 -> 0.59, 0.77 -> 0.71, 0.79 -> 0.74,
+    0.86 -> 0.83 ms), while bf16 tiles stream at the bandwidth limit with any width
+    (BENCHMARKS.md, 2026-12-04)."""
     if block_m >= 128:
-        return dict(block_k=64, num_warps=8, num_stages=3)
+        return dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
     if block_m <= 32:
-        return dict(block_k=128, num_warps=4, num_stages=4)
-    return dict(block_k=64, num_warps=4, num_stages=3)
+        return dict(block_n=64 if coded else 128, block_k=128, num_warps=4, num_stages=4)
+    return dict(block_n=128, block_k=64, num_warps=4, num_stages=3)
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
@@ -596,7 +600,7 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
 
     backend "xla" (or numerics.block_gemm) -> the reference's per-token loop; "pallas" -> `impl`
     ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity" | "mgpu"; None = `choose_impl`, the fastest exact
-    one measured on the H200). Launch parameters default to `launch_config(block_m)`; for
+    one measured on the H200). Launch parameters default to `launch_config(block_m, coded)`; for
     "capacity", block_m is the rows per expert and round (default `capacity_rows`).
 
     stack_index: w1/w3/w2 are [L, E, ...] stacks (a scanned run's, `v41_jax/model/layer_runs.py`)
@@ -659,9 +663,9 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
     if impl != "pallas":
         raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
     bm = block_m or default_block_m(idx.size, n_exp)
-    cfg = launch_config(bm)
+    cfg = launch_config(bm, coded=any(isinstance(w_, (Fp8RowWeight, Fp4Weight)) for w_ in (w1, w3, w2)))
     return _routed_pallas(x, idx, w, w1, w3, w2, base, bm=bm,
-                          **tiles(block_n or fit(128), block_k or fit(cfg["block_k"])),
+                          **tiles(block_n or fit(cfg["block_n"]), block_k or fit(cfg["block_k"])),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],
                           interpret=_backend.interpret(), **kw)

@@ -4,7 +4,7 @@ and an HBM roofline ratio, on random weights generated on the device.
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
         [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N] [--compare-kernel sinkhorn|rmsnorm | --compare-scan] [--layers N] [--routed-experts E]
+        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm | --compare-scan] [--layers N] [--routed-experts E]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -32,7 +32,12 @@ size (batch 1, position 0, one logits row). Each case is lowered in the main thr
 compile starts at once in a thread of its own (so compiles overlap each other and the next
 lowerings: per-bucket compile seconds include that contention). Cases are then timed in order as
 soon as each compile is done: the first call, `--warmup` calls, then the median of up to `--iters`
-calls (`block_until_ready` on the logits and the cache). A case timed while other compiles were
+calls (`block_until_ready` on the logits and the cache), and `back_to_back_ms`: `--iters` calls
+queued without a wait, each on the previous call's cache, as the engine's loop runs them (the
+previous call's logits stay alive here, so each call's outputs land at new addresses and XLA
+re-records its command buffer: at batch 1 that host work, not the device, can bound the figure;
+scripts/bench_runtime.py times the engine's own loop). `--profile N` adds the device time by kernel
+and the device timeline (`bench_common.device_timeline`), `--host-events N` the host's trace. A case timed while other compiles were
 still running (XLA's autotuning runs on the GPU) is timed again at the end when time is left; the
 first figures stay under `during_compiles`. Also per case: the executable's memory analysis and the
 host time to build one batch (`make_span` + `build_step`: Engram hashing and table gathers).
