@@ -148,3 +148,16 @@ def _doubled(i, x):
 
 def _loop_then_sort(a):
     return jnp.sort(jax.lax.fori_loop(0, 7, _doubled, a))
+
+
+def test_bench_sampler_times_both_sorts_and_both_kinds_of_rows(tmp_path):
+    """scripts/bench_sampler.py on a small vocabulary: the engine's options and CUB's sort, greedy
+    and sampled rows, each timed both ways, with the host events it watches."""
+    import json
+    from scripts import bench_sampler
+    out = tmp_path / "s.json"
+    assert bench_sampler.main(["--out", str(out), "--rows", "2", "--vocab", "512", "--iters", "2"]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert {(c["variant"], c["temperature"]) for c in cases} == {(v, t) for v in ("engine", "cub") for t in (0.0, 1.0)}
+    assert all(c["rows"] == 2 and c["sync_ms"] > 0 and c["back_to_back_ms"] > 0 for c in cases)
+    assert all(all(any(w in n for w in bench_sampler.WATCH) for n in c["host_events"]) for c in cases)
