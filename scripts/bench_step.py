@@ -35,8 +35,9 @@ soon as each compile is done: the first call, `--warmup` calls, then the median 
 calls (`block_until_ready` on the logits and the cache), and `back_to_back_ms`: `--iters` calls
 queued without a wait, each on the previous call's cache, as the engine's loop runs them (the
 previous call's logits stay alive here, so each call's outputs land at new addresses and XLA
-re-records its command buffer: at batch 1 that host work, not the device, can bound the figure;
-scripts/bench_runtime.py times the engine's own loop). `--profile N` adds the device time by kernel
+re-records its command buffer: at batch 1 that host work, not the device, can bound the figure),
+and `back_to_back_outputs_dropped_ms`, the same with each call's logits dropped at once
+(scripts/bench_runtime.py times the engine's own loop). `--profile N` adds the device time by kernel
 and the device timeline (`bench_common.device_timeline`), `--host-events N` the host's trace. A case timed while other compiles were
 still running (XLA's autotuning runs on the GPU) is timed again at the end when time is left; the
 first figures stay under `during_compiles`. Also per case: the executable's memory analysis and the
@@ -672,6 +673,10 @@ def main(argv=None) -> int:
             row["back_to_back_ms"] = 1e3 * back_to_back_s(
                 lambda: state.update(zip(("logits", "cache"), fn(state["cache"]))),
                 lambda: (state["logits"], state["cache"]), args.iters)
+            # the same with each call's logits dropped at once: its outputs then land where the
+            # previous call's did, so XLA need not re-record the command buffer
+            row["back_to_back_outputs_dropped_ms"] = 1e3 * back_to_back_s(
+                lambda: state.update(cache=fn(state["cache"])[1]), lambda: state["cache"], args.iters)
             if not np.isfinite(np.asarray(state["logits"], np.float32)).all():
                 row["warning"] = "non-finite logits"
         except Exception as err:  # noqa: BLE001
