@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # python scripts/bench_compile.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from scripts.bench_common import cut  # noqa: E402
 from scripts.bench_step import NUMERICS, param_leaf_specs  # noqa: E402
@@ -91,13 +92,18 @@ def _frames(text: str) -> tuple[dict, dict]:
     return where, parent
 
 
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
 def kernels_by_source(text: str, top: int = 25) -> dict:
     """Top-level kernel instructions of an optimized HLO module (fusions, custom calls, sorts, ...;
     not the instructions inside a fusion) by the innermost model function that traced them (the
     numerics / linear / quant helpers count for their caller), each weighted by the trip counts
     of the while loops around it (once where XLA records no trip count): launches per call
     (`kernels`); and every while loop and conditional with its source, the computation holding it,
-    its known trip count and how often one call reaches it (`loops`)."""
+    its known trip count and how often one call reaches it (`loops`); every top-level copy (a
+    memcpy on a GPU) with its shape, bytes and source, largest traffic first (`copies`)."""
     where, parent = _frames(text)
 
     def owner(frame: int) -> str:
@@ -143,17 +149,22 @@ def kernels_by_source(text: str, top: int = 25) -> dict:
                 static[o] = static.get(o, 0) + 1
                 launches[o] = launches.get(o, 0) + weight(name)
     ranked = sorted(launches, key=lambda o: -launches[o])
-    loops = []
+    loops, copies = [], []
     for name, lines in comps.items():
         for line in lines:
+            m = re.search(r"stack_frame_id=(\d+)", line)
+            source = owner(int(m[1])) if m else "?"
             if " while(" in line or " conditional(" in line:
-                m = re.search(r"stack_frame_id=(\d+)", line)
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                loops.append({"op": "while" if " while(" in line else "conditional",
-                              "source": owner(int(m[1])) if m else "?", "in": name,
+                loops.append({"op": "while" if " while(" in line else "conditional", "source": source, "in": name,
                               "trip_count": int(trips[1]) if trips else None, "times_per_call": weight(name)})
+            shape = re.search(r"= (\w+)\[([\d,]*)\]\S* copy(?:-start)?\(", line)
+            if shape and name not in applied:
+                n = int(np.prod([int(x) for x in shape[2].split(",") if x]))
+                copies.append({"shape": f"{shape[1]}[{shape[2]}]", "bytes": n * _BYTES.get(shape[1], 4),
+                               "source": source, "times_per_call": weight(name)})
     return {"kernels": [{"source": o, "launches": launches[o], "instructions": static[o]} for o in ranked[:top]],
-            "loops": loops}
+            "loops": loops, "copies": sorted(copies, key=lambda c: -c["bytes"] * c["times_per_call"])}
 
 
 def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: str, context: int,
@@ -220,6 +231,8 @@ def main(argv=None) -> int:
             print(f"  {k['launches']:6d} launches ({k['instructions']:4d} in the HLO)  {k['source']}", flush=True)
         for lp in by.get("loops", []):
             print(f"  {lp['op']} x{lp['times_per_call']} (trips {lp['trip_count']}) in {lp['in']}: {lp['source']}", flush=True)
+        for cp in by.get("copies", [])[:args.by_source]:
+            print(f"  copy x{cp['times_per_call']} {cp['shape']} ({cp['bytes'] / 2**20:.2f} MiB): {cp['source']}", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
 

@@ -142,6 +142,20 @@ def test_bench_compile_cuts_configs_and_matches_the_loaders_layout():
     assert loop["trip_count"] == 7 and loop["times_per_call"] == 1
 
 
+def test_kernels_by_source_lists_the_copies():
+    """An input kept and updated out of place: XLA copies it (twice on XLA:CPU); each top-level
+    copy is listed with its shape and bytes."""
+    from scripts import bench_compile as bc
+    text = jax.jit(_kept_and_updated).lower(np.ones((64, 32), np.float32)).compile().as_text()
+    copies = bc.kernels_by_source(text)["copies"]
+    assert copies and all(c["shape"] == "f32[64,32]" and c["bytes"] == 64 * 32 * 4 and c["times_per_call"] == 1
+                          for c in copies)
+
+
+def _kept_and_updated(a):
+    return a, a.at[0].set(1.0)
+
+
 def _doubled(i, x):
     return jnp.sin(x * 2.0 + i)
 
