@@ -109,6 +109,11 @@ def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str], list[tup
     return totals, used, spans
 
 
+# the host's pause between traced calls: longer than any gap inside one call, so the device
+# timeline splits into calls at the gaps longer than half of it
+CALL_PAUSE_S = 0.01
+
+
 GAP_EDGES_US = (2.0, 5.0, 20.0, 100.0)
 
 
@@ -150,11 +155,6 @@ def device_timeline(spans: list[tuple], calls: int, top: int = 12) -> dict:
             "gaps": bins,
             "longest_gaps": [{"us": round(d / 1e3, 1), "after": a, "before": b}
                              for d, a, b in sorted(gaps, reverse=True)[:top]]}
-
-
-# the host's pause between traced calls: longer than any gap inside one call, so the device
-# timeline splits into calls at the gaps longer than half of it
-CALL_PAUSE_S = 0.01
 
 
 def _traced(run, calls: int):

@@ -92,8 +92,10 @@ def _frames(text: str) -> tuple[dict, dict]:
     return where, parent
 
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+def _element_bytes(hlo_type: str) -> int:
+    """Bytes of one element of an HLO element type: its first number is its width in bits
+    (f32, bf16, s8, f8e4m3fn, ...); pred is a byte."""
+    return 1 if hlo_type == "pred" else max(1, int(re.search(r"\d+", hlo_type)[0]) // 8)
 
 
 def kernels_by_source(text: str, top: int = 25) -> dict:
@@ -161,7 +163,7 @@ def kernels_by_source(text: str, top: int = 25) -> dict:
             shape = re.search(r"= (\w+)\[([\d,]*)\]\S* copy(?:-start)?\(", line)
             if shape and name not in applied:
                 n = int(np.prod([int(x) for x in shape[2].split(",") if x]))
-                copies.append({"shape": f"{shape[1]}[{shape[2]}]", "bytes": n * _BYTES.get(shape[1], 4),
+                copies.append({"shape": f"{shape[1]}[{shape[2]}]", "bytes": n * _element_bytes(shape[1]),
                                "source": source, "times_per_call": weight(name)})
     return {"kernels": [{"source": o, "launches": launches[o], "instructions": static[o]} for o in ranked[:top]],
             "loops": loops, "copies": sorted(copies, key=lambda c: -c["bytes"] * c["times_per_call"])}
