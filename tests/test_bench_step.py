@@ -166,7 +166,7 @@ def _loop_then_sort(a):
 
 def test_bench_sampler_times_both_sorts_and_both_kinds_of_rows(tmp_path):
     """scripts/bench_sampler.py on a small vocabulary: the engine's options and CUB's sort, greedy
-    and sampled rows, each timed both ways, with the host events it watches."""
+    and sampled rows, each timed both ways, with the conditional found in the host's trace."""
     import json
     from scripts import bench_sampler
     out = tmp_path / "s.json"
@@ -174,4 +174,5 @@ def test_bench_sampler_times_both_sorts_and_both_kinds_of_rows(tmp_path):
     cases = json.loads(out.read_text())["cases"]
     assert {(c["variant"], c["temperature"]) for c in cases} == {(v, t) for v in ("engine", "cub") for t in (0.0, 1.0)}
     assert all(c["rows"] == 2 and c["sync_ms"] > 0 and c["back_to_back_ms"] > 0 for c in cases)
-    assert all(all(any(w in n for w in bench_sampler.WATCH) for n in c["host_events"]) for c in cases)
+    # XLA:CPU runs every conditional on the host: each case's trace shows it by name
+    assert all(any(n.startswith("cond") for n in c["host_events"]) for c in cases)
