@@ -474,7 +474,9 @@ def bench_rmsnorm(b: Bench, cfg: dict):
 # launch parameters of the grouped GEMM tried at batched-decode sizes (`--sections moe-sweep-decode`,
 # FP8 rows and bf16)
 # (a first sweep, 2026-12-04, FP8 rows at 32 / 64 tokens: 256-column blocks, a K step of 256
-# with any stages / warps, and 6 stages were 1.2-1.4x slower than the default; 64 columns faster)
+# with any stages / warps, and 6 stages were 1.2-1.4x slower than the default; 64 columns faster;
+# a second, the weight tile as the MMA's first operand (transposed product, 64 / 128 weight rows):
+# 1.2-1.5x slower for FP8 rows, equal for bf16)
 DECODE_SWEEP = [("auto", {}), ("bn64", dict(block_n=64)), ("bn32", dict(block_n=32)),
                 ("bn64w8", dict(block_n=64, num_warps=8)), ("bn64s3", dict(block_n=64, num_stages=3)),
                 ("bn64bk64", dict(block_n=64, block_k=64))]
