@@ -151,12 +151,14 @@ def _fp4_halves(codes, scale):
 
 
 def _e4m3_as(codes, dtype):
-    """E4M3 codes (uint8) -> their values in `dtype`, exactly, by way of fp16: every E4M3 value is
-    an fp16 (3 mantissa bits, exponents -9..8), and E4M3 -> fp16 is one hardware conversion per two
-    values on sm89+, where Triton's direct E4M3 -> bf16 takes a longer route. H200, FP8-row grouped
-    GEMM at 16-64 decode tokens: 0.61 -> 0.51, 0.77 -> 0.61, 0.75 -> 0.62 ms (2.95 -> 3.7 TB/s;
-    BENCHMARKS.md, 2026-12-04 b)."""
-    return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(dtype)
+    """E4M3 codes (uint8) -> their values in `dtype`, exactly. A 16-bit target goes by way of fp16:
+    every E4M3 value is an fp16 (3 mantissa bits, exponents -9..8), E4M3 -> fp16 is one hardware
+    conversion per two values on sm89+, and Triton's direct E4M3 -> bf16 takes a longer route
+    (H200, FP8-row grouped GEMM at 16 / 32 / 128 decode tokens: 0.63 -> 0.49, 0.77 -> 0.59,
+    0.82 -> 0.64 ms). An fp32 target converts directly: by way of fp16 the one-token GEMV ran
+    0.097 -> 0.106 ms (BENCHMARKS.md, 2026-12-04 b)."""
+    e4m3 = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return e4m3.astype(jnp.float16 if jnp.dtype(dtype).itemsize == 2 else dtype).astype(dtype)
 
 
 def _weight_halves(w_ref, e, rows, k0, bk):

@@ -117,8 +117,8 @@ def test_fp4_tile_decode_is_exact_for_every_byte_and_scale():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_e4m3_decode_by_way_of_fp16_is_exact_for_every_code(dtype):
-    """The kernels decode E4M3 through fp16 (a faster conversion on the GPU): every one of the 256
+def test_e4m3_decode_is_exact_for_every_code(dtype):
+    """The kernels decode E4M3 to 16 bits through fp16 (a faster conversion on the GPU): each of the 256
     codes, NaNs and -0.0 included, must come out with the bits of ml_dtypes' direct decode."""
     codes = np.arange(256, dtype=np.uint8)
     got = np.asarray(jax.jit(kmoe._e4m3_as, static_argnums=1)(jnp.asarray(codes), dtype))
