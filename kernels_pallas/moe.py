@@ -548,15 +548,16 @@ def _routed_capacity(x, idx, w, w1, w3, w2, *, numerics, limit, capacity):
 
 def choose_impl(tokens: int, mosaic: bool = False) -> str:
     """The fastest exact implementation for a step, from the H200 measurements (BENCHMARKS.md,
-    5120 / 2304, top-6, 64 and 384 experts): up to 8 tokens -> "gemv" (one weight stream per
-    pair: 0.72 ms at eight tokens against the reference loop's 0.85 with 64 experts; they tie at
-    one token, 0.14-0.15); from 2,048 tokens, where `mosaic` (the Mosaic GPU path can run:
+    5120 / 2304, top-6, 64 and 384 experts): up to 2 tokens -> "gemv" (one weight stream per
+    pair: FP8 rows 0.100 / 0.154 ms at 1 / 2 tokens against the grouped GEMM's 0.118 / 0.186; from
+    4 tokens the grouped GEMM leads, 0.212 vs 0.226 at 4, 0.365 vs 0.405 at 8, and bf16 the same
+    way; 3 was not measured); from 2,048 tokens, where `mosaic` (the Mosaic GPU path can run:
     `mgpu_ok`) -> "mgpu" (2.27-2.33 vs 2.46-2.58 ms at 2K tokens, 7.0 vs 7.8-8.0 at 8K; slower at
     512: 1.5-2.0 vs 1.36-1.41); otherwise the Pallas grouped GEMM, which also beats the dense
     all-experts GEMM where every expert is busy (1.12 / 1.20 vs 1.17 / 1.38 ms at 32 / 128 tokens
     with 64 experts; 5.3 / 6.1 vs 7.8 / 12.2 ms at 128 / 256 tokens with 384) and the
     fixed-capacity dispatch (1.36 / 2.53 / 7.85 vs 1.70 / 2.94 / 9.39 ms at 512 / 2K / 8K)."""
-    if tokens <= 8:
+    if tokens <= 2:
         return "gemv"
     return "mgpu" if mosaic and tokens >= 2048 else "pallas"
 

@@ -270,11 +270,12 @@ def test_single_token_decode(impl):
 
 def test_choose_impl_follows_the_measurements():
     assert kmoe.choose_impl(1) == "gemv"
-    assert kmoe.choose_impl(8) == "gemv"         # 48 pairs: one weight stream each
-    assert kmoe.choose_impl(9) == "pallas"
+    assert kmoe.choose_impl(2) == "gemv"         # 12 pairs: one weight stream each
+    assert kmoe.choose_impl(4) == "pallas"       # from here the grouped GEMM's shared tiles win
+    assert kmoe.choose_impl(8) == "pallas"
     assert kmoe.choose_impl(32) == "pallas"      # every expert busy: still ahead of dense
     assert kmoe.choose_impl(2048) == "pallas"
-    assert kmoe.choose_impl(8, mosaic=True) == "gemv"
+    assert kmoe.choose_impl(2, mosaic=True) == "gemv"
     assert kmoe.choose_impl(512, mosaic=True) == "pallas"   # the Mosaic path is slower there
     assert kmoe.choose_impl(2048, mosaic=True) == "mgpu"
 
