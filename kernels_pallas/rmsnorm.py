@@ -13,11 +13,12 @@ the whole statistic.
 
 Order: torch's CPU sum (`numerics.cascade_sum`). Up to its last stage that sum is elementwise over
 rows of 32 values (4 accumulators of 8 lanes), so the program holds [rows, 32] partial sums. The
-first stage goes run by run (`numerics.cascade_step` chunks of 32: 16 up to D = 2^24): a loop over
-the runs sums a run's chunks in order and folds it into the cascade's levels
-(`numerics.cascade_fold`, the step the XLA path's `cascade_chunks` unrolls), so the kernel holds
-one run's loads whatever D (the loads of every chunk, unrolled, kept Triton's compile past 470 s
-at the mHC width). The chunks of a short last run past D are masked loads of +0. The last stage
+first stage goes by runs (`numerics.cascade_step` chunks of 32: 16 up to D = 2^24): a loop whose
+step sums the chunks of one run, or of 8 runs side by side on wide rows, each run in order, then
+folds them into the cascade's levels in run order (`numerics.cascade_fold`, the step the XLA
+path's `cascade_chunks` unrolls; a run is taken out of the side-by-side sums by a masked sum), so
+the kernel holds one step's loads whatever D (the loads of every chunk, unrolled, kept Triton's
+compile past 470 s at the mHC width). The chunks of a short last run past D are masked loads of +0. The last stage
 (`numerics.combine_lanes`) takes 8-wide windows and single columns of those register tensors,
 which Triton cannot slice: a masked sum picks them out. Both maskings are exact, because every
 added term is +0 and v + 0 = v for every v except -0.0, which no value here is (a square is >= +0,
@@ -60,6 +61,15 @@ def _window(a: jax.Array, p: int) -> jax.Array:
     return jnp.sum(jnp.where(take[None], a[:, :, None], 0.0), axis=1)
 
 
+# runs of the cascade summed side by side in one loop step where a row has many: their loads are
+# independent, so the row waits for a few dependent steps, not one per run. H200, one warp a row:
+# the mHC width (40 runs) 10.6-12.1 -> 6.4-7.5 us a call at 1-64 rows; the hidden width (10 runs)
+# ran 3.4-3.8 us run by run and 5.0-5.3 side by side, so rows of fewer than WIDE_RUNS runs go one
+# run a step (BENCHMARKS.md, 2026-12-04 b). Runs past the last are masked, so the kernel's size
+# depends on D only through that choice.
+RUNS_AT_ONCE, WIDE_RUNS = 8, 32
+
+
 def _rms_inv_kernel(x_ref, o_ref, *, eps: float, bt: int):
     t, d = x_ref.shape
     first = pl.program_id(0) * bt
@@ -72,19 +82,34 @@ def _rms_inv_kernel(x_ref, o_ref, *, eps: float, bt: int):
         return rounded(v * v)
 
     n_chunks, n_rest = divmod(d, CHUNK)
-    step, rows = cascade_step(n_chunks), pl.ds(first, bt)
+    step = cascade_step(n_chunks)
+    n_runs = pl.cdiv(n_chunks, step)
+    g = RUNS_AT_ONCE if n_runs >= WIDE_RUNS else 1
+    slot = jax.lax.broadcasted_iota(jnp.int32, (g,), 0)
 
-    def chunk(c) -> jax.Array:
-        # chunk c of the rows; past the last one (in a short last run) masked to +0
-        return squares((rows, pl.ds(c * CHUNK, CHUNK)),
-                       jnp.broadcast_to(live[:, None] & (c < n_chunks), (bt, CHUNK)))
+    def add_runs(i, levels: tuple) -> tuple:
+        """Runs i*G .. i*G+G-1: each one's chunks summed in order, side by side, then folded into
+        the cascade in run order (those past the last run leave the levels as they are)."""
+        runs = i * g + slot                                              # [G] run ids
 
-    def add_run(k, levels: tuple) -> tuple:
-        run = functools.reduce(operator.add, [chunk(k * step + j) for j in range(step)])
-        return cascade_fold(levels, run, k, (k + 1) * step <= n_chunks, step)
+        def chunk(j) -> jax.Array:
+            # chunk j of each run, [bt, G, 32]; past the last chunk (a short last run, runs past
+            # the last) masked to +0
+            c = runs * step + j
+            cols = c[None, :, None] * CHUNK + lane[None, None, :]
+            mask = jnp.broadcast_to(live[:, None, None] & (c < n_chunks)[None, :, None], (bt, g, CHUNK))
+            return squares((r[:, None, None], cols), mask)
+
+        sums = functools.reduce(operator.add, [chunk(j) for j in range(step)])  # each run in order
+        for s_ in range(g):
+            k = i * g + s_
+            run = jnp.sum(jnp.where((slot == s_)[None, :, None], sums, 0.0), axis=1)   # [bt, 32]
+            folded = cascade_fold(levels, run, k, (k + 1) * step <= n_chunks, step)
+            levels = tuple(jnp.where(k < n_runs, a, b) for a, b in zip(folded, levels))
+        return levels
 
     zero = jnp.zeros((bt, CHUNK), jnp.float32)
-    part = cascade_total(jax.lax.fori_loop(0, pl.cdiv(n_chunks, step), add_run, (zero,) * 4))
+    part = cascade_total(jax.lax.fori_loop(0, pl.cdiv(n_runs, g), add_runs, (zero,) * 4))
     # the values past the last full chunk, +0 after them: addressed by index vectors, because a
     # static slice reaching past D is refused even where masked
     rest = squares((r[:, None], n_chunks * CHUNK + lane[None, :]),

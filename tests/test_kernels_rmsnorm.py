@@ -9,8 +9,8 @@ The widths reach every part of torch's sum order (`numerics.cascade_chunks` / `c
 no full 32-wide chunk (1, 7, 20), whole 8-lane vectors past the chunks (8, 56), a scalar tail
 (7, 20, 100, 1000, 9000), exact multiples of 32 (32, 256), an open level-0 run (100, 1000), and
 level-1 groups of 16 runs beside an open run (9000: 281 chunks), a level-2 group moved up into
-level 3 (131211: 4100 chunks, 256 runs). The real mHC width (4 x 5120 = 20480) is checked on the
-GPU by scripts/bench_kernels.py --sections rmsnorm.
+level 3 (131211: 4100 chunks, 256 runs); rows of >= 32 runs (the kernel sums 8 runs side by side:
+the mHC width 4 x 5120 = 20480, 40 runs, and 131211) and of fewer (one run a loop step).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _bits(a) -> np.ndarray:
     (1, 1, 1, jnp.float32), (7, 3, 1, jnp.bfloat16), (8, 33, 4, jnp.float32),
     (20, 33, 4, jnp.bfloat16), (32, 1, 1, jnp.bfloat16), (56, 3, 2, jnp.float32),
     (100, 33, 4, jnp.float32), (256, 3, 1, jnp.bfloat16), (1000, 3, 2, jnp.bfloat16),
-    (9000, 3, 2, jnp.float32), (131211, 2, 1, jnp.float32),
+    (9000, 3, 2, jnp.float32), (20480, 5, 2, jnp.float32), (131211, 2, 1, jnp.float32),
 ])
 def test_kernel_equals_xla_path_bit_for_bit(d, t, bt, dtype):
     rng, seed = fresh_rng()
@@ -93,13 +93,14 @@ def _triton_ops(d: int) -> collections.Counter:
         return collections.Counter(op.name for op in _walk(kernel.operation))
 
 
-@pytest.mark.parametrize("widths", [(1024, 16384, 20480), (1000, 9000)])
+@pytest.mark.parametrize("widths", [(1024, 5120), (16384, 20480, 32768), (1000, 9000)])
 def test_kernel_size_does_not_grow_with_the_width(widths):
-    """The kernel loops over the cascade's runs, one run's loads in its body. Widths with the same
-    rest (D mod 32) and run length (`numerics.cascade_step`: 16 chunks for all of these) trace to
-    the same kernel with other constants (D, the chunk count, the loop's trip count), so their
-    Triton modules hold exactly the same ops; unrolled chunk loads (the kernel before this
-    test) grew from 33 loads at D = 1024 to 641 at 20480."""
+    """The kernel loops over the cascade's runs, one run's (or, from `rmsnorm.WIDE_RUNS` runs, 8
+    runs') loads in its body. Widths with the same rest (D mod 32), run length
+    (`numerics.cascade_step`: 16 chunks for all of these) and runs per step trace to the same kernel
+    with other constants (D, the chunk count, the loop's trip count), so their Triton modules hold
+    exactly the same ops; unrolled chunk loads (the kernel before this test) grew from 33 loads at
+    D = 1024 to 641 at 20480."""
     ops = [_triton_ops(d) for d in widths]
     for d, o in zip(widths[1:], ops[1:]):
         assert o == ops[0], f"D={d}: {sum(o.values())} ops ({o['tt.load']} loads), " \
