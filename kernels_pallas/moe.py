@@ -23,7 +23,7 @@ Held expert formats (`load_params(experts=)`, the same values in each): a bf16 [
 `Fp8RowWeight` (E4M3 codes, one fp8 conversion per weight in registers, the row's power-of-two
 scale on the GEMM's output columns after the K loop: exact); `Fp4Weight` (the published E2M1 +
 E8M0 per 32, decoded in registers). Every kernel takes each of w1, w3, w2 in any of them. H200:
-FP8 rows 1.3-1.8x faster than bf16 at 1-128 tokens (half the bytes), 0.66x at >= 2K (the decode
+FP8 rows 1.4-1.9x faster than bf16 at 1-128 tokens (half the bytes), 0.66x at >= 2K (the decode
 in the MMA path); FP4 slower than bf16 everywhere (BENCHMARKS.md).
 
 Accumulation: one fp32 dot per GEMM (the `fast` policy; only fp32 summation order differs from the

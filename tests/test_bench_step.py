@@ -2,6 +2,7 @@
 probe, the expected-experts count and the MoE what-if switch (the end-to-end run is the CPU smoke
 command in the script's docstring, too slow for CI)."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -176,3 +177,20 @@ def test_bench_sampler_times_both_sorts_and_both_kinds_of_rows(tmp_path):
     assert all(c["rows"] == 2 and c["sync_ms"] > 0 and c["back_to_back_ms"] > 0 for c in cases)
     # XLA:CPU runs every conditional on the host: each case's trace shows it by name
     assert all(any(n.startswith("cond") for n in c["host_events"]) for c in cases)
+
+
+def test_bench_decode_choices_compares_each_choice_with_its_alternatives(tmp_path):
+    """scripts/bench_decode_choices.py --smoke: every alternative of each choice ran and timed, and
+    they are exact alternatives (the E4M3 routes give the same MoE output bits, the rms_inv
+    loop shapes the same statistic bits), at widths where the rules pick differently."""
+    from scripts import bench_decode_choices
+    out = tmp_path / "c.json"
+    assert bench_decode_choices.main(["--out", str(out), "--smoke", "--reps", "1"]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    e4m3 = [c for c in cases if c["name"].startswith("e4m3/")]
+    assert {c["name"].rsplit("/", 1)[1] for c in e4m3} == {"rule", "direct", "via-fp16"}
+    assert all(c["ms"] > 0 for c in e4m3) and [c["bit_equal"] for c in e4m3 if "bit_equal" in c] == [True, True]
+    impl = {c["name"] for c in cases if c["name"].startswith("moe-impl/")}
+    assert {n.rsplit("/", 1)[1] for n in impl} == {"gemv", "grouped", "grouped-bn32"}
+    rms = [c for c in cases if c["name"].startswith("rms-runs/")]
+    assert len(rms) == 9 and all(c["bit_equal_to_rule"] for c in rms)
