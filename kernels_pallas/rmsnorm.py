@@ -18,12 +18,12 @@ step sums the chunks of one run, or of 8 runs side by side on wide rows, each ru
 folds them into the cascade's levels in run order (`numerics.cascade_fold`, the step the XLA
 path's `cascade_chunks` unrolls; a run is taken out of the side-by-side sums by a masked sum), so
 the kernel holds one step's loads whatever D (the loads of every chunk, unrolled, kept Triton's
-compile past 470 s at the mHC width). The chunks of a short last run past D are masked loads of +0. The last stage
-(`numerics.combine_lanes`) takes 8-wide windows and single columns of those register tensors,
-which Triton cannot slice: a masked sum picks them out. Both maskings are exact, because every
-added term is +0 and v + 0 = v for every v except -0.0, which no value here is (a square is >= +0,
-a sum of such too; the masked loads give +0). The < 32 values past the last full chunk come in as
-one masked load.
+compile past 470 s at the mHC width). The chunks of a short last run past D, and the runs past the
+last, are masked loads of +0. The last stage (`numerics.combine_lanes`) takes 8-wide windows and
+single columns of those register tensors, which Triton cannot slice: a masked sum picks them out.
+These maskings are exact, because every added term is +0 and v + 0 = v for every v except -0.0,
+which no value here is (a square is >= +0, a sum of such too; the masked loads give +0). The < 32
+values past the last full chunk come in as one masked load.
 
 Exactness: each square rounded to fp32 on its own (`numerics.rounded`: Triton, like XLA:CPU,
 contracts a product into the add after it as an FMA; torch rounds the square first), every add in
