@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas import rmsnorm  # noqa: E402
 from scripts.bench_common import kernel_profile  # noqa: E402
-from scripts.bench_kernels import CONFIG, FAST, Bench  # noqa: E402
-from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
+from scripts.bench_kernels import CONFIG, FAST, Bench, fp4_weight  # noqa: E402
+from v41_jax.quant import Fp8RowWeight  # noqa: E402
 
 
 def _direct_e4m3(codes, dtype):
@@ -51,9 +51,7 @@ def _fp16_e4m3(codes, dtype):
 def _experts(d: int, f: int, e: int) -> dict:
     """The same expert values held as FP4, FP8 rows and bf16."""
     keys = jax.random.split(jax.random.key(6), 3)
-    fp4 = tuple(Fp4Weight(jax.random.bits(k, (*s[:-1], s[-1] // 2), jnp.uint8),
-                          jnp.full((*s[:-1], s[-1] // 32), 120, jnp.uint8))
-                for k, s in zip(keys, ((e, f, d), (e, f, d), (e, d, f))))
+    fp4 = tuple(fp4_weight(k, s) for k, s in zip(keys, ((e, f, d), (e, f, d), (e, d, f))))
     fp8 = tuple(Fp8RowWeight.from_fp4(w) for w in fp4)
     return {"fp4": fp4, "fp8": fp8, "bf16": tuple(w.dequant().astype(jnp.bfloat16) for w in fp8)}
 

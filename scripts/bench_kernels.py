@@ -482,6 +482,12 @@ DECODE_SWEEP = [("auto", {}), ("bn64", dict(block_n=64)), ("bn32", dict(block_n=
                 ("bn64bk64", dict(block_n=64, block_k=64))]
 
 
+def fp4_weight(key, shape) -> Fp4Weight:
+    """Random experts held as published: uniform E2M1 codes (rms 2.93) under E8M0 2^-7 (rms ~0.023)."""
+    return Fp4Weight(jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint8),
+                     jnp.full((*shape[:-1], shape[-1] // 32), 120, jnp.uint8))
+
+
 def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False,
               helds: tuple[str, ...] = ("bf16", "fp8", "fp4"), decode_sweep: bool = False):
     d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
@@ -493,18 +499,13 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
     w3 = (jax.random.normal(kw3, (e, f, d), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
     w2 = (jax.random.normal(kw2, (e, d, f), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
 
-    def fp4(key, shape):
-        """Held as published: uniform E2M1 codes (rms 2.93) under E8M0 2^-7 (rms ~0.023)."""
-        return Fp4Weight(jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint8),
-                         jnp.full((*shape[:-1], shape[-1] // 32), 120, jnp.uint8))
-
     @functools.cache
     def weights(held):
         """(w1, w3, w2) as held, built on first use (a run filtered to bf16 builds no other)."""
         if held == "bf16":
             return w1, w3, w2
         if held == "fp4":
-            return fp4(kw1, (e, f, d)), fp4(kw3, (e, f, d)), fp4(kw2, (e, d, f))
+            return fp4_weight(kw1, (e, f, d)), fp4_weight(kw3, (e, f, d)), fp4_weight(kw2, (e, d, f))
         return tuple(Fp8RowWeight.from_fp4(w) for w in weights("fp4"))
 
     def inputs(key, t, layers=1):
