@@ -64,3 +64,29 @@ def test_the_step_has_no_loop_and_one_conditional_outside_its_kernels(config, bu
     found = control_flow(traced.jaxpr.jaxpr)
     assert {k: found[k] for k in LOOPS if found[k]} == {}
     assert found["cond"] == 1
+
+
+def test_each_window_ring_write_follows_its_read():
+    """Each layer's ring scatter takes the ring from the optimization barrier that also passes the
+    rows the layer read from it (`step._read_before_write`): without that order XLA:GPU copied the
+    rings whole, three 6 MiB memcpys a decode step on the bench slice (BENCHMARKS.md, 2026-12-04 c).
+    XLA:CPU does not copy them either way, so the order is checked in the jaxpr."""
+    cfg = ModelConfig.from_file(str(CONFIGS / "tiny.config.json"))
+    numerics, bucket = Numerics.fast(), Bucket(4, 4, 4)
+    fmt = typed_format(numerics.act_dtype)
+    geom = CacheGeometry.build(cfg, EngineSettings(page_tokens=16, num_pages=33, slots=4, max_context=128,
+                                                   kv_format=fmt, index_format=fmt))
+    host = build_step(geom, cfg, bucket, []).batch
+    layout = BatchLayout.of(host)
+    cache = jax.eval_shape(lambda: allocate(geom))
+    jaxpr = make_step(cfg, geom, numerics).trace(abstract_params(cfg, "fp8"), cache, layout.pack(host),
+                                                 layout=layout).jaxpr.jaxpr
+    ring = tuple(cache.window.shape)
+    made_by = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    writes = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scatter"
+              and tuple(eqn.invars[0].aval.shape) == ring]
+    assert len(writes) == cfg.n_layers
+    for eqn in writes:
+        barrier = made_by.get(id(eqn.invars[0]))
+        assert barrier is not None and barrier.primitive.name == "optimization_barrier"
+        assert len(barrier.invars) == 2 and tuple(barrier.invars[1].aval.shape) == ring

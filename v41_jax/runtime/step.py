@@ -98,6 +98,13 @@ def _window_source(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatc
     return rows, jnp.where(ok, idx, -1)
 
 
+def _read_before_write(rows: jax.Array, ring: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ring rows a layer reads, and the ring to write: the write depends on the read, so the
+    scatter runs in place after it (with no such order XLA:GPU copied the [N, L_win, W+S, D] rings
+    three times a decode step on the bench slice: 3 x 6 MiB memcpys, ~0.05 ms)."""
+    return jax.lax.optimization_barrier((rows, ring))
+
+
 def _write_window(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatch) -> jax.Array:
     """This step's rows into `layer`'s ring, every span's last W + S rows, rejected drafts included:
     a ring holds S rows past the W a later query reads, so a rejected row only ever lands on a
@@ -225,7 +232,9 @@ def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: Layer
     cos, sin = rope_cos_sin(cfg, batch.positions, global_table=topo.rope_global)
     c_q, q = query(p, cfg, h, cos, sin, numerics)                                  # [1, T, Q], [1, T, H, Dh]
     kv = window_kv(p, cfg, h, cos, sin, numerics)[0]                               # [T, Dh]
-    window = _window_source(state.cache.window, topo.layer, kv, batch, cfg.window_size)
+    w_rows, w_idx = _window_source(state.cache.window, topo.layer, kv, batch, cfg.window_size)
+    w_rows, ring = _read_before_write(w_rows, state.cache.window)
+    window = (w_rows, w_idx)
     compressed, picks = None, {}
     if topo.mode is not Mode.WINDOW:
         if topo.mode is Mode.FULL:
@@ -239,7 +248,7 @@ def cached_attention(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: Layer
         main = state.cache.main[geom.owner_index(topo.kv_owner)]
         compressed = _compressed_source(main, state.selected[topo.topk_owner], batch)
     o = _attend(q, p["attn_sink"], window, compressed, batch, cfg, numerics)
-    cache = replace(state.cache, window=_write_window(state.cache.window, topo.layer, kv, batch))
+    cache = replace(state.cache, window=_write_window(ring, topo.layer, kv, batch))
     return output_proj(p, cfg, o, cos, sin, numerics), (state._replace(cache=cache), picks)
 
 
