@@ -268,6 +268,30 @@ def test_engram_closed_gate_passes_streams_through_and_open_gate_adds_value():
     np.testing.assert_allclose(np.asarray(y)[np.asarray(mask)], want[np.asarray(mask)], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_top_k_by_ranks_picks_what_lax_top_k_picks(dtype):
+    """Short rows take `top_k` by ranks (no sort launch); its picks and values must be lax.top_k's
+    (total order after the zero fold, ties to the lower index) bit for bit, NaNs of both signs,
+    infinities and signed zeros included; rows past the size bound take lax.top_k itself."""
+    from v41_jax import numerics as nm
+
+    rng = np.random.default_rng(7)
+    special = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, -np.nan, 1e-30, -1e-30], np.float32)
+    picks = jax.jit(nm.top_k, static_argnums=1)
+    want = jax.jit(lambda x, k: jax.lax.top_k(jnp.where(x == 0, jnp.zeros_like(x), x), k), static_argnums=1)
+    for t, n, k in [(1, 1, 1), (3, 7, 2), (8, 64, 6), (5, 33, 33)] * 10:
+        x = np.where(rng.random((t, n)) < 0.5, rng.choice(special, (t, n)),
+                     rng.integers(-3, 4, (t, n)).astype(np.float32))
+        x = jnp.asarray(x, dtype)
+        assert t * n * n <= nm.RANK_TOPK_PAIRS and n <= nm.RANK_TOPK_MAX      # the ranks route
+        values, ids = picks(x, k)
+        want_v, want_i = want(x, k)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_i))
+        assert values.dtype == want_v.dtype and ids.dtype == want_i.dtype
+        np.testing.assert_array_equal(np.asarray(values, np.float32).view(np.uint32),
+                                      np.asarray(want_v, np.float32).view(np.uint32))
+
+
 def test_top_k_treats_signed_zeros_as_ties():
     """ReLU zeros times a negative head weight give -0.0; the reference's comparisons (and its
     lowest-index tie run) see -0.0 == +0.0, lax.top_k's total order would put +0.0 first."""

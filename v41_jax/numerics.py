@@ -24,7 +24,8 @@ API
   top_k(x, k) -> (values, ids)   lax.top_k with -0.0 and +0.0 equal, so that ties go to the lower
                         index as with IEEE comparisons (torch.topk; the fixtures' lowest-index run):
                         lax.top_k orders floats totally and ranks +0.0 above -0.0, and -0.0 is
-                        common here (a negative weight times a ReLU zero).
+                        common here (a negative weight times a ReLU zero). Short rows (the
+                        router's) take the same picks as ranks by comparison, no sort launch.
   cascade_sum(x) -> [...]   fp32 sum over the last axis in the exact order of torch's CPU sum
                         kernel (8-lane vectors, 4 interleaved accumulators, 4-level cascade, then
                         the scalar tail and the lanes in order): the reference's `.sum(-1)` /
@@ -82,8 +83,31 @@ def rounded(p: jax.Array) -> jax.Array:
     return jnp.where(p != p, p + 1, p)
 
 
+# Rows of up to this many values whose [rows, n, n] comparison has at most RANK_TOPK_PAIRS
+# elements take `top_k` by ranks (the MoE router's k of E at decode sizes), others lax.top_k
+RANK_TOPK_MAX, RANK_TOPK_PAIRS = 256, 1 << 23
+
+
+def _total_order(x: jax.Array) -> jax.Array:
+    """Floats -> int32 keys in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN):
+    a negative float's magnitude bits reversed, so larger magnitudes compare lower."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    return jax.lax.top_k(jnp.where(x == 0, jnp.zeros_like(x), x), k)
+    x = jnp.where(x == 0, jnp.zeros_like(x), x)
+    n = x.shape[-1]
+    if n > RANK_TOPK_MAX or x.size * n > RANK_TOPK_PAIRS:
+        return jax.lax.top_k(x, k)
+    # Ranks by comparison: a value's rank is the count of values above it in lax.top_k's order
+    # (total order, ties to the lower index), and the r-th pick is the index of rank r: two small
+    # fusions where a GPU top_k is a sort launch of ~10 us (H200, one a MoE layer at decode).
+    key, i = _total_order(x), jnp.arange(n, dtype=jnp.int32)
+    a, b = key[..., :, None], key[..., None, :]                        # [..., j, i]: value j against i
+    rank = jnp.sum((b > a) | ((b == a) & (i[None, :] < i[:, None])), axis=-1, dtype=jnp.int32)
+    ids = jnp.sum(jnp.where(rank[..., None, :] == i[:k, None], i[None, :], 0), axis=-1, dtype=jnp.int32)
+    return jnp.take_along_axis(x, ids, axis=-1), ids
 
 
 @dataclass(frozen=True)
