@@ -59,7 +59,7 @@ from kernels_pallas import moe_mgpu
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import compiler_params, load, store
 from v41_jax.linear import K_BLOCK as _K_BLOCK  # A8 fake-quant group
-from v41_jax.numerics import HIGHEST, Numerics
+from v41_jax.numerics import HIGHEST, Numerics, stable_argsort
 from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp8_act_qdq, held
 
 IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "capacity", "mgpu")
@@ -79,29 +79,6 @@ def _swiglu_epilogue(g, u, weight, numerics: Numerics, limit: float):
 
 
 # ---- routing bookkeeping (XLA) ----------------------------------------------------------------
-
-# Up to this many keys a stable argsort is computed as ranks by comparison (`stable_argsort`)
-RANK_SORT_MAX = 1024
-
-
-def stable_argsort(keys: jax.Array) -> jax.Array:
-    """Integer keys [..., n] -> int32 [..., n], the stable ascending argsort along the last axis.
-
-    Up to RANK_SORT_MAX keys: each key's rank is the count of keys before it in the stable order
-    (smaller, or equal at a lower index), and the argsort is the permutation that inverts the
-    ranks: two [..., n, n] comparison reductions, which XLA fuses into two small kernels, where a
-    GPU sort is one launch of several microseconds per call (two a MoE layer at decode: 26 sort
-    launches, 0.17 ms of a b=8 decode step on the H200, BENCHMARKS.md 2026-12-04 c). Integer
-    comparisons, so both routes give the same permutation; past the bound, `jnp.argsort`."""
-    n = keys.shape[-1]
-    if n > RANK_SORT_MAX:
-        return jnp.argsort(keys, axis=-1, stable=True).astype(jnp.int32)
-    i = jnp.arange(n, dtype=jnp.int32)
-    a, b = keys[..., :, None], keys[..., None, :]                     # [..., j, i]: key j against key i
-    before = (b < a) | ((b == a) & (i[None, :] < i[:, None]))
-    rank = jnp.sum(before, axis=-1, dtype=jnp.int32)                  # [..., n]
-    return jnp.sum(jnp.where(rank[..., None, :] == i[:, None], i[None, :], 0), axis=-1, dtype=jnp.int32)
-
 
 def sort_pairs(idx: jax.Array, w: jax.Array, n_experts: int):
     """idx, w [T, k] -> per-token ascending picks and the expert-sorted pair order.

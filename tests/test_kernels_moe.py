@@ -289,17 +289,6 @@ def test_mgpu_takes_bf16_experts_only():
     assert not kmoe.mgpu_ok(*bf, F32)
 
 
-@pytest.mark.parametrize("n", [1, 6, 48, 384, kmoe.RANK_SORT_MAX, kmoe.RANK_SORT_MAX + 1])
-def test_stable_argsort_is_numpys_stable_argsort(n):
-    """Both routes (ranks by comparison up to RANK_SORT_MAX keys, a sort past it) give numpy's
-    stable order: many ties (8 distinct keys), negative keys (-1 = no expert), rows batched."""
-    rng, seed = fresh_rng()
-    keys = rng.integers(-1, 7, (3, n)).astype(np.int32)
-    got = np.asarray(kmoe.stable_argsort(jnp.asarray(keys)))
-    assert got.dtype == np.int32
-    np.testing.assert_array_equal(got, np.argsort(keys, axis=-1, kind="stable"), err_msg=f"seed {seed}")
-
-
 def test_tile_table():
     sizes = jnp.asarray([0, 5, 16, 17, 0], jnp.int32)
     e, first, end = (np.asarray(a) for a in kmoe.tile_table(sizes, 16, 38))

@@ -283,13 +283,29 @@ def test_top_k_by_ranks_picks_what_lax_top_k_picks(dtype):
         x = np.where(rng.random((t, n)) < 0.5, rng.choice(special, (t, n)),
                      rng.integers(-3, 4, (t, n)).astype(np.float32))
         x = jnp.asarray(x, dtype)
-        assert t * n * n <= nm.RANK_TOPK_PAIRS and n <= nm.RANK_TOPK_MAX      # the ranks route
+        assert t * n * n <= nm.RANK_PAIRS and n <= nm.RANK_TOPK_MAX      # the ranks route
         values, ids = picks(x, k)
         want_v, want_i = want(x, k)
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_i))
         assert values.dtype == want_v.dtype and ids.dtype == want_i.dtype
         np.testing.assert_array_equal(np.asarray(values, np.float32).view(np.uint32),
                                       np.asarray(want_v, np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("n,rows", [(1, 3), (6, 8), (384, 1), (512, 32), (512, 33), (1024, 1), (1025, 1)])
+def test_stable_argsort_is_numpys_stable_argsort(n, rows):
+    """Both routes (ranks by comparison within RANK_SORT_MAX keys and RANK_PAIRS comparisons, a
+    sort past them) give numpy's stable order: many ties (8 distinct keys), negative keys, rows
+    batched; the first k of it when asked."""
+    from v41_jax import numerics as nm
+
+    keys = np.random.default_rng(n + rows).integers(-1, 7, (rows, n)).astype(np.int32)
+    want = np.argsort(keys, axis=-1, kind="stable")
+    got = np.asarray(nm.stable_argsort(jnp.asarray(keys)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(nm.stable_argsort(jnp.asarray(keys), max(1, n // 3))),
+                                  want[:, :max(1, n // 3)])
 
 
 def test_top_k_treats_signed_zeros_as_ties():

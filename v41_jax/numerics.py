@@ -26,6 +26,8 @@ API
                         lax.top_k orders floats totally and ranks +0.0 above -0.0, and -0.0 is
                         common here (a negative weight times a ReLU zero). Short rows (the
                         router's) take the same picks as ranks by comparison, no sort launch.
+  stable_argsort(keys, k=None)   integer keys: the first k of jnp.argsort(stable=True), short
+                        rows by ranks by comparison (the MoE's pair order), no sort launch.
   cascade_sum(x) -> [...]   fp32 sum over the last axis in the exact order of torch's CPU sum
                         kernel (8-lane vectors, 4 interleaved accumulators, 4-level cascade, then
                         the scalar tail and the lanes in order): the reference's `.sum(-1)` /
@@ -83,9 +85,12 @@ def rounded(p: jax.Array) -> jax.Array:
     return jnp.where(p != p, p + 1, p)
 
 
-# Rows of up to this many values whose [rows, n, n] comparison has at most RANK_TOPK_PAIRS
-# elements take `top_k` by ranks (the MoE router's k of E at decode sizes), others lax.top_k
-RANK_TOPK_MAX, RANK_TOPK_PAIRS = 256, 1 << 23
+# `top_k` and `stable_argsort` rank by comparison (no sort launch) rows of up to RANK_TOPK_MAX /
+# RANK_SORT_MAX values whose [rows, n, n] comparison has at most RANK_PAIRS elements: on the H200
+# a GPU sort or top_k is one launch of 7-16 us where the two comparison fusions of the MoE's
+# 6- to 384-key rows take a few (BENCHMARKS.md, 2026-12-04 c); longer rows and prefill sizes sort.
+# The indexer's 512 picks stay a sort (`reference.ascending`): their comparisons cost what it does.
+RANK_TOPK_MAX, RANK_SORT_MAX, RANK_PAIRS = 256, 1024, 1 << 23
 
 
 def _total_order(x: jax.Array) -> jax.Array:
@@ -98,16 +103,27 @@ def _total_order(x: jax.Array) -> jax.Array:
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     x = jnp.where(x == 0, jnp.zeros_like(x), x)
     n = x.shape[-1]
-    if n > RANK_TOPK_MAX or x.size * n > RANK_TOPK_PAIRS:
+    if n > RANK_TOPK_MAX or x.size * n > RANK_PAIRS:
         return jax.lax.top_k(x, k)
-    # Ranks by comparison: a value's rank is the count of values above it in lax.top_k's order
-    # (total order, ties to the lower index), and the r-th pick is the index of rank r: two small
-    # fusions where a GPU top_k is a sort launch of ~10 us (H200, one a MoE layer at decode).
-    key, i = _total_order(x), jnp.arange(n, dtype=jnp.int32)
-    a, b = key[..., :, None], key[..., None, :]                        # [..., j, i]: value j against i
-    rank = jnp.sum((b > a) | ((b == a) & (i[None, :] < i[:, None])), axis=-1, dtype=jnp.int32)
-    ids = jnp.sum(jnp.where(rank[..., None, :] == i[:k, None], i[None, :], 0), axis=-1, dtype=jnp.int32)
+    # lax.top_k's order is descending total order, ties to the lower index: the ascending stable
+    # order of the negated total-order keys (bitwise not: no overflow)
+    ids = stable_argsort(~_total_order(x), k)
     return jnp.take_along_axis(x, ids, axis=-1), ids
+
+
+def stable_argsort(keys: jax.Array, k: int | None = None) -> jax.Array:
+    """Integer keys [..., n] -> int32 [..., k or n]: the first k of the stable ascending argsort
+    along the last axis. Short rows by ranks (RANK_SORT_MAX, RANK_PAIRS): a key's rank is the
+    count of keys before it (smaller, or equal at a lower index), and the argsort is the
+    permutation that inverts the ranks; integer comparisons, so the permutation is the sort's."""
+    n = keys.shape[-1]
+    k = n if k is None else k
+    if n > RANK_SORT_MAX or keys.size * n > RANK_PAIRS:
+        return jnp.argsort(keys, axis=-1, stable=True)[..., :k].astype(jnp.int32)
+    i = jnp.arange(n, dtype=jnp.int32)
+    a, b = keys[..., :, None], keys[..., None, :]                      # [..., j, i]: key j against i
+    rank = jnp.sum((b < a) | ((b == a) & (i[None, :] < i[:, None])), axis=-1, dtype=jnp.int32)
+    return jnp.sum(jnp.where(rank[..., None, :] == i[:k, None], i[None, :], 0), axis=-1, dtype=jnp.int32)
 
 
 @dataclass(frozen=True)
