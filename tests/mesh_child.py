@@ -11,6 +11,7 @@ over TCP; the two-process test (tests/mesh_hosts_child.py) covers that path.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import socket
 import sys
@@ -70,6 +71,9 @@ def main(out: Path) -> dict:
         now = time.perf_counter()
         report["seconds"][name] = round(now - clock[0], 1)
         clock[0] = now
+        # on stderr as it happens: the parent shows the stderr tail when the child fails, so a hang
+        # names the section after the last one listed
+        print(f"mesh_child: {name} done in {report['seconds'][name]} s", file=sys.stderr, flush=True)
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -218,5 +222,10 @@ def main(out: Path) -> dict:
     return report
 
 
+# Before XLA:CPU's 600 s collective timeout ends a hung child (an intermittent "7 of 8 threads
+# arrived" hang, 2026-12-04): every Python thread's stack, on stderr, once
+HANG_DUMP_S = 480
+
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(HANG_DUMP_S, exit=False)
     print(json.dumps(main(Path(sys.argv[1])), default=str))

@@ -99,9 +99,10 @@ def _window_source(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatc
 
 
 def _read_before_write(rows: jax.Array, ring: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The ring rows a layer reads, and the ring to write: the write depends on the read, so the
-    scatter runs in place after it (with no such order XLA:GPU copied the [N, L_win, W+S, D] rings
-    three times a decode step on the bench slice: 3 x 6 MiB memcpys, ~0.05 ms)."""
+    """The ring rows a layer read, and the ring to write: the write depends on the read, so the
+    scatter runs in place after it. With no such order XLA:GPU copied the [N, L_win, W+S, D]
+    rings whole, three times a decode step on the bench slice (0.073 ms at b=8; BENCHMARKS.md,
+    2026-12-04 c)."""
     return jax.lax.optimization_barrier((rows, ring))
 
 
