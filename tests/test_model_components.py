@@ -272,7 +272,7 @@ def test_engram_closed_gate_passes_streams_through_and_open_gate_adds_value():
 def test_top_k_by_ranks_picks_what_lax_top_k_picks(dtype):
     """Short rows take `top_k` by ranks (no sort launch); its picks and values must be lax.top_k's
     (total order after the zero fold, ties to the lower index) bit for bit, NaNs of both signs,
-    infinities and signed zeros included; rows past the size bound take lax.top_k itself."""
+    infinities and signed zeros included. (Rows past the size bounds call lax.top_k itself.)"""
     from v41_jax import numerics as nm
 
     rng = np.random.default_rng(7)

@@ -46,9 +46,9 @@ def control_flow(jaxpr) -> collections.Counter:
     return found
 
 
-@pytest.mark.parametrize("config,bucket", [("tiny", Bucket(1, 1, 1)), ("tiny", Bucket(32, 32, 32)),
-                                           ("modes", Bucket(16, 4, 4))])
-def test_the_step_has_no_loop_and_one_conditional_outside_its_kernels(config, bucket):
+def traced_step(config: str, bucket: Bucket):
+    """(config, the decode / mixed step's closed jaxpr on abstract params and cache, the cache's
+    abstract value), with the Pallas kernels selected as on a GPU."""
     cfg = ModelConfig.from_file(str(CONFIGS / f"{config}.config.json"))
     numerics = Numerics.fast()
     fmt = typed_format(numerics.act_dtype)
@@ -61,7 +61,13 @@ def test_the_step_has_no_loop_and_one_conditional_outside_its_kernels(config, bu
     with kernel_backend.use_backend("pallas"):
         traced = make_step(cfg, geom, numerics).trace(abstract_params(cfg, "fp8"), cache, layout.pack(host),
                                                       layout=layout)
-    found = control_flow(traced.jaxpr.jaxpr)
+    return cfg, traced.jaxpr, cache
+
+
+@pytest.mark.parametrize("config,bucket", [("tiny", Bucket(1, 1, 1)), ("tiny", Bucket(32, 32, 32)),
+                                           ("modes", Bucket(16, 4, 4))])
+def test_the_step_has_no_loop_and_one_conditional_outside_its_kernels(config, bucket):
+    found = control_flow(traced_step(config, bucket)[1].jaxpr)
     assert {k: found[k] for k in LOOPS if found[k]} == {}
     assert found["cond"] == 1
 
@@ -71,16 +77,8 @@ def test_each_window_ring_write_follows_its_read():
     rows the layer read from it (`step._read_before_write`): without that order XLA:GPU copied the
     rings whole, three 6 MiB memcpys a decode step on the bench slice (BENCHMARKS.md, 2026-12-04 c).
     XLA:CPU does not copy them either way, so the order is checked in the jaxpr."""
-    cfg = ModelConfig.from_file(str(CONFIGS / "tiny.config.json"))
-    numerics, bucket = Numerics.fast(), Bucket(4, 4, 4)
-    fmt = typed_format(numerics.act_dtype)
-    geom = CacheGeometry.build(cfg, EngineSettings(page_tokens=16, num_pages=33, slots=4, max_context=128,
-                                                   kv_format=fmt, index_format=fmt))
-    host = build_step(geom, cfg, bucket, []).batch
-    layout = BatchLayout.of(host)
-    cache = jax.eval_shape(lambda: allocate(geom))
-    jaxpr = make_step(cfg, geom, numerics).trace(abstract_params(cfg, "fp8"), cache, layout.pack(host),
-                                                 layout=layout).jaxpr.jaxpr
+    cfg, closed, cache = traced_step("tiny", Bucket(4, 4, 4))
+    jaxpr = closed.jaxpr
     ring = tuple(cache.window.shape)
     made_by = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     writes = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scatter"
