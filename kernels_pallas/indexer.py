@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
+from kernels_pallas.select import select_ascending
 from v41_jax.numerics import HIGHEST, Numerics, top_k
 
 # two-stage top-k tile for the Pallas backend (rows no longer than a tile use one lax.top_k);
@@ -235,7 +236,7 @@ def index_topk_paged(q, w, key_pages, block_table, visible, k: int, *, numerics:
                                 **kernel_kw)
     xla = _backend.resolve(backend) == "xla"
     if candidates is None:
-        ids = ref.select_topk(scores, visible, k) if xla else select_topk(scores, visible, k, topk_tile)
+        ids = ref.select_topk(scores, visible, k) if xla else select_ascending(scores, visible, k)
         return ids, scores
     rows = candidate_rows(candidates, block_size)
     return select_topk_compacted(scores, rows, visible, k, None if xla else topk_tile), scores

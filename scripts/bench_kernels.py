@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
+from kernels_pallas import select as ksel  # noqa: E402
 from kernels_pallas.rmsnorm import rms_inv  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth, kernel_profile  # noqa: E402
@@ -298,6 +299,12 @@ def bench_indexer(b: Bench, cfg: dict):
                 continue
             b.case(f"index/{kind}/topk[tile={tile}]", topk_runner(tile), (scores, vis), layers=layers,
                    flops=0.0, bytes_=bsz * s * n_cols * 2, variant=f"topk tile={tile}", **meta)
+        sel = jax.jit(lambda ss, vv: tuple(ksel.select_ascending(s_, v_, k, backend="pallas")
+                                           for s_, v_ in zip(ss, vv)))
+        b.case(f"index/{kind}/select_ascending", sel, (scores, vis), layers=layers, flops=0.0,
+               bytes_=bsz * s * n_cols * 2, variant="select_ascending (no sort)", **meta)
+        b.results.setdefault("select_ascending_equals_select_topk", {})[f"{kind}/{bsz}x{s}/{ctx}"] = bool(all(
+            jnp.array_equal(a_, c_) for a_, c_ in zip(sel(scores, vis), topk_runner(None)(scores, vis))))
         for tile in (None, 8192):
             if tile and tile >= n_cols:
                 continue
