@@ -90,7 +90,7 @@ def select_ascending(scores: jax.Array, visible: jax.Array, k: int, *, backend: 
     """`reference.select_topk(scores, visible, k)` for scores [..., n], visible [...]."""
     n = scores.shape[-1]
     k = min(k, n)
-    if _backend.resolve(backend) == "xla" or n > MAX_COLUMNS:
+    if _backend.resolve(backend, kernel="select") == "xla" or n > MAX_COLUMNS:
         return ref.select_topk(scores, visible, k)
     lead = scores.shape[:-1]
     ids = _select_pallas(scores.astype(jnp.float32).reshape(-1, n),

@@ -299,10 +299,15 @@ def bench_indexer(b: Bench, cfg: dict):
                 continue
             b.case(f"index/{kind}/topk[tile={tile}]", topk_runner(tile), (scores, vis), layers=layers,
                    flops=0.0, bytes_=bsz * s * n_cols * 2, variant=f"topk tile={tile}", **meta)
-        sel = jax.jit(lambda ss, vv: tuple(ksel.select_ascending(s_, v_, k, backend="pallas")
-                                           for s_, v_ in zip(ss, vv)))
-        b.case(f"index/{kind}/select_ascending", sel, (scores, vis), layers=layers, flops=0.0,
-               bytes_=bsz * s * n_cols * 2, variant="select_ascending (no sort)", **meta)
+        def select_runner(warps):
+            return jax.jit(lambda ss, vv: tuple(ksel.select_ascending(s_, v_, k, backend="pallas",
+                                                                      num_warps=warps)
+                                                for s_, v_ in zip(ss, vv)))
+        for warps in (4, 8, 16):
+            b.case(f"index/{kind}/select_ascending[w={warps}]", select_runner(warps), (scores, vis),
+                   layers=layers, flops=0.0, bytes_=bsz * s * n_cols * 2,
+                   variant=f"select_ascending w={warps} (no sort)", **meta)
+        sel = select_runner(4)
         b.results.setdefault("select_ascending_equals_select_topk", {})[f"{kind}/{bsz}x{s}/{ctx}"] = bool(all(
             jnp.array_equal(a_, c_) for a_, c_ in zip(sel(scores, vis), topk_runner(None)(scores, vis))))
         for tile in (None, 8192):

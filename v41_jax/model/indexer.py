@@ -12,8 +12,11 @@ API (B batch, T queries, N key rows, Hi/Di indexer heads/width)
   index_query(p, cfg, c_q, positions, numerics) -> [B, T, Hi, Di]
       Lin8(c_q, wq_b) -> RoPE at p -> fp4 QDQ (group 32, ue8m0).
   index_weights(p, cfg, h, numerics) -> [B, T, Hi]     LinBF(h, weights_proj) * Di^-0.5 * Hi^-0.5
-  index_scores, select_topk, ascending   the indexer scores and the top-k: the kernels' jnp
-      references, defined (and documented) in `kernels_pallas.reference`; re-exported here.
+  index_scores, ascending   the indexer scores and an ascending sort: the kernels' jnp references,
+      defined (and documented) in `kernels_pallas.reference`; re-exported here.
+  select_topk(scores, visible, k) -> int32 [..., min(k, N)]   the k best rows, ascending, -1 past
+      visible. The rule and the XLA path: `kernels_pallas.reference.select_topk`; the Pallas
+      backend selects without a sort (`kernels_pallas.select`, same ids).
   candidate_blocks(scores, visible, topk_blocks, block_size) -> int32 [B, T, min(topk_blocks, nb)]
       block ids kept by the candidate source, ascending, -1 for dropped (-inf) picks.
   candidate_mask(blocks, n_rows, block_size) -> bool [B, T, N]   rows inside the kept blocks
@@ -24,7 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import ascending, index_scores, select_topk
+from kernels_pallas import select as kernel_select
+from kernels_pallas.reference import ascending, index_scores
 from v41_jax.config import ModelConfig
 from v41_jax.model.linear import lin8, lin_bf
 from v41_jax.model.norm import rms_norm
@@ -33,6 +37,10 @@ from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.quant import fp4_qdq_ue8m0
 
 INDEX_FP4_GROUP = 32  # index keys and queries: fp4 with one ue8m0 scale per 32 lanes
+
+
+def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
+    return kernel_select.select_ascending(scores, visible, k)
 
 
 def visible_rows(positions: jax.Array, ratio: int) -> jax.Array:
