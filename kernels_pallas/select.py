@@ -86,7 +86,7 @@ def _select_pallas(scores, visible, *, k: int, num_warps: int, interpret: bool):
 
 
 def select_ascending(scores: jax.Array, visible: jax.Array, k: int, *, backend: str | None = None,
-                     num_warps: int = 4) -> jax.Array:
+                     num_warps: int = 8) -> jax.Array:
     """`reference.select_topk(scores, visible, k)` for scores [..., n], visible [...]."""
     n = scores.shape[-1]
     k = min(k, n)
