@@ -29,7 +29,7 @@ from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import compiler_params, load, store
 
-MAX_COLUMNS = 16384   # a row in one program's registers (4 warps: 128 fp32 a thread at most)
+MAX_COLUMNS = 32768   # a row in one program's registers (8 warps: 128 fp32 a thread at most)
 _SIGN = -(1 << 31)     # int32 with the sign bit alone
 
 

@@ -1,6 +1,6 @@
 """Benchmark the Pallas kernels against their XLA paths at real V4.1 widths (bench_slice config).
 
-    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe,sinkhorn,rmsnorm]
+    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe,sinkhorn,rmsnorm,mhc-mix]
                                     [--budget SECONDS] [--smoke]
 
 Every case: after warm-up, five rounds of `--reps` calls queued back to back with one
@@ -37,6 +37,7 @@ from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth, kernel_profile  # noqa: E402
 from v41_jax.model.mhc import split_sinkhorn  # noqa: E402
 from v41_jax.runtime.compile_cache import compiler_options  # noqa: E402
+from v41_jax import linear  # noqa: E402
 from v41_jax.linear import lin_f32  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
 from v41_jax.checkpoint.load import held_bytes  # noqa: E402
@@ -378,6 +379,28 @@ def bench_head(b: Bench, cfg: dict):
     b.save()
 
 
+def bench_mhc_mix(b: Bench, cfg: dict):
+    """The mHC mixes' GEMM (`linear.lin_f32`: bf16 stream rows [M, hc*D] by the fp32 weight
+    [hc*(2+hc), hc*D]) on its two routes per row count: the fp32 GEMM, and one bf16 GEMM against
+    the weight's three bf16 parts (`linear.dot_bf16_parts`); the largest |difference| of the two
+    beside the largest |output|. `linear.SPLIT_ROWS` picks between them."""
+    hc = cfg["hc_mult"]
+    k, n = (4 * 256, hc * (2 + hc)) if b.smoke else (hc * cfg["hidden_size"], hc * (2 + hc))
+    w = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * k ** -0.5
+    routes = {"fp32": jax.jit(lambda x, w: linear._dot_f32(x.astype(jnp.float32), w)),
+              "bf16x3": jax.jit(linear.dot_bf16_parts)}
+    diffs = {}
+    for m in ((8, 256) if b.smoke else (1, 8, 64, 128, 256, 512, 1024, 4096, 8192)):
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+        for name, f in routes.items():
+            b.case(f"mhc mix {name} M={m}", f, (x, w), layers=1, flops=2.0 * m * n * k,
+                   bytes_=w.nbytes + x.nbytes + 4 * m * n, rows=m, route=name)
+        got, want = np.asarray(routes["bf16x3"](x, w)), np.asarray(routes["fp32"](x, w))
+        diffs[m] = {"max_abs_diff": float(np.abs(got - want).max()), "max_abs_out": float(np.abs(want).max())}
+    b.results["mhc_mix_check"] = diffs
+    b.save()
+
+
 # ---- one small kernel against its XLA path (mHC Sinkhorn, RMSNorm statistic) ---------------------
 
 def compile_variants(fns: dict, args: tuple) -> tuple[dict, dict]:
@@ -680,7 +703,7 @@ def main(argv=None):
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "head": bench_head, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
-             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm,
+             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm, "mhc-mix": bench_mhc_mix,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True),
              "moe-sweep-decode": functools.partial(bench_moe, decode_sweep=True, helds=("fp8", "bf16")), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}

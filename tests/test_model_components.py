@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from v41_jax.model.engram import engram
-from v41_jax.model.linear import k_block_dot, lin8, lin_bf
+from v41_jax.linear import SPLIT_ROWS, bf16_parts
+from v41_jax.model.linear import k_block_dot, lin8, lin_bf, lin_f32
 from v41_jax.model.mhc import collapse, expand, hc_mixes, one_hot_pre, split_sinkhorn
 from v41_jax.model.moe import route, routed_experts, swiglu_ffn
 from v41_jax.model.norm import rms_norm
@@ -318,3 +319,38 @@ def test_top_k_treats_signed_zeros_as_ties():
     assert top_k(x, 2)[1].tolist() == [0, 1]
     assert jax.lax.top_k(x, 2)[1].tolist() == [2, 3]       # why the wrapper exists
     assert select_topk(x[None], jnp.array([5]), 2).tolist() == [[0, 1]]
+
+
+def test_bf16_parts_sum_back_to_the_fp32_weight():
+    """`bf16_parts`: hi + mid + lo == w bit for bit over 2^-100 .. 2^100 (its promise: magnitudes
+    >= 2^-103), both signs, and each
+    part is a bf16 value (so the split GEMM's products are exact in fp32)."""
+    rng = np.random.default_rng(0)
+    w = (rng.uniform(1, 2, 1 << 16) * rng.choice([-1, 1], 1 << 16)
+         * 2.0 ** rng.integers(-100, 100, 1 << 16)).astype(np.float32)
+    w[:4] = [0.0, -0.0, 1.0, -3.0]
+    hi, mid, lo = (np.asarray(p, np.float32) for p in bf16_parts(jnp.asarray(w)))
+    np.testing.assert_array_equal((hi + mid) + lo, w)
+    assert (hi.view(np.uint32) & 0xFFFF).max() == (mid.view(np.uint32) & 0xFFFF).max() == 0
+
+
+@pytest.mark.parametrize("rows", [SPLIT_ROWS - 1, SPLIT_ROWS])
+def test_lin_f32_of_bf16_rows_by_an_fp32_weight_keeps_every_weight_bit(rows):
+    """Both routes of `lin_f32` for bf16 x by fp32 w (the fp32 GEMM below SPLIT_ROWS rows, the
+    three-part bf16 GEMM from there): a row with one power of two at column j gives that power
+    times w[:, j] exactly (one nonzero product, sums with +0 exact), so a part dropped or rounded
+    shows; random rows stay within the fp32 accumulation bound K * 2^-24 * sum |x w| of the
+    float64 dot."""
+    rng = np.random.default_rng(rows)
+    k, n = 512, 24
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    cols = rng.integers(0, k, rows)
+    x = np.zeros((rows, k), np.float32)
+    x[np.arange(rows), cols] = 2.0 ** rng.integers(-8, 8, rows)
+    got = np.asarray(lin_f32(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w)))
+    np.testing.assert_array_equal(got, x[np.arange(rows), cols][:, None] * w[:, cols].T)
+    xr = rng.standard_normal((rows, k)).astype(jnp.bfloat16).astype(np.float32)
+    got = np.asarray(lin_f32(jnp.asarray(xr, jnp.bfloat16), jnp.asarray(w)), np.float64)
+    exact = xr.astype(np.float64) @ w.T.astype(np.float64)
+    bound = (k + 2) * 2.0 ** -24 * (np.abs(xr).astype(np.float64) @ np.abs(w.T).astype(np.float64))
+    assert (np.abs(got - exact) <= bound).all()

@@ -10,8 +10,10 @@ API (x [..., K], w [N, K]; outputs [..., N])
   lin8(x, w, numerics) -> act dtype   FP8 dense site: fp8_act_qdq(x) per 32, GEMM, one rounding.
   lin4                                 FP4 expert site; identical once the weight is dequantized.
   lin_bf(x, w, numerics) -> act dtype  plain bf16 linear with fp32 accumulation (no quant).
-  lin_f32(x, w) -> fp32                 fp32 linear (router, LM head, ratio-2 compressor, ...): when x
-                                        and w are both bf16, one bf16 GEMM accumulating in fp32.
+  lin_f32(x, w) -> fp32                 fp32 linear (router, LM head, ratio-2 compressor, mHC mixes):
+                                        when x and w are both bf16, one bf16 GEMM accumulating in
+                                        fp32; bf16 x by an fp32 w, from SPLIT_ROWS rows, one bf16
+                                        GEMM against w's three bf16 parts (`bf16_parts`).
   k_block_dot(x, w) -> fp32             the block-ordered fp32 GEMM itself.
 """
 
@@ -24,6 +26,7 @@ from v41_jax.numerics import HIGHEST, Numerics
 from v41_jax.quant import fp8_act_qdq
 
 K_BLOCK = 32  # one activation scale and one weight scale per 32 inputs
+SPLIT_ROWS = 256  # lin_f32 of bf16 rows by an fp32 weight: the three-part bf16 GEMM from here
 
 
 def k_block_dot(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -59,10 +62,36 @@ def lin_bf(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
     return numerics.act(_dot_f32(numerics.act(x), w))
 
 
+def bf16_parts(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == w exactly in fp32: each part takes the next
+    8 of the 24 significand bits and each remainder is a multiple of w's last bit, so the third
+    remainder is 0. For finite w of magnitude >= 2^-103, where that last bit, and so every nonzero
+    part, is a normal number (XLA flushes subnormals to zero)."""
+    hi = w.astype(jnp.bfloat16)
+    r = w - hi.astype(jnp.float32)                                   # exact: <= 16 significant bits
+    mid = r.astype(jnp.bfloat16)
+    return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
 def lin_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     # A bf16 x bf16 product is exact in fp32 (8 + 8 significand bits), so the bf16 GEMM that
     # accumulates in fp32 is the fp32 GEMM of the same values (only the backend's accumulation
     # order is its own, as for any fp32 GEMM), on the tensor cores and from half the weight bytes.
     if x.dtype == w.dtype == jnp.bfloat16:
         return _dot_f32(x, w)
+    if x.dtype == jnp.bfloat16 and w.dtype == jnp.float32 and x.size // x.shape[-1] >= SPLIT_ROWS:
+        # bf16 values times an fp32 weight (the mHC mixes): the weight as three bf16 parts stacked
+        # along N, one tensor-core GEMM whose every product is exact, the three partial outputs
+        # added in fp32 (two roundings more than the fp32 GEMM's K; no backend's K order is the
+        # reference's either). Rows >= SPLIT_ROWS only: a decode step's few rows read the weight
+        # (1.5 bytes more per value) and are memory-bound, a prefill's are compute-bound on the
+        # fp32 CUDA-core GEMM (issue 16: 2.0 ms of a 4,096-token prefill, 12 launches).
+        return dot_bf16_parts(x, w)
     return _dot_f32(x.astype(jnp.float32), w.astype(jnp.float32))
+
+
+def dot_bf16_parts(x: jax.Array, w: jax.Array) -> jax.Array:
+    """bf16 x [..., K] by fp32 w [N, K] -> fp32: the split route of `lin_f32`."""
+    n = w.shape[0]
+    y = _dot_f32(x, jnp.concatenate(bf16_parts(w), axis=0))             # [..., 3N]
+    return (y[..., :n] + y[..., n:2 * n]) + y[..., 2 * n:]
