@@ -26,7 +26,8 @@ gathered through the block table (no dense copy of the keys). Tiles wholly past 
 visible count skip the loads. With candidates each query has its own columns (TS = 1).
 Top-k is `numerics.top_k` (ties to the lower column = lower row, since the compaction keeps row
 order), optionally in two exact stages over column tiles (`topk_ids`), followed by an ascending
-sort, as the reference's `select_topk`.
+sort, as the reference's `select_topk`; over a full scan the Pallas backend selects without a sort
+(`kernels_pallas.select`, the same ids).
 """
 
 from __future__ import annotations
@@ -230,13 +231,14 @@ def index_topk_paged(q, w, key_pages, block_table, visible, k: int, *, numerics:
     """Selected row ids [B, S, min(k, N)] ascending, -1 padded (a FULL or REINDEX layer's pick).
     Returns (ids, scores); a candidate source (FULL layer 20) feeds the scores to
     `v41_jax.model.indexer.candidate_blocks`. The XLA backend selects with the reference's
-    `select_topk`; the Pallas backend with `topk_ids(tile=topk_tile)` (same picks)."""
+    `select_topk`; the Pallas backend without a sort over a full scan (`kernels_pallas.select`)
+    and with `topk_ids(tile=topk_tile)` over compacted candidate columns (same picks)."""
     scores = index_scores_paged(q, w, key_pages, block_table, visible, numerics=numerics,
                                 candidates=candidates, block_size=block_size, backend=backend,
                                 **kernel_kw)
     xla = _backend.resolve(backend) == "xla"
     if candidates is None:
-        ids = ref.select_topk(scores, visible, k) if xla else select_ascending(scores, visible, k)
+        ids = select_ascending(scores, visible, k, backend=backend)
         return ids, scores
     rows = candidate_rows(candidates, block_size)
     return select_topk_compacted(scores, rows, visible, k, None if xla else topk_tile), scores

@@ -396,7 +396,13 @@ def bench_mhc_mix(b: Bench, cfg: dict):
             b.case(f"mhc mix {name} M={m}", f, (x, w), layers=1, flops=2.0 * m * n * k,
                    bytes_=w.nbytes + x.nbytes + 4 * m * n, rows=m, route=name)
         got, want = np.asarray(routes["bf16x3"](x, w)), np.asarray(routes["fp32"](x, w))
-        diffs[m] = {"max_abs_diff": float(np.abs(got - want).max()), "max_abs_out": float(np.abs(want).max())}
+        exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        # each route's largest error against the float64 dot, in units of 2^-24 sum |x w|
+        # (fp32 accumulation over K terms: at most ~K of them, typically ~sqrt(K))
+        unit = 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T)
+        diffs[m] = {"max_abs_diff": float(np.abs(got - want).max()), "max_abs_out": float(np.abs(want).max()),
+                    "bf16x3_error_units": float((np.abs(got - exact) / unit).max()),
+                    "fp32_error_units": float((np.abs(want - exact) / unit).max())}
     b.results["mhc_mix_check"] = diffs
     b.save()
 

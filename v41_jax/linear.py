@@ -62,15 +62,23 @@ def lin_bf(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
     return numerics.act(_dot_f32(numerics.act(x), w))
 
 
+def _top_bits(w: jax.Array) -> jax.Array:
+    """fp32 w with all but its 8 leading significand bits cleared: a bf16 value, by truncation."""
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def bf16_parts(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == w exactly in fp32: each part takes the next
     8 of the 24 significand bits and each remainder is a multiple of w's last bit, so the third
     remainder is 0. For finite w of magnitude >= 2^-103, where that last bit, and so every nonzero
-    part, is a normal number (XLA flushes subnormals to zero)."""
-    hi = w.astype(jnp.bfloat16)
-    r = w - hi.astype(jnp.float32)                                   # exact: <= 16 significant bits
-    mid = r.astype(jnp.bfloat16)
-    return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    part, is a normal number (XLA flushes subnormals to zero). The parts are cut by clearing bits,
+    not by an fp32 -> bf16 -> fp32 round trip: XLA:GPU removes such a pair as excess precision
+    (`xla_allow_excess_precision`), which made every remainder 0."""
+    hi = _top_bits(w)
+    r = w - hi                                                       # exact: <= 16 significant bits
+    mid = _top_bits(r)
+    return hi.astype(jnp.bfloat16), mid.astype(jnp.bfloat16), (r - mid).astype(jnp.bfloat16)
 
 
 def lin_f32(x: jax.Array, w: jax.Array) -> jax.Array:
