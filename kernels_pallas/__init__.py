@@ -5,6 +5,9 @@ V41_KERNELS = xla | pallas | auto):
   sparse_attn.sparse_attn_paged   sparse latent attention with sink over cache row views
   indexer.index_scores_paged      lightning-indexer scores from the paged index plane
   indexer.index_topk_paged        ... plus the top-k (full scan, or REINDEX candidate columns)
+  select.select_ascending         the indexer's top-k ids in position order without a sort (per
+                                  row a bisection over the total-order key bits); the model's
+                                  `indexer.select_topk` runs it
   moe.routed_experts              routed SwiGLU experts as a grouped GEMM (or the fastest exact
                                   alternative per step, `moe.choose_impl`; from 2K tokens on
                                   NVIDIA Hopper the Mosaic GPU kernels of `moe_mgpu`, an optional
