@@ -40,3 +40,21 @@ def test_lowers_to_one_triton_call(platform, n):
     e = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=allow)(
         jax.ShapeDtypeStruct((192, n), jnp.float32), jax.ShapeDtypeStruct((192,), jnp.int32))
     assert e.mlir_module().count(f"custom_call @{TRITON_CUSTOM_CALL}") == 1
+
+
+def test_the_models_selection_runs_the_kernel_under_its_switch():
+    """`v41_jax.model.indexer.select_topk` (the full forward's and the step's selection) takes the
+    kernel when kernel "select" is on Pallas, the reference's sort otherwise; same ids."""
+    from kernels_pallas import backend
+    from v41_jax.model.indexer import select_topk
+
+    rng, seed = fresh_rng()
+    x = jnp.asarray(rng.integers(-3, 4, (2, 3, 300)).astype(np.float32))
+    vis = jnp.asarray(rng.integers(0, 301, (2, 3)).astype(np.int32))
+    calls = {}
+    for name in ("xla", "pallas"):
+        with backend.use_backend(name, kernel="select"):
+            calls[name] = (str(jax.make_jaxpr(lambda s, v: select_topk(s, v, 16))(x, vis)),
+                           np.asarray(select_topk(x, vis, 16)))
+    assert "select_ascending" in calls["pallas"][0] and "select_ascending" not in calls["xla"][0]
+    np.testing.assert_array_equal(calls["pallas"][1], calls["xla"][1], err_msg=f"seed {seed}")
