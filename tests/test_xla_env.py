@@ -12,12 +12,14 @@ from v41_jax import xla_env
 
 
 def test_cuda_options_are_added_once_and_never_over_the_users():
-    opt = f"--xla_backend_extra_options={xla_env.CUDA_LLVM_OPTIONS}"
+    opt = f"--xla_backend_extra_options={xla_env.CUDA_LLVM_OPTIONS} {xla_env.EXCESS_PRECISION}"
     assert xla_env.with_cuda_options("") == opt
     assert xla_env.with_cuda_options("--xla_gpu_autotune_level=0") == f"--xla_gpu_autotune_level=0 {opt}"
     assert xla_env.with_cuda_options(opt) == opt
     mine = "--xla_backend_extra_options=-nvptx-prec-divf32=1"
-    assert xla_env.with_cuda_options(mine) == mine
+    assert xla_env.with_cuda_options(mine) == f"{mine} {xla_env.EXCESS_PRECISION}"
+    mine = "--xla_allow_excess_precision=true"
+    assert xla_env.with_cuda_options(mine) == f"--xla_allow_excess_precision=true --xla_backend_extra_options={xla_env.CUDA_LLVM_OPTIONS}"
 
 
 def test_apply_sets_the_flags_only_with_a_cuda_plugin_and_before_any_backend(monkeypatch):

@@ -9,6 +9,13 @@ quotients and 21 % of the RMS-norm kernel's rows 1 ulp from torch's (BENCHMARKS.
 with =2 (IEEE `div.rn.f32`) every one was equal. A decode step is bound by memory, not by its few
 divisions. XLA's own fp32 sqrt stays approximate whatever the NVPTX options (the kernels take
 theirs in fp64, which stays exact). A user's XLA_FLAGS that set xla_backend_extra_options win.
+
+XLA:GPU also removes an fp32 -> bf16 -> fp32 conversion pair by default, as "excess precision"
+(`xla_allow_excess_precision`): every rounding to bf16 the reference makes and the model writes as
+such a pair (a bf16 result used in fp32 next) was skipped on the GPU. On the H200 that was most of
+the device's distance from the reference: `check_reference --engine` on small_a, mean row ulps of
+the conditioning 6.43 with the default, 1.37 with the flag false (inside the 4 one-ulp runs;
+BENCHMARKS.md, 2026-12-04 d). So the flag is false here too, unless the user's XLA_FLAGS set it.
 Only where a CUDA plugin is installed: other LLVM builds may lack the NVPTX option.
 """
 
@@ -22,11 +29,17 @@ CUDA_LLVM_OPTIONS = "-nvptx-prec-divf32=2"
 _KEY = "xla_backend_extra_options"
 
 
+EXCESS_PRECISION = "--xla_allow_excess_precision=false"
+
+
 def with_cuda_options(flags: str) -> str:
-    """XLA_FLAGS with the CUDA LLVM options added, unless they set backend options themselves."""
-    if _KEY in flags:
-        return flags
-    return f"{flags} --{_KEY}={CUDA_LLVM_OPTIONS}".strip()
+    """XLA_FLAGS with the CUDA LLVM options and EXCESS_PRECISION added, each unless the flags set
+    that option themselves."""
+    if _KEY not in flags:
+        flags = f"{flags} --{_KEY}={CUDA_LLVM_OPTIONS}"
+    if "xla_allow_excess_precision" not in flags:
+        flags = f"{flags} {EXCESS_PRECISION}"
+    return flags.strip()
 
 
 def cuda_plugin_installed() -> bool:
@@ -44,8 +57,9 @@ def apply() -> None:
     from jax._src import xla_bridge   # internal: whether a backend already read XLA_FLAGS
 
     if xla_bridge.backends_are_initialized():
-        warnings.warn(f"v41_jax imported after jax started its backends: XLA_FLAGS lack "
-                      f"--{_KEY}={CUDA_LLVM_OPTIONS}, so fp32 divisions on CUDA are approximate "
-                      f"(import v41_jax first, or set the flag)", stacklevel=3)
+        missing = " ".join(f for f in wanted.split() if f not in flags.split())
+        warnings.warn(f"v41_jax imported after jax started its backends: XLA_FLAGS lack {missing}, "
+                      f"so fp32 divisions on CUDA are approximate and roundings to bf16 may be "
+                      f"skipped (import v41_jax first, or set the flags)", stacklevel=3)
         return
     os.environ["XLA_FLAGS"] = wanted
