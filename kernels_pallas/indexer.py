@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
-from kernels_pallas.select import select_ascending
+from kernels_pallas.select import MAX_COLUMNS, select_ascending
 from v41_jax.numerics import HIGHEST, Numerics, top_k
 
 # two-stage top-k tile for the Pallas backend (rows no longer than a tile use one lax.top_k);
@@ -231,14 +231,17 @@ def index_topk_paged(q, w, key_pages, block_table, visible, k: int, *, numerics:
     """Selected row ids [B, S, min(k, N)] ascending, -1 padded (a FULL or REINDEX layer's pick).
     Returns (ids, scores); a candidate source (FULL layer 20) feeds the scores to
     `v41_jax.model.indexer.candidate_blocks`. The XLA backend selects with the reference's
-    `select_topk`; the Pallas backend without a sort over a full scan (`kernels_pallas.select`)
-    and with `topk_ids(tile=topk_tile)` over compacted candidate columns (same picks)."""
+    `select_topk`; the Pallas backend without a sort over a full scan (`kernels_pallas.select`, up
+    to its MAX_COLUMNS) and otherwise with `topk_ids(tile=topk_tile)` (same picks)."""
     scores = index_scores_paged(q, w, key_pages, block_table, visible, numerics=numerics,
                                 candidates=candidates, block_size=block_size, backend=backend,
                                 **kernel_kw)
     xla = _backend.resolve(backend) == "xla"
     if candidates is None:
-        ids = select_ascending(scores, visible, k, backend=backend)
+        # past the kernel's row width, the two-stage top-k (select_ascending would take one sort)
+        wide = not xla and scores.shape[-1] > MAX_COLUMNS
+        ids = (select_topk(scores, visible, k, topk_tile) if wide
+               else select_ascending(scores, visible, k, backend=backend))
         return ids, scores
     rows = candidate_rows(candidates, block_size)
     return select_topk_compacted(scores, rows, visible, k, None if xla else topk_tile), scores

@@ -28,16 +28,16 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import compiler_params, load, store
+from v41_jax.numerics import total_order
 
 MAX_COLUMNS = 32768   # a row in one program's registers (16 warps past 16,384: 64 fp32 a thread)
 _SIGN = -(1 << 31)     # int32 with the sign bit alone
 
 
 def _unsigned_order(x: jax.Array) -> jax.Array:
-    """fp32 -> int32 whose bits, read unsigned, are in IEEE total order: the total-order key
-    (negative floats' magnitude bits reversed) with its sign bit flipped."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits) ^ jnp.int32(_SIGN)
+    """fp32 -> int32 whose bits, read unsigned, are in IEEE total order (`numerics.total_order`
+    with its sign bit flipped), so the bisection can set the key's bits from the top."""
+    return total_order(x) ^ jnp.int32(_SIGN)
 
 
 def _at_least(u: jax.Array, t: jax.Array) -> jax.Array:
@@ -45,7 +45,7 @@ def _at_least(u: jax.Array, t: jax.Array) -> jax.Array:
     return (u ^ jnp.int32(_SIGN)) >= (t ^ jnp.int32(_SIGN))
 
 
-def _kernel(s_ref, vis_ref, o_ref, *, n: int, width: int, k: int, k_width: int):
+def _kernel(s_ref, vis_ref, o_ref, *, n: int, width: int, k: int, k_width: int, scratch: bool):
     r = pl.program_id(0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
     real = cols < n
@@ -63,10 +63,10 @@ def _kernel(s_ref, vis_ref, o_ref, *, n: int, width: int, k: int, k_width: int):
     picked = above | (equal & (first_equal < k - jnp.sum(above.astype(jnp.int32))))
     kept = picked & (cols < vis_ref[r])
     rank = jnp.cumsum(kept.astype(jnp.int32)) - kept.astype(jnp.int32)
-    # lanes not kept address a scratch column of their own past the k_width slots: masked, they
-    # store nothing on a GPU, and interpret mode's masked scatter (a read-modify-write of every
-    # addressed element) then never touches a kept slot
-    store(o_ref.at[r, jnp.where(kept, rank, k_width + cols)], cols, mask=kept)
+    # masked lanes store nothing on a GPU; interpret mode's masked scatter is a read-modify-write
+    # of every addressed element, so there each lane not kept addresses a scratch column of its
+    # own past the k_width slots and never a kept slot
+    store(o_ref.at[r, jnp.where(kept, rank, k_width + cols if scratch else 0)], cols, mask=kept)
     slots = jax.lax.broadcasted_iota(jnp.int32, (k_width,), 0)
     store(o_ref.at[r, slots], jnp.full((k_width,), -1, jnp.int32),
           mask=(slots >= jnp.sum(kept.astype(jnp.int32))) & (slots < k))
@@ -76,11 +76,12 @@ def _kernel(s_ref, vis_ref, o_ref, *, n: int, width: int, k: int, k_width: int):
 def _select_pallas(scores, visible, *, k: int, num_warps: int, interpret: bool):
     rows, n = scores.shape
     width, k_width = pl.next_power_of_2(n), pl.next_power_of_2(k)
+    out = (rows, k_width + width if interpret else k_width)        # scratch columns: see _kernel
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     return pl.pallas_call(
-        functools.partial(_kernel, n=n, width=width, k=k, k_width=k_width),
+        functools.partial(_kernel, n=n, width=width, k=k, k_width=k_width, scratch=interpret),
         grid=(rows,), in_specs=[full(scores.shape), full(visible.shape)],
-        out_specs=full((rows, k_width + width)), out_shape=jax.ShapeDtypeStruct((rows, k_width + width), jnp.int32),
+        out_specs=full(out), out_shape=jax.ShapeDtypeStruct(out, jnp.int32),
         compiler_params=compiler_params(num_warps, 1), interpret=interpret, name="select_ascending",
     )(scores, visible)[:, :k]
 

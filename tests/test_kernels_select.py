@@ -1,7 +1,8 @@
 """The indexer's selection without a sort (`kernels_pallas.select`) against the reference's
 `select_topk` (top_k, then the picks re-sorted by position): equal ids, exactly, with NaNs of
-both signs, infinities, signed zeros and heavy ties among the scores, `visible` cutting the picks,
-k past the row length; and lowered for ROCm and CUDA at the 32K / 128K decode widths."""
+both signs, infinities, signed zeros, subnormals and heavy ties among the scores, `visible`
+cutting the picks (below 0 and past n too), k past the row length; and lowered for ROCm and CUDA
+at the 32K / 128K-context decode widths."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from kernels_pallas import reference as ref
 from kernels_pallas import select
 from kernels_pallas._compat import TRITON_CUSTOM_CALL
 
-SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, -np.nan], np.float32)
+SPECIAL = np.concatenate([np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, -np.nan, 1e-40, -1e-40],
+                                   np.float32),
+                          np.array([0xFFFFFFFF, 0x7FFFFFFF], np.uint32).view(np.float32)])  # NaNs, all bits
 
 
 @pytest.mark.parametrize("rows,n,k", [(3, 37, 5), (4, 64, 64), (2, 100, 200), (5, 1000, 128), (2, 2048, 512)])
@@ -26,7 +29,7 @@ def test_picks_equal_the_references(rows, n, k):
     for _ in range(3):
         x = np.where(rng.random((rows, n)) < 0.3, rng.choice(SPECIAL, (rows, n)),
                      rng.integers(-4, 5, (rows, n)).astype(np.float32))       # few values: many ties
-        vis = rng.integers(0, n + 1, (rows,)).astype(np.int32)
+        vis = rng.integers(-1, n + 3, (rows,)).astype(np.int32)                  # past both ends too
         got = select.select_ascending(jnp.asarray(x), jnp.asarray(vis), k, backend="pallas")
         want = ref.select_topk(jnp.asarray(x), jnp.asarray(vis), min(k, n))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {seed}")

@@ -323,15 +323,15 @@ def test_top_k_treats_signed_zeros_as_ties():
 
 def test_bf16_parts_sum_back_to_the_fp32_weight():
     """`bf16_parts`: hi + mid + lo == w bit for bit over 2^-100 .. 2^100 (its promise: magnitudes
-    >= 2^-103), both signs, and each
-    part is a bf16 value (so the split GEMM's products are exact in fp32)."""
+    >= 2^-103), both signs; the parts are bf16 (so the split GEMM's products are exact in fp32)."""
     rng = np.random.default_rng(0)
     w = (rng.uniform(1, 2, 1 << 16) * rng.choice([-1, 1], 1 << 16)
          * 2.0 ** rng.integers(-100, 100, 1 << 16)).astype(np.float32)
     w[:4] = [0.0, -0.0, 1.0, -3.0]
-    hi, mid, lo = (np.asarray(p, np.float32) for p in bf16_parts(jnp.asarray(w)))
+    parts = bf16_parts(jnp.asarray(w))
+    assert all(p.dtype == jnp.bfloat16 for p in parts)
+    hi, mid, lo = (np.asarray(p, np.float32) for p in parts)
     np.testing.assert_array_equal((hi + mid) + lo, w)
-    assert (hi.view(np.uint32) & 0xFFFF).max() == (mid.view(np.uint32) & 0xFFFF).max() == 0
 
 
 @pytest.mark.parametrize("rows", [SPLIT_ROWS - 1, SPLIT_ROWS])
@@ -344,6 +344,12 @@ def test_lin_f32_of_bf16_rows_by_an_fp32_weight_keeps_every_weight_bit(rows):
     rng = np.random.default_rng(rows)
     k, n = 512, 24
     w = rng.standard_normal((n, k)).astype(np.float32)
+    # the route taken: a bf16 dot of 3N outputs from SPLIT_ROWS rows, an fp32 dot of N below
+    jaxpr = jax.make_jaxpr(lin_f32)(jnp.zeros((rows, k), jnp.bfloat16), jnp.asarray(w))
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    split = rows >= SPLIT_ROWS
+    assert [(e.invars[1].aval.dtype, e.outvars[0].aval.shape[-1]) for e in dots] == \
+        [(jnp.bfloat16 if split else jnp.float32, 3 * n if split else n)]
     cols = rng.integers(0, k, rows)
     x = np.zeros((rows, k), np.float32)
     x[np.arange(rows), cols] = 2.0 ** rng.integers(-8, 8, rows)

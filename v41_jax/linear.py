@@ -69,9 +69,9 @@ def _top_bits(w: jax.Array) -> jax.Array:
 
 
 def bf16_parts(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == w exactly in fp32: each part takes the next
-    8 of the 24 significand bits and each remainder is a multiple of w's last bit, so the third
-    remainder is 0. For finite w of magnitude >= 2^-103, where that last bit, and so every nonzero
+    """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == w exactly in fp32: hi is w's 8 leading
+    significand bits, r = w - hi is exact with at most 16 significant bits, mid is r's 8 leading
+    ones, and r - mid, a multiple of w's last bit with at most 8 significant bits, is lo exactly. For finite w of magnitude >= 2^-103, where that last bit, and so every nonzero
     part, is a normal number (XLA flushes subnormals to zero). The parts are cut by clearing bits,
     not by an fp32 -> bf16 -> fp32 round trip: XLA:GPU removes such a pair as excess precision
     (`xla_allow_excess_precision`), which made every remainder 0."""
@@ -91,9 +91,11 @@ def lin_f32(x: jax.Array, w: jax.Array) -> jax.Array:
         # bf16 values times an fp32 weight (the mHC mixes): the weight as three bf16 parts stacked
         # along N, one tensor-core GEMM whose every product is exact, the three partial outputs
         # added in fp32 (two roundings more than the fp32 GEMM's K; no backend's K order is the
-        # reference's either). Rows >= SPLIT_ROWS only: a decode step's few rows read the weight
-        # (1.5 bytes more per value) and are memory-bound, a prefill's are compute-bound on the
-        # fp32 CUDA-core GEMM (issue 16: 2.0 ms of a 4,096-token prefill, 12 launches).
+        # reference's either). Rows >= SPLIT_ROWS only: a decode step's few rows are bound by
+        # reading the weight (6 bytes a value as parts against 4, cut again every call), a
+        # prefill's by the fp32 CUDA-core GEMM (issue 16: 2.0 ms of a 4,096-token prefill, 12
+        # launches). So one token's mixes may differ in the last bits between a step of 255 rows
+        # and one of 256, as any backend's GEMM may with its row count.
         return dot_bf16_parts(x, w)
     return _dot_f32(x.astype(jnp.float32), w.astype(jnp.float32))
 

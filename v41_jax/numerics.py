@@ -93,7 +93,7 @@ def rounded(p: jax.Array) -> jax.Array:
 RANK_TOPK_MAX, RANK_SORT_MAX, RANK_PAIRS = 256, 1024, 1 << 23
 
 
-def _total_order(x: jax.Array) -> jax.Array:
+def total_order(x: jax.Array) -> jax.Array:
     """Floats -> int32 keys in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN):
     a negative float's magnitude bits reversed, so larger magnitudes compare lower."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
@@ -107,7 +107,7 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         return jax.lax.top_k(x, k)
     # lax.top_k's order is descending total order, ties to the lower index: the ascending stable
     # order of the negated total-order keys (bitwise not: no overflow)
-    ids = stable_argsort(~_total_order(x), k)
+    ids = stable_argsort(~total_order(x), k)
     return jnp.take_along_axis(x, ids, axis=-1), ids
 
 

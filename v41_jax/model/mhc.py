@@ -47,7 +47,8 @@ def hc_mixes(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
              cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     flat = x.reshape(*x.shape[:-2], -1)                                    # [..., N*D]
     # one RMS statistic over all streams jointly, no learned weight; the reference's fp32 GEMM
-    # of these values (`lin_f32` takes bf16 rows exactly, without an fp32 copy)
+    # of these values (`lin_f32` takes the bf16 rows as they are: from SPLIT_ROWS rows it needs
+    # no fp32 copy of them)
     m = lin_f32(flat, fn) * rms_inv(flat, cfg.norm_eps)                    # [..., M]
     return split_sinkhorn(m, scale.astype(jnp.float32), base.astype(jnp.float32), cfg.hc_mult,
                           cfg.hc_sinkhorn_iters, cfg.hc_eps)
