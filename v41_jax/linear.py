@@ -71,8 +71,9 @@ def _top_bits(w: jax.Array) -> jax.Array:
 def bf16_parts(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == w exactly in fp32: hi is w's 8 leading
     significand bits, r = w - hi is exact with at most 16 significant bits, mid is r's 8 leading
-    ones, and r - mid, a multiple of w's last bit with at most 8 significant bits, is lo exactly. For finite w of magnitude >= 2^-103, where that last bit, and so every nonzero
-    part, is a normal number (XLA flushes subnormals to zero). The parts are cut by clearing bits,
+    ones, and r - mid, a multiple of w's last bit with at most 8 significant bits, is lo exactly.
+    For finite w of magnitude >= 2^-103, where that last bit, and so every nonzero part, is a
+    normal number (XLA flushes subnormals to zero). The parts are cut by clearing bits,
     not by an fp32 -> bf16 -> fp32 round trip: XLA:GPU removes such a pair as excess precision
     (`xla_allow_excess_precision`), which made every remainder 0."""
     hi = _top_bits(w)
