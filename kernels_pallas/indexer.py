@@ -4,7 +4,9 @@ docs/MODEL.md §3.7, docs/CACHE.md §3; jnp reference: `kernels_pallas.reference
 
 Cache-side input layout
 -----------------------
-  key_pages    [P, rpp, Di]  one owner's index plane (`cache.index[o]`, typed rows), rpp rows/page
+  key_pages    [P, rpp, Di]  one owner's index plane (`cache.index[o]`), rpp rows/page: typed rows,
+               or [P, rpp, Di/2 + Di/32] uint8 packed FP4 rows (`quant.pack_fp4_ue8m0_rows`),
+               decoded after the load (exactly the typed rows' values, a quarter of the bytes)
   block_table  [B, MP] int32 page ids of each request (logical row j lives in page
                block_table[b, j // rpp] at row j % rpp)
   visible      [B, S] int32  rows each query may see, (p + 1) // r
@@ -40,9 +42,11 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
+from kernels_pallas._codecs import fp4_values
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from kernels_pallas.select import MAX_COLUMNS, select_ascending
 from v41_jax.numerics import HIGHEST, Numerics, top_k
+from v41_jax.quant import unpack_fp4_ue8m0_rows
 
 # two-stage top-k tile for the Pallas backend (rows no longer than a tile use one lax.top_k);
 # H200: 1.08 -> 0.45 ms at 32 x 131072, 0.24 -> 0.16 ms at 32 x 32768 (BENCHMARKS.md)
@@ -54,6 +58,19 @@ def _score_tile(q, w, keys, dt):
     dots = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                preferred_element_type=jnp.float32).astype(dt)
     return (jnp.maximum(dots, 0).astype(jnp.float32) * w[:, None]).astype(dt).astype(jnp.float32)
+
+
+def _key_tile(keys_ref, phys, live, di: int, dtype):
+    """Key rows `phys` [TN] of the flat plane (rows not `live` read as 0) -> [TN, Di] in dtype:
+    typed rows as stored; packed FP4 rows (uint8, `quant.pack_fp4_ue8m0_rows`: Di/2 E2M1 bytes,
+    then Di/32 E8M0 codes) decoded in registers to the very values the typed rows hold."""
+    def cols(first: int, n: int):
+        lanes = first + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+        return load(keys_ref.at[phys[:, None], lanes[None, :]], mask=live[:, None], other=0)
+
+    if keys_ref.dtype != jnp.uint8:
+        return cols(0, di).astype(dtype)
+    return fp4_values(cols(0, di // 2), cols(di // 2, di // 32), dtype)
 
 
 def _index_kernel(*refs, ts: int, hi: int, tn: int, rpp: int, bs: int, with_cand: bool, dt):
@@ -71,17 +88,15 @@ def _index_kernel(*refs, ts: int, hi: int, tn: int, rpp: int, bs: int, with_cand
     vis = vis_ref[...]                                                  # [TS]
     live = (row >= 0)[None, :] & (row[None, :] < vis[:, None])          # [TS, TN]
     live_i = live.astype(jnp.int32)                                     # (no i1 reductions in Triton)
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (keys_ref.shape[1],), 0)
 
     def compute():
         safe = jnp.maximum(row, 0)
         any_live = live_i.max(axis=0) > 0                               # rows some query sees
         page = load(bt_ref.at[safe // rpp], mask=any_live, other=0)
         phys = page * rpp + safe % rpp
-        keys = load(keys_ref.at[phys[:, None], lanes[None, :]], mask=any_live[:, None], other=0)
         q = q_ref[...].reshape(ts * hi, -1)                             # [TS*Hi, Di]
         terms = _score_tile(q, w_ref[...].reshape(ts * hi).astype(jnp.float32),
-                            keys.astype(q.dtype), dt)
+                            _key_tile(keys_ref, phys, any_live, q.shape[1], q.dtype), dt)
         scores = terms.reshape(ts, hi, tn).sum(axis=1).astype(dt)       # fp32 head sum, one rounding
         return jnp.where(live, scores, -jnp.inf)
 
@@ -107,7 +122,7 @@ def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, t
     w = jnp.pad(w, ((0, 0), (0, s_pad), (0, h_pad)))
     hi += h_pad
     visible = jnp.pad(visible.astype(jnp.int32), ((0, 0), (0, s_pad)))   # padded queries see nothing
-    keys = key_pages.reshape(-1, di)                                    # free: contiguous pages
+    keys = key_pages.reshape(-1, key_pages.shape[-1])                   # free: contiguous pages
     sq = SQUEEZED
     grid = (b, (s + s_pad) // ts, (n_cols + n_pad) // tn)
     in_specs = [pl.BlockSpec((sq, ts, hi, di), lambda i, si, j: (i, si, 0, 0)),
@@ -153,8 +168,11 @@ def candidate_rows(candidates: jax.Array, block_size: int) -> jax.Array:
 
 def index_scores_paged_xla(q, w, key_pages, block_table, visible, *, numerics: Numerics,
                            candidates=None, block_size: int = 8):
-    """The XLA path: gather the keys, then the reference's `index_scores`."""
+    """The XLA path: gather the keys (packed rows decoded after the gather), then the reference's
+    `index_scores`."""
     keys = _gather_keys_xla(key_pages, block_table, candidates, block_size)
+    if keys.dtype == jnp.uint8:
+        keys = unpack_fp4_ue8m0_rows(keys, dtype=q.dtype)
     if candidates is None:
         return ref.index_scores(q, keys, w, visible, numerics)
     b, s = q.shape[:2]
@@ -173,7 +191,8 @@ def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_t
                        col_tile: int = 256, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Indexer scores of each query over its request's paged index keys.
 
-    q [B, S, Hi, Di], w [B, S, Hi] (already scaled by Di^-0.5 Hi^-0.5), key_pages [P, rpp, Di],
+    q [B, S, Hi, Di], w [B, S, Hi] (already scaled by Di^-0.5 Hi^-0.5), key_pages [P, rpp, Di]
+    (or packed, see the module doc),
     block_table [B, MP] int32, visible [B, S] int32, candidates [B, S, NB] int32 or None.
     Returns [B, S, N] in the score dtype: N = MP*rpp logical rows, or NB*block_size compacted
     candidate columns (see `candidate_rows`); -inf where not visible.

@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas import moe_mgpu
 from kernels_pallas import reference as ref
+from kernels_pallas._codecs import e4m3_as, fp4_halves, fp4_values
 from kernels_pallas._compat import compiler_params, load, store
 from v41_jax.linear import K_BLOCK as _K_BLOCK  # A8 fake-quant group
 from v41_jax.numerics import HIGHEST, Numerics, stable_argsort
@@ -137,35 +138,11 @@ def unsort(y_sorted: jax.Array, order: jax.Array, t: int, k: int) -> jax.Array:
 
 # ---- expert weight tiles: as held (bf16, FP8 rows, FP4), decoded in registers --------------------
 
-def _fp4_halves(codes, scale):
-    """Packed E2M1 codes uint8 [BN, BK/2], E8M0 codes uint8 [BN, BK/32] -> fp32 (even, odd) inputs,
-    each [BN, BK/2]; exact. A nibble's bits moved into an E4M3 byte (sign to bit 7, exponent and
-    mantissa to bits 4..2) are its E2M1 value times 2^-6, normal or not, so one hardware fp8
-    conversion decodes it; the scale 2^(c-127) times 2^6 is the fp32 with exponent field c + 6."""
-    lo = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
-    hi = (codes & 0x80) | ((codes >> 2) & 0x1C)
-    bn, g = scale.shape
-    s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
-    s = jnp.broadcast_to(s[:, :, None], (bn, g, 16)).reshape(bn, g * 16)   # a byte holds 2 of 32
-    return _e4m3_as(lo, jnp.float32) * s, _e4m3_as(hi, jnp.float32) * s
-
-
-def _e4m3_as(codes, dtype):
-    """E4M3 codes (uint8) -> their values in `dtype`, exactly. A 16-bit target goes by way of fp16:
-    every E4M3 value is an fp16 (3 mantissa bits, exponents -9..8), E4M3 -> fp16 is one hardware
-    conversion per two values on sm89+, and Triton's direct E4M3 -> bf16 takes a longer route
-    (H200, FP8-row grouped GEMM at 16 / 32 / 128 decode tokens: 0.63 -> 0.49, 0.77 -> 0.59,
-    0.82 -> 0.64 ms). An fp32 target converts directly: by way of fp16 the one-token GEMV ran
-    0.097 -> 0.106 ms (BENCHMARKS.md, 2026-12-04 b)."""
-    e4m3 = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
-    return e4m3.astype(jnp.float16 if jnp.dtype(dtype).itemsize == 2 else dtype).astype(dtype)
-
-
-def _weight_halves(w_ref, e, rows, k0, bk):
-    """FP4 expert e, weight rows `rows`, inputs [k0, k0 + BK) -> fp32 (even, odd) [BN, BK/2]."""
-    codes = w_ref.codes[e, rows, pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)]
-    scale = w_ref.scale[e, rows, pl.ds(pl.multiple_of(k0 // 32, bk // 32), bk // 32)]
-    return _fp4_halves(codes, scale)
+def _fp4_codes(w_ref, e, rows, k0, bk):
+    """FP4 expert e, weight rows `rows`, inputs [k0, k0 + BK) -> (E2M1 bytes [BN, BK/2], E8M0
+    codes [BN, BK/32])."""
+    return (w_ref.codes[e, rows, pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)],
+            w_ref.scale[e, rows, pl.ds(pl.multiple_of(k0 // 32, bk // 32), bk // 32)])
 
 
 def _weight_tile(w_ref, e, rows, k0, bk, dtype):
@@ -174,12 +151,10 @@ def _weight_tile(w_ref, e, rows, k0, bk, dtype):
     GEMM, `_row_scale`); FP4 decoded and its even and odd inputs interleaved back in place."""
     ks = pl.ds(pl.multiple_of(k0, bk), bk)
     if isinstance(w_ref, Fp8RowWeight):
-        return _e4m3_as(w_ref.codes[e, rows, ks], dtype)
+        return e4m3_as(w_ref.codes[e, rows, ks], dtype)
     if not isinstance(w_ref, Fp4Weight):
         return w_ref[e, rows, ks].astype(dtype)
-    even, odd = _weight_halves(w_ref, e, rows, k0, bk)
-    bn = even.shape[0]
-    return jnp.stack([even, odd], axis=-1).reshape(bn, bk).astype(dtype)
+    return fp4_values(*_fp4_codes(w_ref, e, rows, k0, bk), dtype)
 
 
 def _row_scale(w_ref, e, rows, out):
@@ -196,7 +171,7 @@ def _gemv_block(w_ref, e, rows, k0, bk, v_ref, r):
         w = _weight_tile(w_ref, e, rows, k0, bk, jnp.float32)
         ks = pl.ds(pl.multiple_of(k0, bk), bk)
         return jnp.sum(w * v_ref[r, ks].astype(jnp.float32)[None, :], axis=1)
-    even, odd = _weight_halves(w_ref, e, rows, k0, bk)
+    even, odd = fp4_halves(*_fp4_codes(w_ref, e, rows, k0, bk))
     lanes = lambda first: v_ref[r, pl.ds(first, bk // 2, stride=2)].astype(jnp.float32)[None, :]
     return jnp.sum(even * lanes(k0) + odd * lanes(k0 + 1), axis=1)
 

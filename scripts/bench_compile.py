@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from scripts.bench_common import cut  # noqa: E402
 from scripts.bench_step import NUMERICS, param_leaf_specs  # noqa: E402
 from v41_jax.cache.buffer import allocate  # noqa: E402
-from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format  # noqa: E402
+from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
 from v41_jax.checkpoint.load import EXPERT_HOLDS, HELD_DTYPES, nest  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.layer_runs import layer_runs, stack_runs  # noqa: E402
@@ -172,11 +172,10 @@ def kernels_by_source(text: str, top: int = 25) -> dict:
 def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: str, context: int,
                   by_source: int = 0, speculative: bool = False, scan: bool = False) -> dict:
     c = cut(cfg, n)
-    fmt = typed_format(numerics.act_dtype)
     # speculative: the step as a DSpark engine compiles it (draft slack of one block, verify + draft)
     settings = EngineSettings(page_tokens=256, num_pages=1 + bucket.requests * -(-context // 256),
-                              slots=bucket.requests, max_context=context, kv_format=fmt, index_format=fmt,
-                              draft_slack=c.dspark_block_size if speculative else 0)
+                              slots=bucket.requests, max_context=context,
+                              draft_slack=c.dspark_block_size if speculative else 0, **row_formats(numerics))
     geom = CacheGeometry.build(c, settings)
     host = build_step(geom, c, bucket, []).batch
     layout = BatchLayout.of(host)

@@ -4,7 +4,7 @@ differences).
 
     python -m scripts.bench_decode_choices --out C.json [--sections e4m3,moe-impl,rms-runs] [--smoke]
 
-  e4m3      `kernels_pallas.moe._e4m3_as`: E4M3 codes decoded by the code's rule (by way of
+  e4m3      `kernels_pallas._codecs.e4m3_as`: E4M3 codes decoded by the code's rule (by way of
             fp16 for 16-bit targets, the grouped GEMM's bf16 MMA operands; directly for fp32, the
             GEMV's and FP4's), always directly, and always by way of fp16, for the GEMV and the
             grouped GEMM, FP8 rows and FP4 (decoded through E4M3 too), 1-512 tokens.
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels_pallas import _codecs  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas import rmsnorm  # noqa: E402
 from scripts.bench_common import kernel_profile  # noqa: E402
@@ -39,12 +40,12 @@ from v41_jax.quant import Fp8RowWeight  # noqa: E402
 
 
 def _direct_e4m3(codes, dtype):
-    """One conversion straight to the target dtype (what `moe._e4m3_as` does for fp32)."""
+    """One conversion straight to the target dtype (what `_codecs.e4m3_as` does for fp32)."""
     return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(dtype)
 
 
 def _fp16_e4m3(codes, dtype):
-    """By way of fp16 for every target (what `moe._e4m3_as` does for 16-bit ones)."""
+    """By way of fp16 for every target (what `_codecs.e4m3_as` does for 16-bit ones)."""
     return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(dtype)
 
 
@@ -81,18 +82,22 @@ def _moe_case(b: Bench, name: str, shape: tuple, held: str, ws, t: int, **kw):
 def bench_e4m3(b: Bench, shape: tuple, experts: dict):
     tokens = ((1, "gemv"), (16, "pallas")) if b.smoke else \
         ((1, "gemv"), (8, "gemv"), (16, "pallas"), (32, "pallas"), (128, "pallas"), (512, "pallas"))
-    code = kmoe._e4m3_as
+    code = _codecs.e4m3_as
+
+    def routed(conv):     # the MoE module's name decodes FP8 rows, the codecs' own decodes FP4
+        for module in (_codecs, kmoe):
+            module.e4m3_as = conv
     for t, impl in tokens:
         for held in ("fp8",) if b.smoke else ("fp8", "fp4"):
             outs = {}
             for route, conv in (("rule", code), ("direct", _direct_e4m3), ("via-fp16", _fp16_e4m3)):
-                kmoe._e4m3_as = conv
+                routed(conv)
                 jax.clear_caches()                # the kernels are traced again with this route
                 try:
                     outs[route] = _moe_case(b, f"e4m3/T{t}/{impl}/{held}/{route}", shape, held,
                                             experts[held], t, impl=impl)
                 finally:
-                    kmoe._e4m3_as = code
+                    routed(code)
             b.results["cases"][-1]["bit_equal"] = all((o == outs["rule"]).all() for o in outs.values())
             b.save()
 

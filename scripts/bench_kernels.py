@@ -41,7 +41,7 @@ from v41_jax import linear  # noqa: E402
 from v41_jax.linear import lin_f32  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
 from v41_jax.checkpoint.load import held_bytes  # noqa: E402
-from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
+from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, pack_fp4_ue8m0_rows  # noqa: E402
 
 REF = Numerics.reference()
 FAST = Numerics.fast()
@@ -233,7 +233,11 @@ def bench_indexer(b: Bench, cfg: dict):
     if b.smoke:
         hi, di, k, nblk, rpp = 8, 32, 16, 8, 16
     n_pages = (1 << 14) + 1 if not b.smoke else 257
-    pages = jax.random.normal(jax.random.key(5), (n_pages, rpp, di), jnp.bfloat16)
+    # keys on the fp4 grid, as the model stores them: typed bf16 rows, and the same rows packed
+    # (`quant.pack_fp4_ue8m0_rows`, the cache's "fp4" index format)
+    pages = fp4_qdq_ue8m0(jax.random.normal(jax.random.key(5), (n_pages, rpp, di), jnp.float32))
+    packed = pack_fp4_ue8m0_rows(pages)
+    pages = pages.astype(jnp.bfloat16)
 
     def inputs(key, layers, bsz, s, ctx):
         mp = ctx // rpp
@@ -252,7 +256,7 @@ def bench_indexer(b: Bench, cfg: dict):
         r = jax.random.uniform(key, (bsz, s, n_all))
         return jnp.sort(jax.lax.top_k(r, min(nblk, n_all))[1], axis=-1).astype(jnp.int32)
 
-    def runner(backend, what, cand=None, tile=None, **kw):
+    def runner(backend, what, cand=None, tile=None, keys=pages, **kw):
         def run(layers, pages, cand):
             outs = []
             for q, wt, table, vis in layers:
@@ -266,7 +270,7 @@ def bench_indexer(b: Bench, cfg: dict):
                                                       topk_tile=tile, **kw)[0])
             return tuple(outs)
         jitted = jax.jit(run)
-        return lambda layers: jitted(layers, pages, cand)
+        return lambda layers: jitted(layers, keys, cand)
 
     def topk_runner(tile):
         return jax.jit(lambda ss, vv: tuple(kidx.select_topk(s_, v_, k, tile) for s_, v_ in zip(ss, vv)))
@@ -287,6 +291,15 @@ def bench_indexer(b: Bench, cfg: dict):
                                   flops=flops, bytes_=bytes_, variant=label, **meta)
         ok = {k_: v for k_, v in times.items() if v}
         best = dict(sweep)[min(ok, key=ok.get)] if (sweep and ok) else dict(col_tile=128, num_warps=4)
+        # the same keys packed: 68 of 256 bytes a row at Di = 128, decoded in registers
+        packed_bytes = bytes_ - key_bytes + key_bytes * packed.shape[-1] // (2 * di)
+        tp = b.case(f"index/{kind}/pallas-scores[packed fp4]", runner("pallas", "scores", cand, keys=packed, **best),
+                    (ins,), layers=layers, flops=flops, bytes_=packed_bytes, variant="packed fp4", **meta)
+        if tp and ok:
+            b.results["cases"][-1]["typed_over_packed"] = round(min(ok.values()) / tp, 2)
+            b.results.setdefault("packed_scores_equal_typed", {})[f"{kind}/{bsz}x{s}/{ctx}"] = bool(all(
+                jnp.array_equal(a_, c_) for a_, c_ in zip(runner("pallas", "scores", cand, keys=packed, **best)(ins),
+                                                          runner("pallas", "scores", cand, **best)(ins))))
         if xla:
             tx = b.case(f"index/{kind}/xla-scores", runner("xla", "scores", cand), (ins,),
                         layers=layers, flops=flops, bytes_=bytes_, variant="xla", **meta)

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scripts.bench_step import NUMERICS, decode_cursors, param_leaf_specs, random_params, randomize_cache
 from scripts.make_checkpoint import engram_token_map
-from v41_jax.cache.geometry import EngineSettings, typed_format
+from v41_jax.cache.geometry import EngineSettings, row_formats
 from v41_jax.checkpoint.load import EXPERT_HOLDS
 from v41_jax.config import ModelConfig
 from v41_jax.runtime.engine import Engine
@@ -58,10 +58,10 @@ def main(argv=None) -> dict:
     cfg = ModelConfig.from_file(args.config)
     numerics = NUMERICS[args.numerics]()
     batches = sorted({int(b) for b in args.batches.split(",")})
-    page, fmt = args.page_tokens, typed_format(numerics.act_dtype)
+    page = args.page_tokens
     per_req = -(-args.context // page)
     settings = EngineSettings(page_tokens=page, num_pages=1 + max(batches) * per_req, slots=max(batches),
-                              max_context=per_req * page, kv_format=fmt, index_format=fmt)
+                              max_context=per_req * page, **row_formats(numerics))
     report = {"config": args.config, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
               "args": vars(args), "cases": []}

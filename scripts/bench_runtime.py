@@ -36,7 +36,7 @@ import numpy as np
 
 from scripts.bench_common import back_to_back_s, timed_calls
 from scripts.bench_step import engram_token_map, param_leaf_specs, random_params
-from v41_jax.cache.geometry import EngineSettings, typed_format
+from v41_jax.cache.geometry import EngineSettings, row_formats
 from v41_jax.config import ModelConfig
 from v41_jax.runtime import compile_cache
 from v41_jax.runtime.engine import NUMERICS, Engine
@@ -77,12 +77,11 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_file(args.config)
     batches = sorted(int(b) for b in args.batches.split(","))
     numerics = NUMERICS[args.numerics]()
-    fmt = typed_format(numerics.act_dtype)
     context = -(-(args.prompt + args.new + 1) // args.page_tokens) * args.page_tokens
     r_max = max(batches)
     buckets = BucketSet(tuple(Bucket(b, b, b) for b in batches) + (Bucket(args.prompt * r_max, r_max, r_max),))
     settings = EngineSettings(page_tokens=args.page_tokens, num_pages=r_max * context // args.page_tokens + 1,
-                              slots=r_max, max_context=context, kv_format=fmt, index_format=fmt)
+                              slots=r_max, max_context=context, **row_formats(numerics))
     params = random_params(cfg, 0, param_leaf_specs(cfg, args.experts))
     jax.block_until_ready(params)
     token_map = np.asarray(engram_token_map(cfg)) if cfg.engram_layer_ids else None

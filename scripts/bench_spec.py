@@ -126,7 +126,7 @@ def warm_concurrently(engines: list[Engine]) -> None:
 
 def _steps(args) -> list[dict]:
     from scripts.bench_step import engram_token_map, param_leaf_specs, random_params
-    from v41_jax.cache.geometry import EngineSettings, typed_format
+    from v41_jax.cache.geometry import EngineSettings, row_formats
     from v41_jax.config import ModelConfig
     from v41_jax.runtime.metadata import Bucket, BucketSet, build_step
     from v41_jax.runtime.sampling import SamplingParams
@@ -136,12 +136,11 @@ def _steps(args) -> list[dict]:
         raise SystemExit(f"{args.config}: no DSpark draft stages")
     blk, page, r_max = cfg.dspark_block_size, 16, max(args.batches)
     numerics = NUMERICS[args.numerics]()
-    fmt = typed_format(numerics.act_dtype)
     context = -(-(args.position + blk + 2) // page) * page
     params = random_params(cfg, 0, param_leaf_specs(cfg, args.experts))
     token_map = np.asarray(engram_token_map(cfg)) if cfg.engram_layer_ids else None
     settings = EngineSettings(page_tokens=page, num_pages=r_max * context // page + 1, slots=r_max,
-                              max_context=context, kv_format=fmt, index_format=fmt, draft_slack=blk)
+                              max_context=context, draft_slack=blk, **row_formats(numerics))
     plain, spec = (Engine(params, cfg, settings=settings, numerics=numerics, token_map=token_map, speculative=on,
                           buckets=BucketSet(tuple(Bucket(b * w, b, b * w) for b in args.batches for w in widths)))
                    for on, widths in ((False, (1,)), (True, (1, blk + 1))))

@@ -105,10 +105,11 @@ from scripts.bench_common import back_to_back_s, copy_bandwidth, cut, host_event
 from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
-from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format  # noqa: E402
+from v41_jax.cache.geometry import INDEX_FORMATS, CacheGeometry, EngineSettings, row_formats  # noqa: E402
 from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables, held_as,  # noqa: E402
                                      held_bytes, nest, param_units)
-from v41_jax.quant import Fp4Weight, Fp8RowWeight  # noqa: E402
+from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, packed_fp4_lanes,  # noqa: E402
+                           pack_fp4_ue8m0_rows)
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.layer_runs import stack_runs  # noqa: E402
@@ -304,9 +305,16 @@ def decode_cursors(rng: np.random.Generator, cfg: ModelConfig, slots: int, histo
     return cursor
 
 
+def _random_packed_index(key, plane: jax.Array) -> jax.Array:
+    """A packed FP4 index plane [..., Di/2 + Di/32] of N(0, 1) keys put on the fp4 grid."""
+    keys = jax.random.normal(key, (*plane.shape[:-1], packed_fp4_lanes(plane.shape[-1])))
+    return pack_fp4_ue8m0_rows(fp4_qdq_ue8m0(keys))
+
+
 @partial(jax.jit, donate_argnums=(0,))
 def randomize_cache(cache: Cache, key, cursor) -> Cache:
-    """Random rows in every PAGE / STATE array (N(0, 1) in its dtype); cursor rows as given."""
+    """Random rows in every PAGE / STATE array (N(0, 1) in its dtype; packed index planes: N(0, 1)
+    keys on the fp4 grid, packed); cursor rows as given."""
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     out = []
     for i, x in enumerate(leaves):
@@ -314,7 +322,9 @@ def randomize_cache(cache: Cache, key, cursor) -> Cache:
             x = jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
         out.append(x)
     cache = jax.tree_util.tree_unflatten(treedef, out)
-    return Cache(main=cache.main, index=cache.index, window=cache.window, comp_kv=cache.comp_kv,
+    index = tuple(_random_packed_index(jax.random.fold_in(key, -1 - k), x) if x.dtype == jnp.uint8 else x
+                  for k, x in enumerate(cache.index))
+    return Cache(main=cache.main, index=index, window=cache.window, comp_kv=cache.comp_kv,
                  comp_score=cache.comp_score, cursor=cursor.astype(cache.cursor.dtype), sampled=cache.sampled)
 
 
@@ -386,6 +396,8 @@ def parse_args(argv=None):
     ap.add_argument("--compile-workers", type=int, default=0, help="concurrent compiles (0 = one per case)")
     ap.add_argument("--page-tokens", type=int, default=256)
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
+    ap.add_argument("--index-format", choices=("typed", *INDEX_FORMATS), default=None,
+                    help="index rows (default: the engine's, `geometry.row_formats`)")
     ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto",
                     help="how the routed experts are held (load_params' experts=)")
@@ -461,7 +473,7 @@ def main(argv=None) -> int:
     numerics = NUMERICS[args.numerics]()
     if args.kernels != "auto":
         kernel_backend.set_backend(args.kernels)
-    fmt = typed_format(numerics.act_dtype)
+    formats = row_formats(numerics, args.index_format)
     batches, prefills = sorted(set(args.batches)), sorted(set(args.prefill))
     if not batches and not prefills:
         raise SystemExit("nothing to run: --batches and --prefill are both empty")
@@ -471,7 +483,7 @@ def main(argv=None) -> int:
     pages_decode = -(-args.context // page)
     pages_prefill = -(-max(prefills) // page) if prefills else 0
     settings = EngineSettings(page_tokens=page, num_pages=1 + max(batches, default=0) * pages_decode + pages_prefill,
-                              slots=max(batches + [1]), max_context=max_context, kv_format=fmt, index_format=fmt)
+                              slots=max(batches + [1]), max_context=max_context, **formats)
     geom = CacheGeometry.build(cfg, settings)
     specs = param_leaf_specs(cfg, args.experts)
 
@@ -499,7 +511,7 @@ def main(argv=None) -> int:
             "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(), "experts_held": args.experts,
             "args": vars(args), "estimates": est,
             "geometry": {"page_tokens": page, "num_pages": settings.num_pages, "slots": settings.slots,
-                         "max_context": max_context, "kv_format": fmt, "index_format": fmt,
+                         "max_context": max_context, **formats,
                          "summary": geom.summary()},
             "synthetic": "weights random at the writer's scales; every PAGE/STATE row random N(0,1); Engram "
                          "cursors set to each decode request's position; tokens random",

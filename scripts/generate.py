@@ -32,12 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
+from v41_jax.cache.geometry import INDEX_PACKED
 from v41_jax.config import exit_2_on_refusal
 from v41_jax.runtime import compile_cache
 from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH
 
 NUMERICS_CHOICES = ("fast", "fp32", "reference")
 EXPERT_CHOICES = ("auto", "fp8", "fp4", "bf16")
+INDEX_CHOICES = ("typed", INDEX_PACKED)
 
 
 class UsageError(Exception):
@@ -84,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "first run, decode steps padded to it (make generate on a CPU)")
     ap.add_argument("--scan-layers", action="store_true",
                     help="compile each run of identical layers once (a scanned loop): about half the compile time")
+    ap.add_argument("--index-format", choices=INDEX_CHOICES, default=None,
+                    help="the cache's index rows: fp4 = packed FP4 (the keys' own grid, exact: a quarter of bf16's bytes; the default under fake-quant numerics), typed = the activation dtype")
     ap.add_argument("--page-tokens", type=_positive("--page-tokens"), default=16, help="tokens per cache page")
     ap.add_argument("--pages", type=_positive("--pages", True), default=0,
                     help="page pool size (default: max-batch full contexts)")
@@ -246,7 +250,7 @@ def _run(args, tokenizer, requests):
                                     speculative=None if args.speculative == "on" else False,
                                     draft_width=args.draft_width,
                                     decode_sizes=() if args.one_bucket else args.decode_sizes,
-                                    scan_layers=args.scan_layers)
+                                    scan_layers=args.scan_layers, index_format=args.index_format)
     stats = Stats()
     runnable = [r for r in requests if engine.check_request(r) is None]    # the others end at once
     for req in runnable:

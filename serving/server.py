@@ -82,7 +82,7 @@ class Server:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from scripts.generate import EXPERT_CHOICES, NUMERICS_CHOICES, _positive
+    from scripts.generate import EXPERT_CHOICES, INDEX_CHOICES, NUMERICS_CHOICES, _positive
 
     ap = argparse.ArgumentParser(prog="v41-serve", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__[__doc__.index("Both"):],
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--experts", choices=EXPERT_CHOICES)
     e.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
                    help="DSpark speculative decoding: auto = on when the checkpoint has draft stages")
+    e.add_argument("--index-format", choices=INDEX_CHOICES,
+                   help="the cache's index rows: fp4 = packed FP4 (the keys' own grid, exact: a quarter of bf16's bytes; the default under fake-quant numerics), typed = the activation dtype")
     e.add_argument("--scan-layers", action="store_true",
                    help="compile each run of identical layers once (a scanned loop): about half the compile time")
     e.add_argument("--compile-cache", default=None, help="persistent compilation cache folder ('' disables)")
@@ -139,7 +141,8 @@ def load_engine(args):
     from v41_jax.runtime.engine import Engine
 
     kw = {k: getattr(args, k) for k in ("max_batch", "chunk", "buckets", "decode_sizes", "page_tokens", "pages",
-                                        "slots", "max_context", "numerics", "experts", "tokenizer")
+                                        "slots", "max_context", "numerics", "experts", "tokenizer",
+                                        "index_format")
           if getattr(args, k) is not None}
     kw["speculative"] = {"auto": None, "on": True, "off": False}[args.speculative]
     kw["scan_layers"] = args.scan_layers

@@ -12,6 +12,7 @@ and by overlap otherwise. fp32-policy fixture scores are held to 1e-5.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from kernels_pallas.indexer import (candidate_rows, index_scores_paged, index_to
                                     select_topk, select_topk_compacted, topk_ids)
 from v41_jax.model import indexer as ref
 from v41_jax.model.numerics import Numerics
+from v41_jax.quant import fp4_qdq_ue8m0, pack_fp4_ue8m0_rows
 
 REF = Numerics.reference()
 F32 = Numerics.fp32()
@@ -194,3 +196,33 @@ def test_switch_selects_xla(monkeypatch):
     monkeypatch.setenv(backend.ENV_BACKEND, "xla")
     out = index_scores_paged(*case, numerics=REF)
     assert out.shape == (2, 3, 48)
+
+
+def _packed_plane(keys: jax.Array) -> jax.Array:
+    """A typed plane of on-grid keys (NaN = poisoned rows) -> its packed FP4 plane, poisoned rows as
+    0xFF bytes (codes -6, scale code 255 = NaN: such a row, read, makes the scores NaN)."""
+    k = np.asarray(keys, np.float32)
+    bad = np.isnan(k).any(-1)
+    packed = np.array(pack_fp4_ue8m0_rows(jnp.asarray(np.where(bad[..., None], 0, k))))
+    packed[bad] = 0xFF
+    return jnp.asarray(packed)
+
+
+@pytest.mark.parametrize("with_candidates", [False, True])
+@pytest.mark.parametrize("backend_name", ["xla", "pallas"])
+def test_packed_fp4_keys_score_bit_equal_to_their_typed_rows(backend_name, with_candidates):
+    """Index keys on the fp4 grid (what the model stores: `fp4_qdq_ue8m0`) held as packed rows
+    (a quarter of the bytes) give every score of the typed bf16 rows bit for bit, on each path:
+    the decode (in registers in the kernel, after the gather in XLA) is exact, and nothing else
+    changes. Poisoned packed rows decode to NaN, so a read of an unwritten row would show."""
+    rng, seed = fresh_rng()
+    q, w, keys, table, vis = _paged_case(rng, s=4, di=64, rpp=16, mp=4)
+    keys = fp4_qdq_ue8m0(keys.astype(jnp.float32)).astype(jnp.bfloat16)   # NaN rows stay NaN
+    packed = _packed_plane(keys)
+    assert packed.shape == (*keys.shape[:2], 64 // 2 + 64 // 32) and packed.dtype == jnp.uint8
+    kw = dict(candidates=_candidates(rng, 2, 4, n_blocks=8, keep=5), block_size=8) if with_candidates else {}
+    typed = index_scores_paged(q, w, keys, table, vis, numerics=REF, backend=backend_name, col_tile=16, **kw)
+    got = index_scores_paged(q, w, packed, table, vis, numerics=REF, backend=backend_name, col_tile=16, **kw)
+    typed, got = np.asarray(typed, np.float32), np.asarray(got, np.float32)
+    assert not np.isnan(typed).any() and np.isfinite(typed).any(), f"seed {seed}"
+    np.testing.assert_array_equal(got.view(np.uint32), typed.view(np.uint32), err_msg=f"seed {seed}")

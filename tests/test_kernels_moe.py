@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kernels_common import assert_close, fresh_rng, load_fixture
+from kernels_pallas import _codecs
 from kernels_pallas import moe as kmoe
 from kernels_pallas import moe_mgpu
 from v41_jax.model import moe as ref
@@ -109,7 +110,7 @@ def test_fp4_tile_decode_is_exact_for_every_byte_and_scale():
     table decode, for all 256 code bytes under scale codes from 2^-20 to 2^+20."""
     codes = jnp.tile(jnp.arange(256, dtype=jnp.uint8), (41, 1))                  # [41, 256]
     scale = jnp.repeat(jnp.arange(107, 148, dtype=jnp.uint8)[:, None], 16, axis=1)  # [41, 16]
-    even, odd = kmoe._fp4_halves(codes, scale)
+    even, odd = _codecs.fp4_halves(codes, scale)
     want = np.asarray(dequant_fp4_rows(codes, scale, dtype=jnp.float32))
     np.testing.assert_array_equal(np.asarray(even), want[:, 0::2])
     np.testing.assert_array_equal(np.asarray(odd), want[:, 1::2])
@@ -121,7 +122,7 @@ def test_e4m3_decode_is_exact_for_every_code(dtype):
     """The kernels decode E4M3 to 16 bits through fp16 (a faster conversion on the GPU): each of the 256
     codes, NaNs and -0.0 included, must come out with the bits of ml_dtypes' direct decode."""
     codes = np.arange(256, dtype=np.uint8)
-    got = np.asarray(jax.jit(kmoe._e4m3_as, static_argnums=1)(jnp.asarray(codes), dtype))
+    got = np.asarray(jax.jit(_codecs.e4m3_as, static_argnums=1)(jnp.asarray(codes), dtype))
     want = codes.view(jnp.float8_e4m3fn).astype(dtype)
     nan = np.isnan(want.astype(np.float32))
     assert nan.sum() == 2 and np.isnan(got.astype(np.float32)[nan]).all()

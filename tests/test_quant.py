@@ -313,3 +313,30 @@ def test_mlx_affine(derivative):
         s = np.array(c["scaleBits"], np.uint32).view(np.float32).reshape(c["rows"], -1)
         b = np.array(c["biasBits"], np.uint32).view(np.float32).reshape(c["rows"], -1)
         assert same_bits(dc.decode_mlx_affine(words, s, b, c["bits"]), _expected(c))
+
+
+def test_packed_fp4_ue8m0_rows_give_back_every_on_grid_row():
+    """The cache's packed index rows: rows on the fp4 grid (an `fp4_qdq_ue8m0` output) packed and
+    unpacked come back bit for bit, -0.0 included, whatever a group's largest code (every E2M1
+    magnitude as a group's largest, so each scale drop of `pack_fp4_ue8m0_rows`' argument shows),
+    over group scales 2^-100 .. 2^100. An off-grid row does not come back (the packing is a
+    quantization), so the property is the grid's, not the identity's."""
+    mags = quant.E2M1_TABLE[:8]
+    rng = np.random.default_rng(0)
+    rows = []
+    for top in mags:                                   # the group's largest magnitude code
+        for e in (-100, -37, 0, 5, 100):
+            g = rng.choice(mags[mags <= top], size=(4, 32)) * rng.choice([-1.0, 1.0], size=(4, 32))
+            g[:, 0] = top
+            rows.append(g * np.float32(2.0 ** e))
+    x = np.concatenate(rows).astype(np.float32).reshape(-1, 128)
+    x[0, 1] = -0.0
+    on_grid = quant.fp4_qdq_ue8m0(jnp.asarray(x))
+    assert same_bits(on_grid, x)                        # the rows are on the grid already
+    packed = quant.pack_fp4_ue8m0_rows(on_grid)
+    assert packed.shape == (x.shape[0], 64 + 4) and packed.dtype == jnp.uint8
+    assert same_bits(quant.unpack_fp4_ue8m0_rows(packed, dtype=jnp.float32), x)
+    off = x.copy()
+    off[1, 2] = np.float32(x[1, 2] * 1.1 if x[1, 2] else 0.3)
+    assert not same_bits(quant.unpack_fp4_ue8m0_rows(quant.pack_fp4_ue8m0_rows(jnp.asarray(off)),
+                                                     dtype=jnp.float32), off)

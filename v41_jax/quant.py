@@ -317,6 +317,28 @@ def quant_fp4_ue8m0(x, group: int = 32) -> tuple[jax.Array, jax.Array]:
     return pack_fp4(e2m1_codes(q).reshape(jnp.shape(x))), code
 
 
+def pack_fp4_ue8m0_rows(x, group: int = 32) -> jax.Array:
+    """Rows an `fp4_qdq_ue8m0` put on its grid [..., n] -> packed rows uint8 [..., n/2 + n/group]:
+    the E2M1 bytes, then the E8M0 codes (the cache's packed index rows, docs/CACHE.md §1.3).
+    Exact for such rows (`unpack_fp4_ue8m0_rows` gives back their values, -0.0 included): the
+    re-quantized group's largest code m is 4 or 6 (the same scale) or m <= 3, where the scale drops
+    by 2^j (j = 1, 2, 3 for m in [2, 3], [1, 1.5], 0.5) and every code of the group, at most m,
+    times 2^j is again an E2M1 value."""
+    codes, scale = quant_fp4_ue8m0(x, group)
+    return jnp.concatenate([codes, scale], axis=-1)
+
+
+def packed_fp4_lanes(row_bytes: int, group: int = 32) -> int:
+    """n, the values of a `pack_fp4_ue8m0_rows` row of n/2 + n/group bytes."""
+    return row_bytes * 2 * group // (group + 2)
+
+
+def unpack_fp4_ue8m0_rows(rows, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
+    """Packed rows uint8 [..., n/2 + n/group] (`pack_fp4_ue8m0_rows`) -> their values [..., n]."""
+    half = packed_fp4_lanes(rows.shape[-1], group) // 2
+    return dequant_fp4_ue8m0_rows(rows[..., :half], rows[..., half:], group, dtype)
+
+
 # ---- fake-quant (QDQ) at the reference's QAT points ----------------------------------------------
 
 @partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))

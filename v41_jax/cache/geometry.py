@@ -38,12 +38,16 @@ import jax
 import numpy as np
 
 from v41_jax.config import ModelConfig, exit_2_on_refusal
+from v41_jax.numerics import Numerics
 from v41_jax.topology import Mode, resolve_topology
 
 # Row formats (docs/CACHE.md §1.3). "bf16"/"f32" rows are typed arrays; packed rows are uint8 bytes
 # whose encodings the packed kernels own.
 KV_FORMATS = ("bf16", "f32", "packed")
 INDEX_FORMATS = ("bf16", "f32", "fp8", "fp4")
+# the packed index format the step reads and writes (`quant.pack_fp4_ue8m0_rows`: the fp4 grid the
+# model puts index keys on, held exactly in a quarter of bf16's bytes); "fp8" is laid out only
+INDEX_PACKED = "fp4"
 _TYPED = {"bf16": np.dtype(jax.numpy.bfloat16), "f32": np.dtype(np.float32)}
 _U8 = np.dtype(np.uint8)
 _F32 = np.dtype(np.float32)
@@ -57,6 +61,16 @@ def typed_format(dtype) -> str:
         if np.dtype(dtype) == dt:
             return name
     raise ValueError(f"no typed row format holds {np.dtype(dtype).name}; typed formats: {sorted(_TYPED)}")
+
+
+def row_formats(numerics: Numerics, index_format: str | None = None) -> dict:
+    """EngineSettings' kv_format / index_format for these numerics: rows the step reads back
+    exactly. Main and window rows in the activation dtype; index rows packed FP4 (INDEX_PACKED)
+    where fake-quant puts the keys on the fp4 grid, else typed. index_format: "typed" or a format
+    name instead of that default (the step refuses what it cannot read back exactly)."""
+    typed = typed_format(numerics.act_dtype)
+    default = INDEX_PACKED if numerics.fake_quant else typed
+    return dict(kv_format=typed, index_format={None: default, "typed": typed}.get(index_format, index_format))
 
 
 def _align(n: int, a: int) -> int:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from kernels_pallas.backend import on_gpu
-from v41_jax.cache.geometry import CacheGeometry, EngineSettings, typed_format
+from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats
 from v41_jax.config import ModelConfig
 from v41_jax.model.layer_runs import stack_runs
 from v41_jax.model.numerics import Numerics
@@ -183,7 +183,8 @@ class Engine:
                         compile_cache_dir: str | None = None, tokenizer: str | None = None,
                         progress: bool = False, speculative: bool | None = None,
                         draft_width: int | None = None, mesh=None,
-                        decode_sizes: str | Sequence[int] | None = None, scan_layers: bool = False) -> "Engine":
+                        decode_sizes: str | Sequence[int] | None = None, scan_layers: bool = False,
+                        index_format: str | None = None) -> "Engine":
         """An engine over a published checkpoint folder. The tokenizer (`tokenizer.json`) and the
         Engram token map (`engram_token_map.json`) are taken from the folder when they are there.
         compile_cache_dir: the persistent compilation cache (None: `compile_cache` default).
@@ -191,7 +192,9 @@ class Engine:
         widens the default buckets to 1 + block rows per decoding request. mesh: as `Engine`; each
         device's routed experts are read from the checkpoint straight onto it. decode_sizes: the
         request counts with a decode bucket (`default_buckets`; "1,2,4" or a sequence; None:
-        `auto_decode_sizes`; with `buckets` given, unused). scan_layers: as `Engine`."""
+        `auto_decode_sizes`; with `buckets` given, unused). scan_layers: as `Engine`. index_format:
+        the cache's index rows (None: `geometry.row_formats`' default, packed FP4 under fake-quant
+        numerics; "typed": the activation dtype)."""
         from v41_jax.checkpoint.load import load_params
         from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 
@@ -207,7 +210,6 @@ class Engine:
         else:
             token_map = None
         num = NUMERICS[numerics]()
-        fmt = typed_format(num.act_dtype)
         max_context = max_context or cfg.max_seq_len
         if isinstance(buckets, str):
             buckets = parse_buckets(buckets)
@@ -223,7 +225,7 @@ class Engine:
         settings = EngineSettings(page_tokens=page_tokens,
                                   num_pages=pages or ranks * (buckets.max_requests * per_request + 1),
                                   slots=ranks * max(slots, buckets.max_requests), max_context=max_context,
-                                  kv_format=fmt, index_format=fmt,
+                                  **row_formats(num, index_format),
                                   draft_slack=cfg.dspark_block_size if spec and cfg.n_mtp_layers else 0)
         return cls(params, cfg, settings=settings, buckets=buckets, numerics=num, token_map=token_map,
                    prefill_chunk=chunk, tokenizer=tok, speculative=speculative, draft_width=draft_width, mesh=mesh,

@@ -42,7 +42,7 @@ from kernels_pallas.indexer import index_scores_paged
 from kernels_pallas.sparse_attn import sparse_attn_paged
 from v41_jax.cache.buffer import DEAD, Cache
 from v41_jax.checkpoint.load import ENGRAM_DEVICE_KEY
-from v41_jax.cache.geometry import CacheGeometry, typed_format
+from v41_jax.cache.geometry import INDEX_PACKED, CacheGeometry, typed_format
 from v41_jax.config import ModelConfig
 from v41_jax.engram_hash import device_bucket_ids, device_lookback
 from v41_jax.model.attention import compressed_entries, index_select, output_proj, query, window_kv
@@ -55,7 +55,7 @@ from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.model.window import draft_context_idx
-from v41_jax.quant import dequant_fp8_rows
+from v41_jax.quant import dequant_fp8_rows, pack_fp4_ue8m0_rows
 from v41_jax.runtime.metadata import StepBatch
 from v41_jax.runtime.packed import BatchLayout, PackedBatch
 from v41_jax.runtime.sampling import Draws, draws, pick, verify_drafts
@@ -160,8 +160,16 @@ def _compress_and_store(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: La
     page, row = _page_rows(batch, b, c, geom.owners[k].rows_per_page)
     page = _drop(valid, page, geom.settings.num_pages)
     main = cache.main[k].at[page, row].set(stored.astype(cache.main[k].dtype), mode="drop")
-    index = cache.index[k].at[page, row].set(keys.astype(cache.index[k].dtype), mode="drop")
+    index = cache.index[k].at[page, row].set(_index_rows(keys, cache.index[k].dtype), mode="drop")
     return replace(cache, main=_swap(cache.main, k, main), index=_swap(cache.index, k, index))
+
+
+def _index_rows(keys: jax.Array, plane_dtype) -> jax.Array:
+    """Index keys [T, Di] (on the fp4 grid) -> rows of the plane: typed as they are, packed FP4
+    rows exactly (`check_cache_dtype` admits packed planes only under fake-quant numerics)."""
+    if plane_dtype == jnp.uint8:
+        return pack_fp4_ue8m0_rows(keys)
+    return keys.astype(plane_dtype)
 
 
 def _swap(arrays: tuple, k: int, new: jax.Array) -> tuple:
@@ -470,11 +478,15 @@ def _draft(params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numeri
 
 
 def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
-    """The cache holds rows in the activation dtype, so reading them back is exact."""
+    """The cache holds rows it reads back exactly: main and window rows in the activation dtype;
+    index rows in it too, or packed FP4 where the numerics put the keys on the fp4 grid."""
     want = typed_format(numerics.act_dtype)
-    if geom.settings.kv_format != want or geom.settings.index_format != want:
-        raise ValueError(f"kv_format/index_format: {numerics.act_dtype.name} activations need "
-                         f"{want!r} rows, got {geom.settings.kv_format!r}/{geom.settings.index_format!r}")
+    kv, ix = geom.settings.kv_format, geom.settings.index_format
+    index_ok = (want, INDEX_PACKED) if numerics.fake_quant else (want,)
+    if kv != want or ix not in index_ok:
+        raise ValueError(f"kv_format/index_format: {numerics.act_dtype.name} activations"
+                         f"{'' if numerics.fake_quant else ' without fake-quant'} need {want!r} main "
+                         f"and window rows and index rows in one of {index_ok}, got {kv!r}/{ix!r}")
 
 
 def check_speculative(cfg: ModelConfig, geom: CacheGeometry, speculative: bool) -> None:

@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from v41_jax.cache.geometry import EngineSettings, typed_format
+from v41_jax.cache.geometry import EngineSettings, row_formats
 from v41_jax.engram_hash import EngramCursor, EngramHasher
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.engine import Engine
@@ -55,10 +55,9 @@ def run_engine(cfg, params, z, hasher: EngramHasher | None, numerics: Numerics) 
     prompt = z["prompt_ids"].astype(np.int32)
     inputs = z["decode.input_ids"].astype(np.int32)
     s, n = len(prompt), len(inputs)
-    fmt = typed_format(numerics.act_dtype)
     pages = -(-(s + n) // PAGE_TOKENS)
     settings = EngineSettings(page_tokens=PAGE_TOKENS, num_pages=pages + 1, slots=1, max_context=cfg.max_seq_len,
-                              kv_format=fmt, index_format=fmt)
+                              **row_formats(numerics))
     engine = Engine(params, cfg, settings=settings, buckets=BucketSet((Bucket(s, 1, s), Bucket(1, 1, 1))),
                     numerics=numerics, token_map=None if hasher is None else hasher.token_map, record=True)
     forced = check_reference._forced(z, cfg)

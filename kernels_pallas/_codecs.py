@@ -1,0 +1,48 @@
+"""Decoding the published FP8 / FP4 codes inside a kernel (Triton lowering), exactly.
+
+Shared by the MoE kernels (expert weights held as FP8 rows or FP4) and the indexer (index keys held
+packed in the cache, docs/CACHE.md §1.3). jnp references: `v41_jax.quant` (`e4m3_to_f32`,
+`dequant_fp4_ue8m0_rows`).
+
+  e4m3_as(codes uint8 [...], dtype) -> the E4M3 values in dtype
+  fp4_halves(codes uint8 [N, K/2], scale uint8 [N, K/32]) -> fp32 (even, odd) [N, K/2] each
+  fp4_values(codes, scale, dtype) -> [N, K] in dtype, the even and odd inputs back in place
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def e4m3_as(codes, dtype):
+    """E4M3 codes (uint8) -> their values in `dtype`, exactly. A 16-bit target goes by way of fp16:
+    every E4M3 value is an fp16 (3 mantissa bits, exponents -9..8), E4M3 -> fp16 is one hardware
+    conversion per two values on sm89+, and Triton's direct E4M3 -> bf16 takes a longer route
+    (H200, FP8-row grouped GEMM at 16 / 32 / 128 decode tokens: 0.63 -> 0.49, 0.77 -> 0.59,
+    0.82 -> 0.64 ms). An fp32 target converts directly: by way of fp16 the one-token GEMV ran
+    0.097 -> 0.106 ms (BENCHMARKS.md, 2026-12-04 b)."""
+    e4m3 = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    return e4m3.astype(jnp.float16 if jnp.dtype(dtype).itemsize == 2 else dtype).astype(dtype)
+
+
+def fp4_halves(codes, scale):
+    """Packed E2M1 codes uint8 [N, K/2] (even input in the low nibble), E8M0 codes uint8 [N, K/32]
+    -> fp32 (even, odd) inputs, each [N, K/2]; exact. A nibble's bits moved into an E4M3 byte
+    (sign to bit 7, exponent and mantissa to bits 4..2) are its E2M1 value times 2^-6, normal or
+    not, so one hardware fp8 conversion decodes it; the scale 2^(c-127) times 2^6 is the fp32 with
+    exponent field c + 6."""
+    lo = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
+    hi = (codes & 0x80) | ((codes >> 2) & 0x1C)
+    n, g = scale.shape
+    s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
+    s = jnp.broadcast_to(s[:, :, None], (n, g, 16)).reshape(n, g * 16)     # a byte holds 2 of 32
+    return e4m3_as(lo, jnp.float32) * s, e4m3_as(hi, jnp.float32) * s
+
+
+def fp4_values(codes, scale, dtype):
+    """`fp4_halves` with the even and odd inputs interleaved back in place -> [N, K] in dtype
+    (exact in bf16 too: an E2M1 value times a power of two is a bf16 down to 2^-133)."""
+    even, odd = fp4_halves(codes, scale)
+    n, half = even.shape
+    return jnp.stack([even, odd], axis=-1).reshape(n, 2 * half).astype(dtype)
