@@ -322,7 +322,7 @@ def randomize_cache(cache: Cache, key, cursor) -> Cache:
             x = jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
         out.append(x)
     cache = jax.tree_util.tree_unflatten(treedef, out)
-    index = tuple(_random_packed_index(jax.random.fold_in(key, -1 - k), x) if x.dtype == jnp.uint8 else x
+    index = tuple(_random_packed_index(jax.random.fold_in(key, len(leaves) + k), x) if x.dtype == jnp.uint8 else x
                   for k, x in enumerate(cache.index))
     return Cache(main=cache.main, index=index, window=cache.window, comp_kv=cache.comp_kv,
                  comp_score=cache.comp_score, cursor=cursor.astype(cache.cursor.dtype), sampled=cache.sampled)

@@ -194,3 +194,23 @@ def test_bench_decode_choices_compares_each_choice_with_its_alternatives(tmp_pat
     assert {n.rsplit("/", 1)[1] for n in impl} == {"gemv", "grouped", "grouped-bn32"}
     rms = [c for c in cases if c["name"].startswith("rms-runs/")]
     assert len(rms) == 9 and all(c["bit_equal_to_rule"] for c in rms)
+
+
+def test_random_cache_fills_packed_index_planes_with_on_grid_keys():
+    """The synthetic cache of a fast-numerics run (packed FP4 index rows by default): every index
+    plane holds random keys that decode finite and re-quantize to themselves (the fp4 grid)."""
+    from v41_jax.cache.buffer import allocate
+    from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats
+    from v41_jax.model.numerics import Numerics
+    from v41_jax.quant import fp4_qdq_ue8m0, unpack_fp4_ue8m0_rows
+
+    cfg = ModelConfig.from_file(TINY)
+    geom = CacheGeometry.build(cfg, EngineSettings(page_tokens=8, num_pages=4, slots=2,
+                                                   **row_formats(Numerics.fast())))
+    cursor = jnp.zeros((2, geom.history + 1), jnp.int32)
+    cache = bs.randomize_cache(allocate(geom), jax.random.key(0), cursor)
+    for plane in cache.index:
+        assert plane.dtype == jnp.uint8
+        keys = unpack_fp4_ue8m0_rows(plane, dtype=jnp.float32)
+        assert keys.shape[-1] == geom.index_dim and np.isfinite(keys).all() and np.asarray(keys).std() > 0.1
+        np.testing.assert_array_equal(np.asarray(fp4_qdq_ue8m0(keys)), np.asarray(keys))
