@@ -107,11 +107,12 @@ class Tolerance:
 
 # XLA:CPU against torch-CPU: the differences are last-bit (FMA contraction, exp, GEMM order).
 CPU = Tolerance(4.0, 24.0, 64.0)
-# On a GPU the GEMMs accumulate in another order again (cuBLAS / Triton tiles, split-K) and exp,
-# rsqrt and division are approximate, so more fp32 intermediates flip their bf16 rounding before
-# the fake-quant amplifies them. Measured on the H200 (BENCHMARKS.md): final hidden-state medians
-# of 6-10 row ulps for both the forward and the cache path. A real defect still moves the bulk of
-# a row by hundreds of row ulps.
+# On a GPU the GEMMs accumulate in another order again (cuBLAS / Triton tiles, split-K) and exp and
+# XLA's own sqrt are approximate (divisions are IEEE: `xla_env`), so more fp32 intermediates flip
+# their bf16 rounding before the fake-quant amplifies them. Measured on the H200 (BENCHMARKS.md):
+# final hidden-state medians of 6-10 row ulps for both the forward and the cache path (2026-12-02;
+# the farm's largest p50 10.5 on 2026-12-04 e). A real defect still moves the bulk of a row by
+# hundreds of row ulps.
 GPU = Tolerance(16.0, 96.0, 256.0)
 
 
