@@ -21,10 +21,12 @@ Scores are Σ_h w_h · ReLU(q_h · k) with the reference's rounding points (the 
 term and the head sum round once to the score dtype; bf16 in reference numerics), -inf where the
 row is not visible (or the candidate slot is empty).
 
-Kernel (Pallas, Triton lowering): grid (requests, query blocks, column tiles). Queries of one
-request share its pages, so a query block of TS tokens stacks TS x Hi query heads as the M
-dimension of one [TS*Hi, Di] @ [Di, TN] product per key tile; the key rows of a tile are
-gathered through the block table (no dense copy of the keys). Tiles wholly past every query's
+Kernel (Pallas, Triton lowering): grid (requests, query blocks, groups of TP column tiles).
+Queries of one request share its pages, so a query block of TS tokens stacks TS x Hi query heads
+as the M dimension of one [TS*Hi, Di] @ [Di, TN] product per key tile; the key rows of a tile are
+gathered through the block table (no dense copy of the keys). A program loads its queries once
+and loops over its TP tiles (`tiles_per_program`: large batches amortize the query loads and the
+set-up, small ones keep one tile a program to fill the GPU). Tiles wholly past every query's
 visible count skip the loads. With candidates each query has its own columns (TS = 1).
 Top-k is `numerics.top_k` (ties to the lower column = lower row, since the compaction keeps row
 order), optionally in two exact stages over column tiles (`topk_ids`), followed by an ascending
@@ -73,49 +75,66 @@ def _key_tile(keys_ref, phys, live, di: int, dtype):
     return fp4_values(cols(0, di // 2), cols(di // 2, di // 32), dtype)
 
 
-def _index_kernel(*refs, ts: int, hi: int, tn: int, rpp: int, bs: int, with_cand: bool, dt):
+def _index_kernel(*refs, ts: int, hi: int, tn: int, tp: int, rpp: int, bs: int, with_cand: bool, dt):
     if with_cand:
         q_ref, w_ref, vis_ref, bt_ref, cand_ref, keys_ref, o_ref = refs
     else:
         q_ref, w_ref, vis_ref, bt_ref, keys_ref, o_ref = refs
-    j = pl.program_id(2)
-    col = j * tn + jax.lax.broadcasted_iota(jnp.int32, (tn,), 0)       # [TN] score columns
-    if with_cand:
-        block = load(cand_ref.at[col // bs])                            # logical block per column
-        row = jnp.where(block >= 0, block * bs + col % bs, -1)
-    else:
-        row = col
     vis = vis_ref[...]                                                  # [TS]
-    live = (row >= 0)[None, :] & (row[None, :] < vis[:, None])          # [TS, TN]
-    live_i = live.astype(jnp.int32)                                     # (no i1 reductions in Triton)
+    q = q_ref[...].reshape(ts * hi, -1)                                 # [TS*Hi, Di], once for TP tiles
+    w = w_ref[...].reshape(ts * hi).astype(jnp.float32)
+    group = pl.program_id(2)                                            # (interpret mode: outside the loop)
 
-    def compute():
-        safe = jnp.maximum(row, 0)
-        any_live = live_i.max(axis=0) > 0                               # rows some query sees
-        page = load(bt_ref.at[safe // rpp], mask=any_live, other=0)
-        phys = page * rpp + safe % rpp
-        q = q_ref[...].reshape(ts * hi, -1)                             # [TS*Hi, Di]
-        terms = _score_tile(q, w_ref[...].reshape(ts * hi).astype(jnp.float32),
-                            _key_tile(keys_ref, phys, any_live, q.shape[1], q.dtype), dt)
-        scores = terms.reshape(ts, hi, tn).sum(axis=1).astype(dt)       # fp32 head sum, one rounding
-        return jnp.where(live, scores, -jnp.inf)
+    def tile(t, carry):
+        col = (group * tp + t) * tn + jax.lax.broadcasted_iota(jnp.int32, (tn,), 0)
+        if with_cand:
+            block = load(cand_ref.at[col // bs])                        # logical block per column
+            row = jnp.where(block >= 0, block * bs + col % bs, -1)
+        else:
+            row = col
+        live = (row >= 0)[None, :] & (row[None, :] < vis[:, None])      # [TS, TN]
+        live_i = live.astype(jnp.int32)                                 # (no i1 reductions in Triton)
 
-    def skip():
-        return jnp.full((ts, tn), -jnp.inf, dt)
+        def compute():
+            safe = jnp.maximum(row, 0)
+            any_live = live_i.max(axis=0) > 0                           # rows some query sees
+            page = load(bt_ref.at[safe // rpp], mask=any_live, other=0)
+            phys = page * rpp + safe % rpp
+            terms = _score_tile(q, w, _key_tile(keys_ref, phys, any_live, q.shape[1], q.dtype), dt)
+            scores = terms.reshape(ts, hi, tn).sum(axis=1).astype(dt)   # fp32 head sum, one rounding
+            return jnp.where(live, scores, -jnp.inf)
 
-    # a tile no query can see reads nothing (short requests in a long block table)
-    o_ref[...] = jax.lax.cond(live_i.max() > 0, compute, skip)
+        def skip():
+            return jnp.full((ts, tn), -jnp.inf, dt)
+
+        # a tile no query can see reads nothing (short requests in a long block table)
+        o_ref[:, pl.ds(pl.multiple_of(t * tn, tn), tn)] = jax.lax.cond(live_i.max() > 0, compute, skip)
+        return carry
+
+    jax.lax.fori_loop(0, tp, tile, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("ts", "tn", "bs", "dt", "num_warps", "num_stages",
+def tiles_per_program(programs: int, tiles: int) -> int:
+    """Key tiles one program scores (its queries loaded once): the most, up to 16, that leave at
+    least 1,024 programs (a few per SM), so a large batch amortizes the query loads and the
+    program's set-up while a small one still spreads over the GPU."""
+    tp = 1
+    while tp < 16 and programs * -(-tiles // (2 * tp)) >= 1024:
+        tp *= 2
+    return tp
+
+
+@functools.partial(jax.jit, static_argnames=("ts", "tn", "tp", "bs", "dt", "num_warps", "num_stages",
                                              "interpret"))
-def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, ts, tn, bs, dt,
+def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, ts, tn, tp, bs, dt,
                          num_warps, num_stages, interpret):
     b, s, hi, di = q.shape
     _, rpp, _ = key_pages.shape
     with_cand = candidates is not None
     n_cols = candidates.shape[-1] * bs if with_cand else block_table.shape[1] * rpp
-    s_pad, n_pad = -s % ts, -n_cols % tn
+    if tp is None:
+        tp = tiles_per_program(b * -(-s // ts), -(-n_cols // tn))
+    s_pad, n_pad = -s % ts, -n_cols % (tn * tp)
     # the dot's M = ts*hi must be a power of two >= 16: zero heads with zero weight add exact zeros
     h_pad = max(1 << (hi - 1).bit_length(), -(-16 // ts)) - hi
     q = jnp.pad(q, ((0, 0), (0, s_pad), (0, h_pad), (0, 0)))
@@ -124,7 +143,7 @@ def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, t
     visible = jnp.pad(visible.astype(jnp.int32), ((0, 0), (0, s_pad)))   # padded queries see nothing
     keys = key_pages.reshape(-1, key_pages.shape[-1])                   # free: contiguous pages
     sq = SQUEEZED
-    grid = (b, (s + s_pad) // ts, (n_cols + n_pad) // tn)
+    grid = (b, (s + s_pad) // ts, (n_cols + n_pad) // (tn * tp))
     in_specs = [pl.BlockSpec((sq, ts, hi, di), lambda i, si, j: (i, si, 0, 0)),
                 pl.BlockSpec((sq, ts, hi), lambda i, si, j: (i, si, 0)),
                 pl.BlockSpec((sq, ts), lambda i, si, j: (i, si)),
@@ -137,11 +156,11 @@ def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, t
         args.append(cand)
     in_specs.append(pl.BlockSpec(keys.shape, lambda i, si, j: (0, 0)))
     args.append(keys)
-    kernel = functools.partial(_index_kernel, ts=ts, hi=hi, tn=tn, rpp=rpp, bs=bs,
+    kernel = functools.partial(_index_kernel, ts=ts, hi=hi, tn=tn, tp=tp, rpp=rpp, bs=bs,
                                with_cand=with_cand, dt=dt)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs,
-        out_specs=pl.BlockSpec((sq, ts, tn), lambda i, si, j: (i, si, j)),
+        out_specs=pl.BlockSpec((sq, ts, tn * tp), lambda i, si, j: (i, si, j)),
         out_shape=jax.ShapeDtypeStruct((b, s + s_pad, n_cols + n_pad), dt),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="index_scores",
@@ -188,14 +207,16 @@ def index_scores_paged_xla(q, w, key_pages, block_table, visible, *, numerics: N
 def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_table: jax.Array,
                        visible: jax.Array, *, numerics: Numerics, candidates: jax.Array | None = None,
                        block_size: int = 8, backend: str | None = None, query_block: int | None = None,
-                       col_tile: int = 256, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                       col_tile: int = 256, tiles: int | None = None, num_warps: int = 4,
+                       num_stages: int = 2) -> jax.Array:
     """Indexer scores of each query over its request's paged index keys.
 
     q [B, S, Hi, Di], w [B, S, Hi] (already scaled by Di^-0.5 Hi^-0.5), key_pages [P, rpp, Di]
     (or packed, see the module doc),
     block_table [B, MP] int32, visible [B, S] int32, candidates [B, S, NB] int32 or None.
     Returns [B, S, N] in the score dtype: N = MP*rpp logical rows, or NB*block_size compacted
-    candidate columns (see `candidate_rows`); -inf where not visible.
+    candidate columns (see `candidate_rows`); -inf where not visible. tiles: key tiles a program
+    scores (None: `tiles_per_program`).
     """
     if _backend.resolve(backend) == "xla":
         return index_scores_paged_xla(q, w, key_pages, block_table, visible, numerics=numerics,
@@ -203,7 +224,7 @@ def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_t
     s = q.shape[1]
     ts = 1 if candidates is not None else (query_block or min(4, 1 << (s - 1).bit_length()))
     return _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, ts=ts,
-                                tn=col_tile, bs=block_size, dt=numerics.index_score_dtype,
+                                tn=col_tile, tp=tiles, bs=block_size, dt=numerics.index_score_dtype,
                                 num_warps=num_warps, num_stages=num_stages,
                                 interpret=_backend.interpret())
 

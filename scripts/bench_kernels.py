@@ -353,8 +353,10 @@ def bench_indexer(b: Bench, cfg: dict):
             ids_p.reshape(-1, ids_p.shape[-1]), ids_x.reshape(-1, ids_x.shape[-1]))))}
     b.save()
 
+    # tiles a program: `tiles_per_program` (the default) unless named (t1: a program a tile)
     sw = [("tn128w4", dict(col_tile=128, num_warps=4)), ("tn256w4", dict(col_tile=256, num_warps=4)),
-          ("tn256w8", dict(col_tile=256, num_warps=8))]
+          ("tn128w8", dict(col_tile=128, num_warps=8)), ("tn128w4t1", dict(col_tile=128, num_warps=4, tiles=1)),
+          ("tn256w4t1", dict(col_tile=256, num_warps=4, tiles=1)), ("tn128w4t16", dict(col_tile=128, num_warps=4, tiles=16))]
     if b.smoke:
         shape_case("decode", 4, 1, 64, sweep=sw[:2])
         shape_case("reindex", 2, 1, 128, reindex=True)
@@ -364,12 +366,13 @@ def bench_indexer(b: Bench, cfg: dict):
     for bsz, ctx in ((1, 32768), (128, 32768), (32, 8192), (32, 131072)):
         if b.left() < 0:
             return
-        shape_case("decode", bsz, 1, ctx, sweep=[("best", best)])
+        shape_case("decode", bsz, 1, ctx, sweep=[("best", best), ("best-t1", {**best, "tiles": 1})])
     for kind, bsz, s, ctx, reindex in (("verify", 32, 6, 32768, False), ("reindex", 32, 1, 131072, True),
                                   ("prefill", 1, 1024, 16384, False), ("prefill", 1, 4096, 16384, False)):
         if b.left() < 0:
             return
-        shape_case(kind, bsz, s, ctx, reindex=reindex, sweep=[("best", best)], xla=bsz * s <= 1024)
+        shape_case(kind, bsz, s, ctx, reindex=reindex, xla=bsz * s <= 1024,
+                   sweep=[("best", best), ("best-t1", {**best, "tiles": 1})])
 
 
 # ---- LM head ------------------------------------------------------------------------------------

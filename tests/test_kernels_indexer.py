@@ -20,7 +20,7 @@ import pytest
 from kernels_common import assert_close, fp4_rows, fresh_rng, load_fixture
 from kernels_pallas import backend
 from kernels_pallas.indexer import (candidate_rows, index_scores_paged, index_topk_paged,
-                                    select_topk, select_topk_compacted, topk_ids)
+                                    select_topk, select_topk_compacted, tiles_per_program, topk_ids)
 from v41_jax.model import indexer as ref
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import fp4_qdq_ue8m0, pack_fp4_ue8m0_rows
@@ -226,3 +226,27 @@ def test_packed_fp4_keys_score_bit_equal_to_their_typed_rows(backend_name, with_
     typed, got = np.asarray(typed, np.float32), np.asarray(got, np.float32)
     assert not np.isnan(typed).any() and np.isfinite(typed).any(), f"seed {seed}"
     np.testing.assert_array_equal(got.view(np.uint32), typed.view(np.uint32), err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("with_candidates", [False, True])
+def test_tiles_per_program_change_nothing_but_the_grid(with_candidates):
+    """A program scoring several key tiles in a loop (queries loaded once) writes every tile as a
+    program of one tile does, bit for bit: groups past the last column, partial groups and tiles
+    past every query's visible count included (2, 3 and 8 tiles over 6 and 24 tiles of 16)."""
+    rng, seed = fresh_rng()
+    q, w, keys, table, vis = _paged_case(rng, s=4, rpp=16, mp=6, vis_max=70)
+    kw = dict(candidates=_candidates(rng, 2, 4, n_blocks=12, keep=5), block_size=8) if with_candidates else {}
+    run = lambda tiles: np.asarray(index_scores_paged(q, w, keys, table, vis, numerics=REF, backend="pallas",
+                                                      col_tile=16, tiles=tiles, **kw), np.float32)
+    one = run(1)
+    assert not np.isnan(one).any() and np.isinf(one).any() and np.isfinite(one).any(), f"seed {seed}"
+    for tiles in (2, 3, 8):
+        np.testing.assert_array_equal(run(tiles).view(np.uint32), one.view(np.uint32), err_msg=f"{tiles} (seed {seed})")
+
+
+def test_tiles_per_program_fill_the_gpu_first():
+    assert tiles_per_program(1, 256) == 1                     # one 32K decode row: every tile a program
+    assert tiles_per_program(32, 256) == 8                    # 32 rows: 1,024 programs of 8 tiles
+    assert tiles_per_program(128, 256) == 16                  # capped
+    assert tiles_per_program(1024, 128) == 16                 # 4,096 prefill queries: 8,192 programs
+    assert tiles_per_program(64, 100) == 4                    # 64 x 25 groups (8 would leave 832)
