@@ -117,7 +117,10 @@ def _index_kernel(*refs, ts: int, hi: int, tn: int, tp: int, rpp: int, bs: int, 
 def tiles_per_program(programs: int, tiles: int) -> int:
     """Key tiles one program scores (its queries loaded once): the most, up to 16, that leave at
     least 1,024 programs (a few per SM), so a large batch amortizes the query loads and the
-    program's set-up while a small one still spreads over the GPU."""
+    program's set-up while a small one still spreads over the GPU. H200, 128-column tiles
+    (BENCHMARKS.md, 2026-12-04 e): 16 tiles 10-20 % faster than one wherever >= 512 programs
+    remain (32 x 32,768 keys 0.099 -> 0.088 ms, prefill 4,096 x 16,384 3.20 -> 2.55), slower
+    where fewer do (1 x 32,768 0.025 -> 0.034)."""
     tp = 1
     while tp < 16 and programs * -(-tiles // (2 * tp)) >= 1024:
         tp *= 2
@@ -207,7 +210,7 @@ def index_scores_paged_xla(q, w, key_pages, block_table, visible, *, numerics: N
 def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_table: jax.Array,
                        visible: jax.Array, *, numerics: Numerics, candidates: jax.Array | None = None,
                        block_size: int = 8, backend: str | None = None, query_block: int | None = None,
-                       col_tile: int = 256, tiles: int | None = None, num_warps: int = 4,
+                       col_tile: int = 128, tiles: int | None = None, num_warps: int = 4,
                        num_stages: int = 2) -> jax.Array:
     """Indexer scores of each query over its request's paged index keys.
 

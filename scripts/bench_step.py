@@ -397,7 +397,7 @@ def parse_args(argv=None):
     ap.add_argument("--page-tokens", type=int, default=256)
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
     ap.add_argument("--index-format", choices=("typed", *INDEX_FORMATS), default=None,
-                    help="index rows (default: the engine's, `geometry.row_formats`)")
+                    help="index rows (default: typed, as the engine's, `geometry.row_formats`)")
     ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto",
                     help="how the routed experts are held (load_params' experts=)")

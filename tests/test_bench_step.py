@@ -197,8 +197,8 @@ def test_bench_decode_choices_compares_each_choice_with_its_alternatives(tmp_pat
 
 
 def test_random_cache_fills_packed_index_planes_with_on_grid_keys():
-    """The synthetic cache of a fast-numerics run (packed FP4 index rows by default): every index
-    plane holds random keys that decode finite and re-quantize to themselves (the fp4 grid)."""
+    """The synthetic cache of a `--index-format fp4` run: every (packed FP4) index plane holds
+    random keys that decode finite and re-quantize to themselves (the fp4 grid)."""
     from v41_jax.cache.buffer import allocate
     from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats
     from v41_jax.model.numerics import Numerics
@@ -206,7 +206,7 @@ def test_random_cache_fills_packed_index_planes_with_on_grid_keys():
 
     cfg = ModelConfig.from_file(TINY)
     geom = CacheGeometry.build(cfg, EngineSettings(page_tokens=8, num_pages=4, slots=2,
-                                                   **row_formats(Numerics.fast())))
+                                                   **row_formats(Numerics.fast(), "fp4")))
     cursor = jnp.zeros((2, geom.history + 1), jnp.int32)
     cache = bs.randomize_cache(allocate(geom), jax.random.key(0), cursor)
     for plane in cache.index:

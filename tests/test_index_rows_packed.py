@@ -1,5 +1,5 @@
-"""Index keys held as packed FP4 rows (docs/CACHE.md §1.3; `geometry.row_formats`' default under
-fake-quant numerics): the keys the model stores are on the fp4 grid, so a row of Di/2 E2M1 bytes
+"""Index keys held as packed FP4 rows (docs/CACHE.md §1.3; `--index-format fp4`, a choice for
+memory): the keys the model stores are on the fp4 grid, so a row of Di/2 E2M1 bytes
 and Di/32 E8M0 codes holds exactly the values of the typed row (a quarter of bf16's bytes). The
 engine with packed rows must therefore run the typed engine's computation bit for bit: the same
 tokens and log-probabilities, and index planes that decode to the typed engine's planes. Without
@@ -30,14 +30,14 @@ def _engine(model, index_format):
     return make_engine(*model, settings=replace(SETTINGS, **row_formats(FAST, index_format)), numerics=FAST)
 
 
-def test_default_formats_follow_the_numerics():
-    assert row_formats(FAST) == dict(kv_format="bf16", index_format=INDEX_PACKED)
-    assert row_formats(FAST, "typed") == dict(kv_format="bf16", index_format="bf16")
+def test_formats_follow_the_numerics():
+    assert row_formats(FAST) == row_formats(FAST, "typed") == dict(kv_format="bf16", index_format="bf16")
+    assert row_formats(FAST, INDEX_PACKED) == dict(kv_format="bf16", index_format=INDEX_PACKED)
     assert row_formats(Numerics.fp32()) == dict(kv_format="f32", index_format="f32")
 
 
 def test_packed_index_rows_run_the_typed_computation_bit_for_bit(model):
-    typed, packed = _engine(model, "typed"), _engine(model, None)
+    typed, packed = _engine(model, None), _engine(model, INDEX_PACKED)
     assert packed.cache.index[0].dtype == jnp.uint8 and typed.cache.index[0].dtype == jnp.bfloat16
     rng = np.random.default_rng(3)
     vocab = typed.cfg.vocab_size

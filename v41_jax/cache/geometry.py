@@ -65,12 +65,11 @@ def typed_format(dtype) -> str:
 
 def row_formats(numerics: Numerics, index_format: str | None = None) -> dict:
     """EngineSettings' kv_format / index_format for these numerics: rows the step reads back
-    exactly. Main and window rows in the activation dtype; index rows packed FP4 (INDEX_PACKED)
-    where fake-quant puts the keys on the fp4 grid, else typed. index_format: "typed" or a format
-    name instead of that default (the step refuses what it cannot read back exactly)."""
+    exactly, in the activation dtype. index_format: None or "typed" for that, or a format name
+    (INDEX_PACKED: packed FP4 index rows, 15 % less cache for a scoring kernel 9-20 % slower on
+    the H200, BENCHMARKS.md 2026-12-04 e; the step refuses what it cannot read back exactly)."""
     typed = typed_format(numerics.act_dtype)
-    default = INDEX_PACKED if numerics.fake_quant else typed
-    return dict(kv_format=typed, index_format={None: default, "typed": typed}.get(index_format, index_format))
+    return dict(kv_format=typed, index_format=typed if index_format in (None, "typed") else index_format)
 
 
 def _align(n: int, a: int) -> int:

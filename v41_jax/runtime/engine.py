@@ -193,8 +193,8 @@ class Engine:
         device's routed experts are read from the checkpoint straight onto it. decode_sizes: the
         request counts with a decode bucket (`default_buckets`; "1,2,4" or a sequence; None:
         `auto_decode_sizes`; with `buckets` given, unused). scan_layers: as `Engine`. index_format:
-        the cache's index rows (None: `geometry.row_formats`' default, packed FP4 under fake-quant
-        numerics; "typed": the activation dtype)."""
+        the cache's index rows (`geometry.row_formats`: None / "typed" = the activation dtype;
+        "fp4" = packed FP4 under fake-quant numerics, less memory, slower scoring)."""
         from v41_jax.checkpoint.load import load_params
         from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 
