@@ -135,7 +135,7 @@ def main(out: Path) -> dict:
         return np.concatenate(out)
 
     def split(eng, before) -> dict:
-        """The cache `before` the last step donated, every cache array and the experts split."""
+        """`before` (a cache array a later step took) donated; every cache array and the experts split."""
         spec = NamedSharding(eng.runner.mesh, P(AXIS))
         return {"donated": before.is_deleted(),
                 "cache_split": all(a.sharding.is_equivalent_to(spec, a.ndim) for a in jax.tree.leaves(eng.cache)),
