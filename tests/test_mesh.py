@@ -100,7 +100,7 @@ def test_expert_parallel_moe_equals_one_device(report):
         assert r["equal"], (key, r["max_abs"])
 
 
-@pytest.mark.parametrize("n", ["2", "4", "8"])
+@pytest.mark.parametrize("n", ["2", "8"])
 def test_sharded_tiny_gives_the_one_device_tokens_and_logits(report, n):
     r = report["tiny"]["meshes"][n]
     assert r["tokens"] == report["tiny"]["want_tokens"]
@@ -109,22 +109,25 @@ def test_sharded_tiny_gives_the_one_device_tokens_and_logits(report, n):
 
 def test_sharded_modes_gives_the_one_device_tokens(report):
     """`modes` (the released mode pattern in miniature: window, ratio-2 and ratio-1 compressed
-    attention with reuse and re-indexing, candidates) on 4 devices."""
+    attention with reuse and re-indexing, candidates) on 4 devices, decode tokens fed back on the
+    device."""
     assert report["modes"]["tokens"] == report["modes"]["want"]
+    assert report["modes"]["device_feedback"] is True
 
 
 def test_host_engram_hand_off_on_a_mesh(report):
     """Engram tables kept on the host (as the released model's must be), on 2 devices: each step's
     decode tokens and their Engram rows are filled into every rank's batch on the host; the
-    one-device tokens and logits (`test_sharded_tiny_...[2]`). 4 and 8 devices gather on the device."""
+    one-device tokens and logits (`test_sharded_tiny_...[2]`). 8 devices (and `modes` on 4) gather on
+    the device."""
     meshes = report["tiny"]["meshes"]
-    assert meshes["2"]["device_feedback"] is False and meshes["4"]["device_feedback"] is True
+    assert meshes["2"]["device_feedback"] is False and meshes["8"]["device_feedback"] is True
     assert meshes["2"]["tokens"] == report["tiny"]["want_tokens"]
 
 
-@pytest.mark.parametrize("n", ["2", "4", "8"])
-def test_cache_and_experts_stay_split_and_the_cache_donated(report, n):
-    r = report["tiny"]["meshes"][n]
+@pytest.mark.parametrize("model,n", [("tiny", "2"), ("modes", "4"), ("tiny", "8")])
+def test_cache_and_experts_stay_split_and_the_cache_donated(report, model, n):
+    r = report["tiny"]["meshes"][n] if model == "tiny" else report["modes"]
     assert r["donated"] and r["cache_split"] and r["experts_split"]
 
 
