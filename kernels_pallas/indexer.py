@@ -119,8 +119,8 @@ def tiles_per_program(programs: int, tiles: int) -> int:
     least 1,024 programs (a few per SM), so a large batch amortizes the query loads and the
     program's set-up while a small one still spreads over the GPU. H200, 128-column tiles
     (BENCHMARKS.md, 2026-12-04 e): 16 tiles 10-20 % faster than one wherever >= 512 programs
-    remain (32 x 32,768 keys 0.099 -> 0.088 ms, prefill 4,096 x 16,384 3.20 -> 2.55), slower
-    where fewer do (1 x 32,768 0.025 -> 0.034)."""
+    remain (32 x 32,768 keys 0.099 -> 0.088 ms; 4,096 prefill queries in blocks of 4 x 16,384
+    keys 3.20 -> 2.55 ms), slower where fewer do (1 x 32,768 keys 0.025 -> 0.034 ms)."""
     tp = 1
     while tp < 16 and programs * -(-tiles // (2 * tp)) >= 1024:
         tp *= 2

@@ -35,7 +35,7 @@ import numpy as np
 from v41_jax.cache.geometry import INDEX_PACKED
 from v41_jax.config import exit_2_on_refusal
 from v41_jax.runtime import compile_cache
-from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH
+from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH, DEFAULT_NUMERICS
 
 NUMERICS_CHOICES = ("fast", "fp32", "reference")
 EXPERT_CHOICES = ("auto", "fp8", "fp4", "bf16")
@@ -87,14 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scan-layers", action="store_true",
                     help="compile each run of identical layers once (a scanned loop): about half the compile time")
     ap.add_argument("--index-format", choices=INDEX_CHOICES, default=None,
-                    help="the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact under fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% less cache, the indexer's scoring 9-20 %% slower")
+                    help="the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact "
+                    "under fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% "
+                    "less cache, the indexer's scoring 9-20 %% slower")
     ap.add_argument("--page-tokens", type=_positive("--page-tokens"), default=16, help="tokens per cache page")
     ap.add_argument("--pages", type=_positive("--pages", True), default=0,
                     help="page pool size (default: max-batch full contexts)")
     ap.add_argument("--slots", type=_positive("--slots", True), default=0, help="STATE slots (default: max-batch)")
     ap.add_argument("--max-context", type=_positive("--max-context", True), default=0,
                     help="tokens per request, prompt included (default: the config's)")
-    ap.add_argument("--numerics", choices=NUMERICS_CHOICES, default="fast",
+    ap.add_argument("--numerics", choices=NUMERICS_CHOICES, default=DEFAULT_NUMERICS,
                     help="fast: bf16 activations; fp32; reference: the official rounding points")
     ap.add_argument("--experts", choices=EXPERT_CHOICES, default="auto",
                     help="how the routed experts are held (auto: fp8 on a GPU, bf16 on CPU)")
@@ -129,6 +131,20 @@ def check_shape_flags(buckets: str | None, decode_sizes: str | None, max_batch: 
             raise UsageError(f"{flag}: {err}") from None
 
 
+def check_index_format(index_format: str | None, numerics: str | None) -> None:
+    """--index-format (shared with v41-serve): rows the step reads back exactly under --numerics
+    (None: the engine's default)."""
+    from v41_jax.cache.geometry import row_formats
+    from v41_jax.runtime.engine import NUMERICS
+    from v41_jax.runtime.step import check_row_formats
+
+    num = NUMERICS[numerics or DEFAULT_NUMERICS]()
+    try:
+        check_row_formats(*row_formats(num, index_format).values(), num)
+    except ValueError as err:
+        raise UsageError(f"--index-format {index_format}: {err}") from None
+
+
 def _validate(args):
     """Everything checkable without the weights -> (cfg, tokenizer, requests-or-errors)."""
     from v41_jax.checkpoint.load import config_path
@@ -147,6 +163,7 @@ def _validate(args):
         raise UsageError(f"--one-bucket: not with {'--buckets' if args.buckets else '--decode-sizes'} "
                          "(it picks the buckets)")
     check_shape_flags(args.buckets, args.decode_sizes, args.max_batch)
+    check_index_format(args.index_format, args.numerics)
     try:
         defaults = RequestDefaults.from_args(args)
     except RequestError as err:

@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
                    help="DSpark speculative decoding: auto = on when the checkpoint has draft stages")
     e.add_argument("--index-format", choices=INDEX_CHOICES,
-                   help="the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact under fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% less cache, the indexer's scoring 9-20 %% slower")
+                   help="the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact "
+                   "under fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% "
+                   "less cache, the indexer's scoring 9-20 %% slower")
     e.add_argument("--scan-layers", action="store_true",
                    help="compile each run of identical layers once (a scanned loop): about half the compile time")
     e.add_argument("--compile-cache", default=None, help="persistent compilation cache folder ('' disables)")
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     # force: importing orbax (via the engine) already gave the root logger absl's default handler
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr, force=True)
-    from scripts.generate import UsageError, check_shape_flags
+    from scripts.generate import UsageError, check_index_format, check_shape_flags
     from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH
 
     ckpt = Path(args.checkpoint)
@@ -163,6 +165,7 @@ def main(argv=None) -> int:
         return 2
     try:
         check_shape_flags(args.buckets, args.decode_sizes, args.max_batch or DEFAULT_MAX_BATCH)
+        check_index_format(args.index_format, args.numerics)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

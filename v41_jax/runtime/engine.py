@@ -41,7 +41,7 @@ from v41_jax.model.layer_runs import stack_runs
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime import compile_cache
 from v41_jax.runtime.mesh import MeshRunner, expert_sharding
-from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH, Bucket, BucketSet, Span
+from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH, DEFAULT_NUMERICS, Bucket, BucketSet, Span
 from v41_jax.runtime.request import Request, Result
 from v41_jax.runtime.runner import InFlight, Ran, Runner
 from v41_jax.runtime.sampling import SamplingParams
@@ -177,7 +177,7 @@ class Engine:
         self.reset()
 
     @classmethod
-    def from_checkpoint(cls, ckpt_dir: str | os.PathLike, *, numerics: str = "fast", experts: str = "auto",
+    def from_checkpoint(cls, ckpt_dir: str | os.PathLike, *, numerics: str = DEFAULT_NUMERICS, experts: str = "auto",
                         max_batch: int = DEFAULT_MAX_BATCH, chunk: int = 64, buckets: str | BucketSet | None = None,
                         page_tokens: int = 16, pages: int = 0, slots: int = 0, max_context: int = 0,
                         compile_cache_dir: str | None = None, tokenizer: str | None = None,

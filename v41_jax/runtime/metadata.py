@@ -345,6 +345,7 @@ def _sampler_rows(samplers: list[SamplingParams], owner: np.ndarray, n: int) -> 
 
 
 DEFAULT_MAX_BATCH = 4      # requests per step unless told (v41-generate, v41-serve, Engine.from_checkpoint)
+DEFAULT_NUMERICS = "fast"  # likewise the numerics (`engine.NUMERICS`)
 
 
 @dataclass(frozen=True)

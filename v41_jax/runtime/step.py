@@ -478,10 +478,14 @@ def _draft(params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numeri
 
 
 def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
-    """The cache holds rows it reads back exactly: main and window rows in the activation dtype;
-    index rows in it too, or packed FP4 where the numerics put the keys on the fp4 grid."""
+    check_row_formats(geom.settings.kv_format, geom.settings.index_format, numerics)
+
+
+def check_row_formats(kv: str, ix: str, numerics: Numerics) -> None:
+    """The cache holds rows it reads back exactly: main and window rows (kv) in the activation
+    dtype; index rows (ix) in it too, or packed FP4 where the numerics put the keys on the fp4
+    grid."""
     want = typed_format(numerics.act_dtype)
-    kv, ix = geom.settings.kv_format, geom.settings.index_format
     index_ok = (want, INDEX_PACKED) if numerics.fake_quant else (want,)
     if kv != want or ix not in index_ok:
         raise ValueError(f"kv_format/index_format: {numerics.act_dtype.name} activations"
