@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from v41_jax.quant import FP4_GROUP
+
 
 def e4m3_as(codes, dtype):
     """E4M3 codes (uint8) -> their values in `dtype`, exactly. A 16-bit target goes by way of fp16:
@@ -31,12 +33,14 @@ def fp4_halves(codes, scale):
     -> fp32 (even, odd) inputs, each [N, K/2]; exact. A nibble's bits moved into an E4M3 byte
     (sign to bit 7, exponent and mantissa to bits 4..2) are its E2M1 value times 2^-6, normal or
     not, so one hardware fp8 conversion decodes it; the scale 2^(c-127) times 2^6 is the fp32 with
-    exponent field c + 6."""
+    exponent field c + 6 (codes up to 248; the formats' scales stay far below: 255 is NaN, and
+    a larger code here spills into the sign bit)."""
     lo = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
     hi = (codes & 0x80) | ((codes >> 2) & 0x1C)
     n, g = scale.shape
     s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
-    s = jnp.broadcast_to(s[:, :, None], (n, g, 16)).reshape(n, g * 16)     # a byte holds 2 of 32
+    half = FP4_GROUP // 2                                                  # a byte holds 2 lanes
+    s = jnp.broadcast_to(s[:, :, None], (n, g, half)).reshape(n, g * half)
     return e4m3_as(lo, jnp.float32) * s, e4m3_as(hi, jnp.float32) * s
 
 

@@ -48,7 +48,7 @@ from kernels_pallas._codecs import fp4_values
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from kernels_pallas.select import MAX_COLUMNS, select_ascending
 from v41_jax.numerics import HIGHEST, Numerics, top_k
-from v41_jax.quant import unpack_fp4_ue8m0_rows
+from v41_jax.quant import FP4_GROUP, packed_fp4_lanes, unpack_fp4_ue8m0_rows
 
 # two-stage top-k tile for the Pallas backend (rows no longer than a tile use one lax.top_k);
 # H200: 1.08 -> 0.45 ms at 32 x 131072, 0.24 -> 0.16 ms at 32 x 32768 (BENCHMARKS.md)
@@ -72,10 +72,11 @@ def _key_tile(keys_ref, phys, live, di: int, dtype):
 
     if keys_ref.dtype != jnp.uint8:
         return cols(0, di).astype(dtype)
-    return fp4_values(cols(0, di // 2), cols(di // 2, di // 32), dtype)
+    return fp4_values(cols(0, di // 2), cols(di // 2, di // FP4_GROUP), dtype)
 
 
-def _index_kernel(*refs, ts: int, hi: int, tn: int, tp: int, rpp: int, bs: int, with_cand: bool, dt):
+def _index_kernel(*refs, ts: int, hi: int, tn: int, tp: int, n_cols: int, rpp: int, bs: int, with_cand: bool,
+                  dt):
     if with_cand:
         q_ref, w_ref, vis_ref, bt_ref, cand_ref, keys_ref, o_ref = refs
     else:
@@ -92,7 +93,8 @@ def _index_kernel(*refs, ts: int, hi: int, tn: int, tp: int, rpp: int, bs: int, 
             row = jnp.where(block >= 0, block * bs + col % bs, -1)
         else:
             row = col
-        live = (row >= 0)[None, :] & (row[None, :] < vis[:, None])      # [TS, TN]
+        # past n_cols: a group's padding columns, never read whatever `visible` says
+        live = ((row >= 0) & (col < n_cols))[None, :] & (row[None, :] < vis[:, None])   # [TS, TN]
         live_i = live.astype(jnp.int32)                                 # (no i1 reductions in Triton)
 
         def compute():
@@ -159,7 +161,7 @@ def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, t
         args.append(cand)
     in_specs.append(pl.BlockSpec(keys.shape, lambda i, si, j: (0, 0)))
     args.append(keys)
-    kernel = functools.partial(_index_kernel, ts=ts, hi=hi, tn=tn, tp=tp, rpp=rpp, bs=bs,
+    kernel = functools.partial(_index_kernel, ts=ts, hi=hi, tn=tn, tp=tp, n_cols=n_cols, rpp=rpp, bs=bs,
                                with_cand=with_cand, dt=dt)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs,
@@ -219,8 +221,13 @@ def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_t
     block_table [B, MP] int32, visible [B, S] int32, candidates [B, S, NB] int32 or None.
     Returns [B, S, N] in the score dtype: N = MP*rpp logical rows, or NB*block_size compacted
     candidate columns (see `candidate_rows`); -inf where not visible. tiles: key tiles a program
-    scores (None: `tiles_per_program`).
+    scores, a power of two (a Triton block width; None: `tiles_per_program`).
     """
+    if key_pages.dtype == jnp.uint8 and packed_fp4_lanes(key_pages.shape[-1]) != q.shape[-1]:
+        raise ValueError(f"index plane: packed rows of {key_pages.shape[-1]} bytes hold "
+                         f"{packed_fp4_lanes(key_pages.shape[-1])} lanes, the queries {q.shape[-1]}")
+    if tiles is not None and (tiles < 1 or tiles & (tiles - 1)):
+        raise ValueError(f"tiles: {tiles} is not a power of two")
     if _backend.resolve(backend) == "xla":
         return index_scores_paged_xla(q, w, key_pages, block_table, visible, numerics=numerics,
                                       candidates=candidates, block_size=block_size)

@@ -105,7 +105,8 @@ from scripts.bench_common import back_to_back_s, copy_bandwidth, cut, host_event
 from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
-from v41_jax.cache.geometry import INDEX_FORMATS, CacheGeometry, EngineSettings, row_formats  # noqa: E402
+from scripts.generate import INDEX_CHOICES  # noqa: E402
+from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
 from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables, held_as,  # noqa: E402
                                      held_bytes, nest, param_units)
 from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, packed_fp4_lanes,  # noqa: E402
@@ -322,8 +323,8 @@ def randomize_cache(cache: Cache, key, cursor) -> Cache:
             x = jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
         out.append(x)
     cache = jax.tree_util.tree_unflatten(treedef, out)
-    index = tuple(_random_packed_index(jax.random.fold_in(key, len(leaves) + k), x) if x.dtype == jnp.uint8 else x
-                  for k, x in enumerate(cache.index))
+    index = tuple(_random_packed_index(jax.random.fold_in(key, len(leaves) + k), x) if x.dtype == jnp.uint8
+                  else x for k, x in enumerate(cache.index))
     return Cache(main=cache.main, index=index, window=cache.window, comp_kv=cache.comp_kv,
                  comp_score=cache.comp_score, cursor=cursor.astype(cache.cursor.dtype), sampled=cache.sampled)
 
@@ -396,7 +397,7 @@ def parse_args(argv=None):
     ap.add_argument("--compile-workers", type=int, default=0, help="concurrent compiles (0 = one per case)")
     ap.add_argument("--page-tokens", type=int, default=256)
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
-    ap.add_argument("--index-format", choices=("typed", *INDEX_FORMATS), default=None,
+    ap.add_argument("--index-format", choices=INDEX_CHOICES, default=None,
                     help="index rows (default: typed, as the engine's, `geometry.row_formats`)")
     ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto",

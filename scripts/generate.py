@@ -40,6 +40,9 @@ from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH, DEFAULT_NUMERICS
 NUMERICS_CHOICES = ("fast", "fp32", "reference")
 EXPERT_CHOICES = ("auto", "fp8", "fp4", "bf16")
 INDEX_CHOICES = ("typed", INDEX_PACKED)
+INDEX_HELP = ("the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact under "
+              "fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% less cache, "
+              "the indexer's scoring up to 21 %% slower")
 
 
 class UsageError(Exception):
@@ -87,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scan-layers", action="store_true",
                     help="compile each run of identical layers once (a scanned loop): about half the compile time")
     ap.add_argument("--index-format", choices=INDEX_CHOICES, default=None,
-                    help="the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact "
-                    "under fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% "
-                    "less cache, the indexer's scoring 9-20 %% slower")
+                    help=INDEX_HELP)
     ap.add_argument("--page-tokens", type=_positive("--page-tokens"), default=16, help="tokens per cache page")
     ap.add_argument("--pages", type=_positive("--pages", True), default=0,
                     help="page pool size (default: max-batch full contexts)")
@@ -140,7 +141,8 @@ def check_index_format(index_format: str | None, numerics: str | None) -> None:
 
     num = NUMERICS[numerics or DEFAULT_NUMERICS]()
     try:
-        check_row_formats(*row_formats(num, index_format).values(), num)
+        formats = row_formats(num, index_format)
+        check_row_formats(formats["kv_format"], formats["index_format"], num)
     except ValueError as err:
         raise UsageError(f"--index-format {index_format}: {err}") from None
 

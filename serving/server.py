@@ -82,7 +82,7 @@ class Server:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from scripts.generate import EXPERT_CHOICES, INDEX_CHOICES, NUMERICS_CHOICES, _positive
+    from scripts.generate import EXPERT_CHOICES, INDEX_CHOICES, INDEX_HELP, NUMERICS_CHOICES, _positive
 
     ap = argparse.ArgumentParser(prog="v41-serve", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__[__doc__.index("Both"):],
@@ -127,9 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
                    help="DSpark speculative decoding: auto = on when the checkpoint has draft stages")
     e.add_argument("--index-format", choices=INDEX_CHOICES,
-                   help="the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact "
-                   "under fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% "
-                   "less cache, the indexer's scoring 9-20 %% slower")
+                   help=INDEX_HELP)
     e.add_argument("--scan-layers", action="store_true",
                    help="compile each run of identical layers once (a scanned loop): about half the compile time")
     e.add_argument("--compile-cache", default=None, help="persistent compilation cache folder ('' disables)")

@@ -34,7 +34,7 @@ def _geom(cfg, **kw):
 @pytest.mark.parametrize("kv,index,per_token,page", [
     ("bf16", "bf16", 3200, None),         # docs/CACHE.md §1.4 bf16/bf16
     ("bf16", "fp8", 2890, 739_840),       # docs/CACHE.md §1.4, B=256
-    ("bf16", "fp4", 2730, 698_880),       # docs/CACHE.md §1.4: (1024 + 68) * 2.5 = 2730 (the fast default)
+    ("bf16", "fp4", 2730, 698_880),       # docs/CACHE.md §1.4: (1024 + 68) * 2.5 = 2730 (--index-format fp4)
     ("packed", "fp4", 890, 227_840),      # docs/CACHE.md §1.4: (288 + 68) * 2.5 = 890
 ])
 def test_page_bytes_per_token(released, kv, index, per_token, page):

@@ -200,7 +200,8 @@ def test_switch_selects_xla(monkeypatch):
 
 def _packed_plane(keys: jax.Array) -> jax.Array:
     """A typed plane of on-grid keys (NaN = poisoned rows) -> its packed FP4 plane, poisoned rows as
-    0xFF bytes (codes -6, scale code 255 = NaN: such a row, read, makes the scores NaN)."""
+    0xFF bytes (codes -6, scale code 255: NaN on the XLA path, a huge value in the kernel's decode,
+    either way a read of such a row changes the scores)."""
     k = np.asarray(keys, np.float32)
     bad = np.isnan(k).any(-1)
     packed = np.array(pack_fp4_ue8m0_rows(jnp.asarray(np.where(bad[..., None], 0, k))))
@@ -209,20 +210,22 @@ def _packed_plane(keys: jax.Array) -> jax.Array:
 
 
 @pytest.mark.parametrize("with_candidates", [False, True])
-@pytest.mark.parametrize("backend_name", ["xla", "pallas"])
-def test_packed_fp4_keys_score_bit_equal_to_their_typed_rows(backend_name, with_candidates):
+@pytest.mark.parametrize("backend_name, tiles", [("xla", None), ("pallas", 1), ("pallas", 4)])
+def test_packed_fp4_keys_score_bit_equal_to_their_typed_rows(backend_name, tiles, with_candidates):
     """Index keys on the fp4 grid (what the model stores: `fp4_qdq_ue8m0`) held as packed rows
     (a quarter of the bytes) give every score of the typed bf16 rows bit for bit, on each path:
-    the decode (in registers in the kernel, after the gather in XLA) is exact, and nothing else
-    changes. Poisoned packed rows decode to NaN, so a read of an unwritten row would show."""
+    the decode (in registers in the kernel, one tile or several a program; after the gather in XLA)
+    is exact, and nothing else changes. Unwritten rows are poisoned in both planes (`_packed_plane`),
+    so a read of one would show."""
     rng, seed = fresh_rng()
     q, w, keys, table, vis = _paged_case(rng, s=4, di=64, rpp=16, mp=4)
     keys = fp4_qdq_ue8m0(keys.astype(jnp.float32)).astype(jnp.bfloat16)   # NaN rows stay NaN
     packed = _packed_plane(keys)
     assert packed.shape == (*keys.shape[:2], 64 // 2 + 64 // 32) and packed.dtype == jnp.uint8
     kw = dict(candidates=_candidates(rng, 2, 4, n_blocks=8, keep=5), block_size=8) if with_candidates else {}
-    typed = index_scores_paged(q, w, keys, table, vis, numerics=REF, backend=backend_name, col_tile=16, **kw)
-    got = index_scores_paged(q, w, packed, table, vis, numerics=REF, backend=backend_name, col_tile=16, **kw)
+    kw.update(numerics=REF, backend=backend_name, col_tile=16, tiles=tiles)
+    typed = index_scores_paged(q, w, keys, table, vis, **kw)
+    got = index_scores_paged(q, w, packed, table, vis, **kw)
     typed, got = np.asarray(typed, np.float32), np.asarray(got, np.float32)
     assert not np.isnan(typed).any() and np.isfinite(typed).any(), f"seed {seed}"
     np.testing.assert_array_equal(got.view(np.uint32), typed.view(np.uint32), err_msg=f"seed {seed}")
@@ -232,7 +235,8 @@ def test_packed_fp4_keys_score_bit_equal_to_their_typed_rows(backend_name, with_
 def test_tiles_per_program_change_nothing_but_the_grid(with_candidates):
     """A program scoring several key tiles in a loop (queries loaded once) writes every tile as a
     program of one tile does, bit for bit: groups past the last column, partial groups and tiles
-    past every query's visible count included (2, 3 and 8 tiles over 6 and 24 tiles of 16)."""
+    past every query's visible count included (2, 4 and 8 tiles over 6 tiles of 16, or 3 of the
+    candidates' columns)."""
     rng, seed = fresh_rng()
     q, w, keys, table, vis = _paged_case(rng, s=4, rpp=16, mp=6, vis_max=70)
     kw = dict(candidates=_candidates(rng, 2, 4, n_blocks=12, keep=5), block_size=8) if with_candidates else {}
@@ -240,8 +244,22 @@ def test_tiles_per_program_change_nothing_but_the_grid(with_candidates):
                                                       col_tile=16, tiles=tiles, **kw), np.float32)
     one = run(1)
     assert not np.isnan(one).any() and np.isinf(one).any() and np.isfinite(one).any(), f"seed {seed}"
-    for tiles in (2, 3, 8):
-        np.testing.assert_array_equal(run(tiles).view(np.uint32), one.view(np.uint32), err_msg=f"{tiles} (seed {seed})")
+    for tiles in (2, 4, 8):
+        np.testing.assert_array_equal(run(tiles).view(np.uint32), one.view(np.uint32),
+                                      err_msg=f"{tiles} tiles (seed {seed})")
+
+
+def test_bad_planes_and_tile_counts_are_refused():
+    rng, _ = fresh_rng()
+    q, w, keys, table, vis = _paged_case(rng, di=64)
+    with pytest.raises(ValueError, match="power of two"):
+        index_scores_paged(q, w, keys, table, vis, numerics=REF, backend="pallas", tiles=3)
+    packed = _packed_plane(fp4_qdq_ue8m0(keys.astype(jnp.float32)).astype(jnp.bfloat16))
+    wide = jnp.zeros((*packed.shape[:2], 68), jnp.uint8)                 # rows of 128 lanes, queries of 64
+    for plane in (packed[..., :-1], wide):                                # 33 bytes: no row at all
+        for backend_name in ("xla", "pallas"):
+            with pytest.raises(ValueError, match="packed"):
+                index_scores_paged(q, w, plane, table, vis, numerics=REF, backend=backend_name)
 
 
 def test_tiles_per_program_fill_the_gpu_first():

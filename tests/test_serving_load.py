@@ -17,7 +17,7 @@ from tests.serving_common import engine_for, offline, tok_model
 # interleavings (256 from 64 clients: 51 s of the test's 56 here; 96 from 32: 26 s of 31).
 # LOAD_SEED draws, for these 96, 15 cancels (9 gRPC, 6 HTTP) and 10 malformed requests covering
 # all 5 kinds of bench_serving.MALFORMED on 8 of their 10 (kind, protocol) pairs (256 with seed 7:
-# 7 pairs)
+# 7 pairs); counted when the seed was chosen, the test itself asserts only that some came
 N, CONCURRENCY, LOAD_SEED = 96, 32, 28
 
 

@@ -44,6 +44,9 @@ import numpy as np
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+# lanes per E8M0 scale of the FP4 formats: the published FP4 weights, the index keys and queries'
+# fake-quant, and so the cache's packed index rows
+FP4_GROUP = 32
 # The reference multiplies amax by fp32 reciprocals rather than dividing (kernel_cpu fast_round_scale).
 _FP8_MAX_INV = np.float32(1.0 / FP8_MAX)
 _FP4_MAX_INV = np.float32(1.0 / FP4_MAX)
@@ -317,23 +320,28 @@ def quant_fp4_ue8m0(x, group: int = 32) -> tuple[jax.Array, jax.Array]:
     return pack_fp4(e2m1_codes(q).reshape(jnp.shape(x))), code
 
 
-def pack_fp4_ue8m0_rows(x, group: int = 32) -> jax.Array:
+def pack_fp4_ue8m0_rows(x, group: int = FP4_GROUP) -> jax.Array:
     """Rows an `fp4_qdq_ue8m0` put on its grid [..., n] -> packed rows uint8 [..., n/2 + n/group]:
     the E2M1 bytes, then the E8M0 codes (the cache's packed index rows, docs/CACHE.md §1.3).
     Exact for such rows (`unpack_fp4_ue8m0_rows` gives back their values, -0.0 included): the
     re-quantized group's largest code m is 4 or 6 (the same scale) or m <= 3, where the scale drops
     by 2^j (j = 1, 2, 3 for m in [2, 3], [1, 1.5], 0.5) and every code of the group, at most m,
-    times 2^j is again an E2M1 value."""
+    times 2^j is again an E2M1 value; an all-zero group (m = 0) keeps its zeros and their signs
+    whatever the floor's scale."""
     codes, scale = quant_fp4_ue8m0(x, group)
     return jnp.concatenate([codes, scale], axis=-1)
 
 
-def packed_fp4_lanes(row_bytes: int, group: int = 32) -> int:
-    """n, the values of a `pack_fp4_ue8m0_rows` row of n/2 + n/group bytes."""
-    return row_bytes * 2 * group // (group + 2)
+def packed_fp4_lanes(row_bytes: int, group: int = FP4_GROUP) -> int:
+    """n, the values of a `pack_fp4_ue8m0_rows` row of n/2 + n/group bytes (ValueError for a width
+    no row has)."""
+    n = row_bytes * 2 * group // (group + 2)
+    if n % group or n // 2 + n // group != row_bytes:
+        raise ValueError(f"packed FP4 rows: {row_bytes} bytes is no row of n/2 E2M1 bytes + n/{group} E8M0 codes")
+    return n
 
 
-def unpack_fp4_ue8m0_rows(rows, group: int = 32, dtype=jnp.bfloat16) -> jax.Array:
+def unpack_fp4_ue8m0_rows(rows, group: int = FP4_GROUP, dtype=jnp.bfloat16) -> jax.Array:
     """Packed rows uint8 [..., n/2 + n/group] (`pack_fp4_ue8m0_rows`) -> their values [..., n]."""
     half = packed_fp4_lanes(rows.shape[-1], group) // 2
     return dequant_fp4_ue8m0_rows(rows[..., :half], rows[..., half:], group, dtype)

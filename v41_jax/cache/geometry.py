@@ -39,6 +39,7 @@ import numpy as np
 
 from v41_jax.config import ModelConfig, exit_2_on_refusal
 from v41_jax.numerics import Numerics
+from v41_jax.quant import FP4_GROUP
 from v41_jax.topology import Mode, resolve_topology
 
 # Row formats (docs/CACHE.md §1.3). "bf16"/"f32" rows are typed arrays; packed rows are uint8 bytes
@@ -66,8 +67,8 @@ def typed_format(dtype) -> str:
 def row_formats(numerics: Numerics, index_format: str | None = None) -> dict:
     """EngineSettings' kv_format / index_format for these numerics: rows the step reads back
     exactly, in the activation dtype. index_format: None or "typed" for that, or a format name
-    (INDEX_PACKED: packed FP4 index rows, 15 % less cache for a scoring kernel 9-20 % slower on
-    the H200, BENCHMARKS.md 2026-12-04 e; the step refuses what it cannot read back exactly)."""
+    (INDEX_PACKED: packed FP4 index rows, 15 % less cache for a scoring kernel up to 21 % slower
+    on the H200, BENCHMARKS.md 2026-12-04 e; the step refuses what it cannot read back exactly)."""
     typed = typed_format(numerics.act_dtype)
     return dict(kv_format=typed, index_format=typed if index_format in (None, "typed") else index_format)
 
@@ -90,7 +91,7 @@ def index_row_bytes(fmt: str, di: int) -> int:
     """Index-key row of di lanes: typed, FP8 (di bytes + one fp32 scale) or FP4 (di/2 + di/32)."""
     if fmt in _TYPED:
         return di * _TYPED[fmt].itemsize
-    return di + 4 if fmt == "fp8" else di // 2 + di // 32
+    return di + 4 if fmt == "fp8" else di // 2 + di // FP4_GROUP
 
 
 @dataclass(frozen=True)

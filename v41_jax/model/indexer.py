@@ -34,9 +34,9 @@ from v41_jax.model.linear import lin8, lin_bf
 from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics, top_k
 from v41_jax.model.rope import apply_rope, rope_cos_sin
-from v41_jax.quant import fp4_qdq_ue8m0
+from v41_jax.quant import FP4_GROUP, fp4_qdq_ue8m0
 
-INDEX_FP4_GROUP = 32  # index keys and queries: fp4 with one ue8m0 scale per 32 lanes
+INDEX_FP4_GROUP = FP4_GROUP  # index keys and queries: fp4 with one ue8m0 scale per 32 lanes
 
 
 def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:

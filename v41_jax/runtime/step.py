@@ -165,8 +165,8 @@ def _compress_and_store(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: La
 
 
 def _index_rows(keys: jax.Array, plane_dtype) -> jax.Array:
-    """Index keys [T, Di] (on the fp4 grid) -> rows of the plane: typed as they are, packed FP4
-    rows exactly (`check_cache_dtype` admits packed planes only under fake-quant numerics)."""
+    """Index keys [T, Di] -> rows of the plane: typed as they are; packed FP4 rows, exact because
+    `check_row_formats` admits packed planes only under fake-quant numerics (keys on the fp4 grid)."""
     if plane_dtype == jnp.uint8:
         return pack_fp4_ue8m0_rows(keys)
     return keys.astype(plane_dtype)
