@@ -141,8 +141,7 @@ def check_index_format(index_format: str | None, numerics: str | None) -> None:
 
     num = NUMERICS[numerics or DEFAULT_NUMERICS]()
     try:
-        formats = row_formats(num, index_format)
-        check_row_formats(formats["kv_format"], formats["index_format"], num)
+        check_row_formats(num, **row_formats(num, index_format))
     except ValueError as err:
         raise UsageError(f"--index-format {index_format}: {err}") from None
 

@@ -45,7 +45,7 @@ from v41_jax.runtime.metadata import Bucket, BucketSet, BuiltStep, Span, build_s
 from v41_jax.runtime.packed import BatchLayout, PackedBatch
 from v41_jax.runtime.runner import InFlight, Prepared, Ran, Runner
 from v41_jax.runtime.scheduler import StepPlan, StepResult
-from v41_jax.runtime.step import StepOutput, check_cache_dtype, check_speculative, step
+from v41_jax.runtime.step import StepOutput, check_row_formats, check_speculative, step
 
 AXIS = "dp"
 
@@ -120,7 +120,7 @@ def make_mesh_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, me
     """The jitted sharded step: fn(params, cache, packed [N, ...], *, layout) -> StepOutput whose
     cache is the global cache and whose other fields carry a leading rank axis [N, ...].
     geom: one rank's geometry (`local_geometry`); speculative: as `step`."""
-    check_cache_dtype(geom, numerics)
+    check_row_formats(numerics, geom.settings.kv_format, geom.settings.index_format)
     check_speculative(cfg, geom, speculative)
 
     def local(params, cache, packed: PackedBatch, *, layout: BatchLayout) -> StepOutput:

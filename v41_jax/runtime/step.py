@@ -477,15 +477,10 @@ def _draft(params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numeri
     return replace(cache, window=window), out.ids[:, 1:].astype(jnp.int32)
 
 
-def check_cache_dtype(geom: CacheGeometry, numerics: Numerics) -> None:
-    check_row_formats(geom.settings.kv_format, geom.settings.index_format, numerics)
-
-
-def check_row_formats(kv: str, ix: str, numerics: Numerics) -> None:
-    """The cache holds rows it reads back exactly: main and window rows (kv) in the activation
-    dtype; index rows (ix) in it too, or packed FP4 where the numerics put the keys on the fp4
-    grid."""
-    want = typed_format(numerics.act_dtype)
+def check_row_formats(numerics: Numerics, kv_format: str, index_format: str) -> None:
+    """The cache holds rows it reads back exactly: main and window rows in the activation dtype;
+    index rows in it too, or packed FP4 where the numerics put the keys on the fp4 grid."""
+    want, kv, ix = typed_format(numerics.act_dtype), kv_format, index_format
     index_ok = (want, INDEX_PACKED) if numerics.fake_quant else (want,)
     if kv != want or ix not in index_ok:
         raise ValueError(f"kv_format/index_format: {numerics.act_dtype.name} activations"
@@ -510,7 +505,7 @@ def make_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, record:
     """The jitted step for one (config, geometry, numerics), over a packed batch (runtime/packed.py):
     fn(params, cache, packed, forced=None, *, layout) -> StepOutput, the cache donated; one
     executable per bucket (the layout, static, follows from the bucket)."""
-    check_cache_dtype(geom, numerics)
+    check_row_formats(numerics, geom.settings.kv_format, geom.settings.index_format)
     check_speculative(cfg, geom, speculative)
 
     def packed_step(params, cache, packed: PackedBatch, forced=None, *, layout: BatchLayout) -> StepOutput:
