@@ -21,13 +21,16 @@ Scores are Σ_h w_h · ReLU(q_h · k) with the reference's rounding points (the 
 term and the head sum round once to the score dtype; bf16 in reference numerics), -inf where the
 row is not visible (or the candidate slot is empty).
 
-Kernel (Pallas, Triton lowering): grid (requests, query blocks, groups of TP column tiles).
-Queries of one request share its pages, so a query block of TS tokens stacks TS x Hi query heads
-as the M dimension of one [TS*Hi, Di] @ [Di, TN] product per key tile; the key rows of a tile are
-gathered through the block table (no dense copy of the keys). A program loads its queries once
-and loops over its TP tiles (`tiles_per_program`: large batches amortize the query loads and the
-set-up, small ones keep one tile a program to fill the GPU). Tiles wholly past every query's
-visible count skip the loads. With candidates each query has its own columns (TS = 1).
+Kernel (Pallas, Triton lowering), on a flat token list (`index_scores_tokens`: a step's batch;
+`index_scores_paged` lays its [B, S] queries out as one, each request padded to whole blocks): grid
+(query blocks, groups of TP column tiles). A query block of TS consecutive tokens stacks TS x Hi
+query heads as the M dimension of one [TS*Hi, Di] @ [Di, TN] product per key tile, so the tokens of
+one request (a prefill chunk, a verify span) read each key tile once a block; the key rows of a tile
+are gathered through the request's block table (no dense copy of the keys). A block holding tokens
+of several requests does one such pass per request, each keeping its own tokens' scores. A program
+loads its queries once and loops over its TP tiles (`tiles_per_program`: large batches amortize the
+query loads and the set-up, small ones keep one tile a program to fill the GPU). Tiles wholly past
+every query's visible count skip the loads. With candidates each query has its own columns (TS = 1).
 Top-k is `numerics.top_k` (ties to the lower column = lower row, since the compaction keeps row
 order), optionally in two exact stages over column tiles (`topk_ids`), followed by an ascending
 sort, as the reference's `select_topk`; over a full scan the Pallas backend selects without a sort
@@ -75,16 +78,18 @@ def _key_tile(keys_ref, phys, live, di: int, dtype):
     return fp4_values(cols(0, di // 2), cols(di // 2, di // FP4_GROUP), dtype)
 
 
-def _index_kernel(*refs, ts: int, hi: int, tn: int, tp: int, n_cols: int, rpp: int, bs: int, with_cand: bool,
-                  dt):
+def _index_kernel(*refs, ts: int, hi: int, tn: int, tp: int, n_cols: int, mp: int, rpp: int, bs: int,
+                  with_cand: bool, dt):
     if with_cand:
-        q_ref, w_ref, vis_ref, bt_ref, cand_ref, keys_ref, o_ref = refs
+        q_ref, w_ref, vis_ref, req_ref, bt_ref, cand_ref, keys_ref, o_ref = refs
     else:
-        q_ref, w_ref, vis_ref, bt_ref, keys_ref, o_ref = refs
+        q_ref, w_ref, vis_ref, req_ref, bt_ref, keys_ref, o_ref = refs
     vis = vis_ref[...]                                                  # [TS]
+    req = req_ref[...]                                                  # [TS] each query's request row
     q = q_ref[...].reshape(ts * hi, -1)                                 # [TS*Hi, Di], once for TP tiles
     w = w_ref[...].reshape(ts * hi).astype(jnp.float32)
-    group = pl.program_id(2)                                            # (interpret mode: outside the loop)
+    group = pl.program_id(1)                                            # (interpret mode: outside the loop)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (ts,), 0)
 
     def tile(t, carry):
         col = (group * tp + t) * tn + jax.lax.broadcasted_iota(jnp.int32, (tn,), 0)
@@ -95,22 +100,30 @@ def _index_kernel(*refs, ts: int, hi: int, tn: int, tp: int, n_cols: int, rpp: i
             row = col
         # past n_cols: a group's padding columns, never read whatever `visible` says
         live = ((row >= 0) & (col < n_cols))[None, :] & (row[None, :] < vis[:, None])   # [TS, TN]
-        live_i = live.astype(jnp.int32)                                 # (no i1 reductions in Triton)
+        safe = jnp.maximum(row, 0)
 
-        def compute():
-            safe = jnp.maximum(row, 0)
-            any_live = live_i.max(axis=0) > 0                           # rows some query sees
-            page = load(bt_ref.at[safe // rpp], mask=any_live, other=0)
-            phys = page * rpp + safe % rpp
-            terms = _score_tile(q, w, _key_tile(keys_ref, phys, any_live, q.shape[1], q.dtype), dt)
-            scores = terms.reshape(ts, hi, tn).sum(axis=1).astype(dt)   # fp32 head sum, one rounding
-            return jnp.where(live, scores, -jnp.inf)
+        def request(u, out):
+            """The keys of query u's request, for every query of the block in that request; a
+            request met earlier in the block was done then (one pass per request a block)."""
+            r = jnp.sum(jnp.where(lane == u, req, 0))
+            mine = live & (req == r)[:, None]
+            mine_i = mine.astype(jnp.int32)                             # (no i1 reductions in Triton)
+            done = jnp.max(jnp.where((lane < u) & (req == r), 1, 0)) > 0
 
-        def skip():
-            return jnp.full((ts, tn), -jnp.inf, dt)
+            def compute():
+                any_live = mine_i.max(axis=0) > 0                       # rows some query sees
+                page = load(bt_ref.at[r * mp + safe // rpp], mask=any_live, other=0)
+                phys = page * rpp + safe % rpp
+                terms = _score_tile(q, w, _key_tile(keys_ref, phys, any_live, q.shape[1], q.dtype), dt)
+                scores = terms.reshape(ts, hi, tn).sum(axis=1).astype(dt)   # fp32 head sum, one rounding
+                return jnp.where(mine, scores, out)
 
-        # a tile no query can see reads nothing (short requests in a long block table)
-        o_ref[:, pl.ds(pl.multiple_of(t * tn, tn), tn)] = jax.lax.cond(live_i.max() > 0, compute, skip)
+            # a tile no query can see reads nothing (short requests in a long block table)
+            return jax.lax.cond(jnp.logical_not(done) & (mine_i.max() > 0), compute, lambda: out)
+
+        init = jnp.full((ts, tn), -jnp.inf, dt)
+        out = request(0, init) if ts == 1 else jax.lax.fori_loop(0, ts, request, init)
+        o_ref[:, pl.ds(pl.multiple_of(t * tn, tn), tn)] = out
         return carry
 
     jax.lax.fori_loop(0, tp, tile, 0)
@@ -131,46 +144,50 @@ def tiles_per_program(programs: int, tiles: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("ts", "tn", "tp", "bs", "dt", "num_warps", "num_stages",
                                              "interpret"))
-def _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, *, ts, tn, tp, bs, dt,
+def _index_scores_pallas(q, w, key_pages, block_tables, token_req, visible, candidates, *, ts, tn, tp, bs, dt,
                          num_warps, num_stages, interpret):
-    b, s, hi, di = q.shape
+    """Token-major: q [T, Hi, Di], w [T, Hi], block_tables [R, MP], token_req [T] in [0, R),
+    visible [T], candidates [T, NB] or None -> [T, N]."""
+    t, hi, di = q.shape
     _, rpp, _ = key_pages.shape
+    mp = block_tables.shape[1]
     with_cand = candidates is not None
-    n_cols = candidates.shape[-1] * bs if with_cand else block_table.shape[1] * rpp
+    n_cols = candidates.shape[-1] * bs if with_cand else mp * rpp
     if tp is None:
-        tp = tiles_per_program(b * -(-s // ts), -(-n_cols // tn))
-    s_pad, n_pad = -s % ts, -n_cols % (tn * tp)
+        tp = tiles_per_program(-(-t // ts), -(-n_cols // tn))
+    t_pad, n_pad = -t % ts, -n_cols % (tn * tp)
     # the dot's M = ts*hi must be a power of two >= 16: zero heads with zero weight add exact zeros
     h_pad = max(1 << (hi - 1).bit_length(), -(-16 // ts)) - hi
-    q = jnp.pad(q, ((0, 0), (0, s_pad), (0, h_pad), (0, 0)))
-    w = jnp.pad(w, ((0, 0), (0, s_pad), (0, h_pad)))
+    q = jnp.pad(q, ((0, t_pad), (0, h_pad), (0, 0)))
+    w = jnp.pad(w, ((0, t_pad), (0, h_pad)))
     hi += h_pad
-    visible = jnp.pad(visible.astype(jnp.int32), ((0, 0), (0, s_pad)))   # padded queries see nothing
+    visible = jnp.pad(visible.astype(jnp.int32), (0, t_pad))            # padded queries see nothing
+    token_req = jnp.pad(token_req.astype(jnp.int32), (0, t_pad))
+    tables = block_tables.astype(jnp.int32).reshape(-1)                 # request r's page j at r*MP + j
     keys = key_pages.reshape(-1, key_pages.shape[-1])                   # free: contiguous pages
-    sq = SQUEEZED
-    grid = (b, (s + s_pad) // ts, (n_cols + n_pad) // (tn * tp))
-    in_specs = [pl.BlockSpec((sq, ts, hi, di), lambda i, si, j: (i, si, 0, 0)),
-                pl.BlockSpec((sq, ts, hi), lambda i, si, j: (i, si, 0)),
-                pl.BlockSpec((sq, ts), lambda i, si, j: (i, si)),
-                pl.BlockSpec((sq, block_table.shape[1]), lambda i, si, j: (i, 0))]
-    args = [q, w, visible, block_table.astype(jnp.int32)]
+    grid = ((t + t_pad) // ts, (n_cols + n_pad) // (tn * tp))
+    in_specs = [pl.BlockSpec((ts, hi, di), lambda i, j: (i, 0, 0)),
+                pl.BlockSpec((ts, hi), lambda i, j: (i, 0)),
+                pl.BlockSpec((ts,), lambda i, j: (i,)),
+                pl.BlockSpec((ts,), lambda i, j: (i,)),
+                pl.BlockSpec(tables.shape, lambda i, j: (0,))]
+    args = [q, w, visible, token_req, tables]
     if with_cand:
-        cand = jnp.pad(candidates.astype(jnp.int32), ((0, 0), (0, s_pad), (0, -(-n_pad // bs))),
-                       constant_values=-1)
-        in_specs.append(pl.BlockSpec((sq, sq, cand.shape[-1]), lambda i, si, j: (i, si, 0)))
+        cand = jnp.pad(candidates.astype(jnp.int32), ((0, t_pad), (0, -(-n_pad // bs))), constant_values=-1)
+        in_specs.append(pl.BlockSpec((SQUEEZED, cand.shape[-1]), lambda i, j: (i, 0)))
         args.append(cand)
-    in_specs.append(pl.BlockSpec(keys.shape, lambda i, si, j: (0, 0)))
+    in_specs.append(pl.BlockSpec(keys.shape, lambda i, j: (0, 0)))
     args.append(keys)
-    kernel = functools.partial(_index_kernel, ts=ts, hi=hi, tn=tn, tp=tp, n_cols=n_cols, rpp=rpp, bs=bs,
-                               with_cand=with_cand, dt=dt)
+    kernel = functools.partial(_index_kernel, ts=ts, hi=hi, tn=tn, tp=tp, n_cols=n_cols, mp=mp, rpp=rpp,
+                               bs=bs, with_cand=with_cand, dt=dt)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs,
-        out_specs=pl.BlockSpec((sq, ts, tn * tp), lambda i, si, j: (i, si, j)),
-        out_shape=jax.ShapeDtypeStruct((b, s + s_pad, n_cols + n_pad), dt),
+        out_specs=pl.BlockSpec((ts, tn * tp), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((t + t_pad, n_cols + n_pad), dt),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="index_scores",
     )(*args)
-    return out[:, :s, :n_cols]
+    return out[:t, :n_cols]
 
 
 def _gather_keys_xla(key_pages, block_table, candidates, bs):
@@ -209,6 +226,14 @@ def index_scores_paged_xla(q, w, key_pages, block_table, visible, *, numerics: N
     return jnp.where((rows >= 0) & (rows < visible[..., None]), scores, -jnp.inf)
 
 
+def _check_planes(q: jax.Array, key_pages: jax.Array, tiles: int | None) -> None:
+    if key_pages.dtype == jnp.uint8 and packed_fp4_lanes(key_pages.shape[-1]) != q.shape[-1]:
+        raise ValueError(f"index plane: packed rows of {key_pages.shape[-1]} bytes hold "
+                         f"{packed_fp4_lanes(key_pages.shape[-1])} lanes, the queries {q.shape[-1]}")
+    if tiles is not None and (tiles < 1 or tiles & (tiles - 1)):
+        raise ValueError(f"tiles: {tiles} is not a power of two")
+
+
 def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_table: jax.Array,
                        visible: jax.Array, *, numerics: Numerics, candidates: jax.Array | None = None,
                        block_size: int = 8, backend: str | None = None, query_block: int | None = None,
@@ -223,20 +248,53 @@ def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_t
     candidate columns (see `candidate_rows`); -inf where not visible. tiles: key tiles a program
     scores, a power of two (a Triton block width; None: `tiles_per_program`).
     """
-    if key_pages.dtype == jnp.uint8 and packed_fp4_lanes(key_pages.shape[-1]) != q.shape[-1]:
-        raise ValueError(f"index plane: packed rows of {key_pages.shape[-1]} bytes hold "
-                         f"{packed_fp4_lanes(key_pages.shape[-1])} lanes, the queries {q.shape[-1]}")
-    if tiles is not None and (tiles < 1 or tiles & (tiles - 1)):
-        raise ValueError(f"tiles: {tiles} is not a power of two")
+    _check_planes(q, key_pages, tiles)
     if _backend.resolve(backend) == "xla":
         return index_scores_paged_xla(q, w, key_pages, block_table, visible, numerics=numerics,
                                       candidates=candidates, block_size=block_size)
-    s = q.shape[1]
+    b, s = q.shape[:2]
     ts = 1 if candidates is not None else (query_block or min(4, 1 << (s - 1).bit_length()))
-    return _index_scores_pallas(q, w, key_pages, block_table, visible, candidates, ts=ts,
-                                tn=col_tile, tp=tiles, bs=block_size, dt=numerics.index_score_dtype,
-                                num_warps=num_warps, num_stages=num_stages,
-                                interpret=_backend.interpret())
+    # request b's queries as tokens, padded to whole query blocks (so no block holds two requests)
+    sp = s + -s % ts
+    tokens = lambda x, fill=0: jnp.pad(x, ((0, 0), (0, sp - s)) + ((0, 0),) * (x.ndim - 2),
+                                       constant_values=fill).reshape(b * sp, *x.shape[2:])
+    out = _index_scores_pallas(tokens(q), tokens(w), key_pages, block_table,
+                               jnp.repeat(jnp.arange(b, dtype=jnp.int32), sp), tokens(visible),
+                               None if candidates is None else tokens(candidates, -1), ts=ts, tn=col_tile,
+                               tp=tiles, bs=block_size, dt=numerics.index_score_dtype,
+                               num_warps=num_warps, num_stages=num_stages, interpret=_backend.interpret())
+    return out.reshape(b, sp, -1)[:, :s]
+
+
+def tokens_query_block(n_tokens: int, n_requests: int) -> int:
+    """Queries a program scores together in a flat token list: the largest power of two up to 4
+    and up to the mean tokens a request (decode: 1; a verify of 1 + d tokens, a prefill chunk: 4).
+    A block that holds tokens of several requests scores each request's keys in turn."""
+    return min(4, 1 << (max(1, n_tokens // max(1, n_requests)).bit_length() - 1))
+
+
+def index_scores_tokens(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_tables: jax.Array,
+                        token_req: jax.Array, visible: jax.Array, *, numerics: Numerics,
+                        backend: str | None = None, query_block: int | None = None, col_tile: int = 128,
+                        tiles: int | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """Indexer scores of a flat token list (a step's batch), each token over its request's keys.
+
+    q [T, Hi, Di], w [T, Hi], key_pages as `index_scores_paged`, block_tables [R, MP] int32,
+    token_req [T] int32 in [0, R) (the token's row of block_tables; a padding token names any row
+    and sees nothing), visible [T] int32 -> [T, MP*rpp] in the score dtype, -inf where not visible.
+    Consecutive tokens of one request share a query block, so their keys are read once for the
+    block (a prefill chunk's 4,096 tokens read the keys 1,024 times, not 4,096); query_block
+    defaults to `tokens_query_block`.
+    """
+    _check_planes(q, key_pages, tiles)
+    if _backend.resolve(backend) == "xla":
+        tables = block_tables[token_req]                                # [T, MP]
+        return index_scores_paged_xla(q[:, None], w[:, None], key_pages, tables, visible[:, None],
+                                      numerics=numerics)[:, 0]
+    ts = query_block or tokens_query_block(q.shape[0], block_tables.shape[0])
+    return _index_scores_pallas(q, w, key_pages, block_tables, token_req, visible, None, ts=ts, tn=col_tile,
+                                tp=tiles, bs=1, dt=numerics.index_score_dtype, num_warps=num_warps,
+                                num_stages=num_stages, interpret=_backend.interpret())
 
 
 def topk_ids(scores: jax.Array, k: int, tile: int | None = None) -> jax.Array:

@@ -19,8 +19,9 @@ import pytest
 
 from kernels_common import assert_close, fp4_rows, fresh_rng, load_fixture
 from kernels_pallas import backend
-from kernels_pallas.indexer import (candidate_rows, index_scores_paged, index_topk_paged,
-                                    select_topk, select_topk_compacted, tiles_per_program, topk_ids)
+from kernels_pallas.indexer import (candidate_rows, index_scores_paged, index_scores_tokens, index_topk_paged,
+                                    select_topk, select_topk_compacted, tiles_per_program, tokens_query_block,
+                                    topk_ids)
 from v41_jax.model import indexer as ref
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import fp4_qdq_ue8m0, pack_fp4_ue8m0_rows
@@ -268,3 +269,58 @@ def test_tiles_per_program_fill_the_gpu_first():
     assert tiles_per_program(128, 256) == 16                  # capped
     assert tiles_per_program(1024, 128) == 16                 # 4,096 prefill queries: 8,192 programs
     assert tiles_per_program(64, 100) == 4                    # 64 x 25 groups (8 would leave 832)
+
+
+def _token_case(rng, lengths, pad=3, hi=4, di=32, rpp=8, mp=5, order=None):
+    """A step's flat token list: requests of `lengths` tokens, consecutive (or in `order`, a
+    permutation of the token rows), then `pad` padding tokens (request 0, nothing visible). Each
+    request owns mp shuffled pages; rows past its tokens' largest visible count are NaN."""
+    r = len(lengths)
+    case = _paged_case(rng, b=r, s=max(lengths), hi=hi, di=di, rpp=rpp, mp=mp)
+    q, w, keys, table, vis = (np.asarray(x) for x in case)
+    req = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)] + [np.zeros(pad, int)])
+    col = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(pad, int)])
+    real = np.arange(len(req)) < sum(lengths)
+    order = np.arange(len(req)) if order is None else order
+    req, col, real = req[order], col[order], real[order]
+    tok = lambda x: jnp.asarray(x[req, col])
+    return (tok(q), tok(w), jnp.asarray(keys), jnp.asarray(table), jnp.asarray(req.astype(np.int32)),
+            jnp.asarray(np.where(real, vis[req, col], 0).astype(np.int32)))
+
+
+@pytest.mark.parametrize("query_block", [1, 2, 4, None])
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_token_list_scores_each_token_over_its_own_request(query_block, shuffled):
+    """A flat token list (the step's layout): query blocks straddle request boundaries (lengths
+    5, 6, 1, 3 at blocks of 2 and 4) and padding tokens, or hold a request's tokens apart
+    (shuffled); each token must score its own request's keys only (another request's unwritten
+    rows are NaN and would show) and match the XLA path (the tolerance of `_check_scores`)."""
+    rng, seed = fresh_rng()
+    lengths = (5, 6, 1, 3)
+    order = rng.permutation(sum(lengths) + 3) if shuffled else None
+    case = _token_case(rng, lengths, order=order)
+    got = np.asarray(index_scores_tokens(*case, numerics=REF, backend="pallas", query_block=query_block,
+                                         col_tile=16), np.float32)
+    want = np.asarray(index_scores_tokens(*case, numerics=REF, backend="xla"), np.float32)
+    assert got.shape == (18, 40) and np.isfinite(want).any()
+    _check_scores(got, want, seed)
+
+
+def test_token_list_blocks_change_nothing_but_the_grid():
+    """Scoring a token list in blocks of 4 (several requests a block, one pass per request) writes
+    what blocks of one query do, bit for bit (the same dot per query; only the grid differs)."""
+    rng, seed = fresh_rng()
+    case = _token_case(rng, (5, 6, 1, 3), di=64, rpp=16, mp=4)
+    run = lambda qb: np.asarray(index_scores_tokens(*case, numerics=REF, backend="pallas", query_block=qb,
+                                                    col_tile=16), np.float32)
+    one = run(1)
+    assert not np.isnan(one).any() and np.isinf(one).any() and np.isfinite(one).any(), f"seed {seed}"
+    np.testing.assert_array_equal(run(4).view(np.uint32), one.view(np.uint32), err_msg=f"seed {seed}")
+
+
+def test_token_query_block_follows_the_tokens_a_request():
+    assert tokens_query_block(32, 32) == 1                    # decode: a token a request
+    assert tokens_query_block(192, 32) == 4                   # verify of 1 + 5 tokens
+    assert tokens_query_block(64, 32) == 2
+    assert tokens_query_block(4096, 64) == 4                  # a mixed bucket with a prefill chunk
+    assert tokens_query_block(3, 8) == 1

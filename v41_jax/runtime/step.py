@@ -16,7 +16,7 @@ from the whole sequence read from the cache instead:
   index keys go to the owner's pages before any scorer reads them (REUSE/REINDEX layers later in
   the stack see them); the span's last max_r + S projections go to the ring for the next step;
 * scores: each query scores its own request's index keys through the paged scorer
-  (`kernels_pallas.indexer.index_scores_paged`, keys read via the block table), visible columns
+  (`kernels_pallas.indexer.index_scores_tokens`, keys read via the block table), visible columns
   only, then the same candidate / top-k cores as the forward.
 
 Attention: the window list (ring rows of this step's requests, then this step's rows), then the
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import backend as kernel_backend
-from kernels_pallas.indexer import index_scores_paged
+from kernels_pallas.indexer import index_scores_tokens
 from kernels_pallas.sparse_attn import sparse_attn_paged
 from v41_jax.cache.buffer import DEAD, Cache
 from v41_jax.checkpoint.load import ENGRAM_DEVICE_KEY
@@ -182,10 +182,10 @@ def _select(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology,
     (visible columns only) -> (state, this layer's picks and scores {kind: [1, T, ...]})."""
     key_pages = state.cache.index[geom.owner_index(topo.kv_owner)]
     visible = batch.visible[geom.ratios.index(topo.ratio)][:, None]        # [T, 1]
-    # each query is its own "request" of the paged scorer ([T, 1, ...]), with its request's block table
-    tables = batch.block_tables[jnp.maximum(batch.token_req, 0)]           # [T, M]
-    score = lambda q, w: index_scores_paged(q[:, None], w[:, None], key_pages, tables, visible,
-                                            numerics=numerics)             # [T, 1, M*rpp]
+    # a request's consecutive tokens share query blocks, so a prefill chunk reads its keys once a block
+    req = jnp.maximum(batch.token_req, 0)
+    score = lambda q, w: index_scores_tokens(q, w, key_pages, batch.block_tables, req, visible[:, 0],
+                                             numerics=numerics)[:, None]   # [T, 1, M*rpp]
     selected, scores, candidates = index_select(p, cfg, topo, h, c_q, batch.positions, visible, score,
                                                 state.candidates, numerics)
     selected = selected[:, 0]
