@@ -1,8 +1,7 @@
-"""Three choices inside the decode kernels, each timed against the alternative the code no longer
-takes, interleaved in one process (the machine's spread between processes is larger than these
-differences).
+"""Choices inside the decode and prefill kernels, each timed against the alternatives, interleaved
+in one process (the machine's spread between processes is larger than these differences).
 
-    python -m scripts.bench_decode_choices --out C.json [--sections e4m3,moe-impl,rms-runs] [--smoke]
+    python -m scripts.bench_decode_choices --out C.json [--sections e4m3,moe-impl,rms-runs,moe-prefill] [--smoke]
 
   e4m3      `kernels_pallas._codecs.e4m3_as`: E4M3 codes decoded by the code's rule (by way of
             fp16 for 16-bit targets, the grouped GEMM's bf16 MMA operands; directly for fp32, the
@@ -13,6 +12,10 @@ differences).
   rms-runs  `kernels_pallas.rmsnorm.WIDE_RUNS`: the kernel time (profiler) of rms_inv at the mHC,
             hidden and query-latent widths with the code's rule, with one run a loop step at
             every width, and with 8 runs side by side at every width. Outputs compared bit for bit.
+  moe-prefill  the grouped GEMM at 2K-8K tokens (prefill chunks), FP8 rows and bf16: the default
+            tiles, each tile's product as its transpose (`swap_ab`: the decoded weight as the MMA's
+            first operand, which Hopper takes from registers), and 256-row tiles (a weight tile
+            decoded once for twice the rows). Outputs compared bit for bit with the default's.
 
 MoE cases run one layer per call at the bench slice's widths (5120 / 2304, 64 experts, top-6),
 weights random E2M1 codes under one E8M0 scale (FP8 rows re-coded from them), synthetic routing;
@@ -110,6 +113,26 @@ def bench_moe_impl(b: Bench, shape: tuple, experts: dict):
                 _moe_case(b, f"moe-impl/T{t}/{held}/{label}", shape, held, experts[held], t, **kw)
 
 
+def bench_moe_prefill(b: Bench, shape: tuple, experts: dict):
+    """FP8 rows ran at 0.66x the bf16 experts' speed from 2K tokens (the decode in the MMA path,
+    BENCHMARKS.md 2026-11-30): where does the decode's cost go away."""
+    variants = (("default", {}), ("swap", dict(swap_ab=True)),
+                ("bm256-bn64", dict(block_m=256, block_n=64)),
+                ("bm256-bn64-swap", dict(block_m=256, block_n=64, swap_ab=True)))
+    for t in ((64,) if b.smoke else (2048, 4096, 8192)):
+        for held in ("fp8", "bf16"):
+            outs = {}
+            for label, kw in variants if held == "fp8" else variants[:2]:
+                if b.left() < 0:
+                    return
+                if b.smoke and "block_m" in kw:
+                    kw = {**kw, "block_m": 32, "block_n": 32}
+                outs[label] = _moe_case(b, f"moe-prefill/T{t}/{held}/{label}", shape, held, experts[held], t,
+                                        impl="pallas", **kw)
+                b.results["cases"][-1]["bit_equal_to_default"] = bool((outs[label] == outs["default"]).all())
+            b.save()
+
+
 def bench_rms_runs(b: Bench, cfg: dict):
     hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
     widths = (("mhc", cfg["hc_mult"] * hidden, jnp.float32), ("hidden", hidden, jnp.bfloat16),
@@ -136,7 +159,7 @@ def bench_rms_runs(b: Bench, cfg: dict):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="e4m3,moe-impl,rms-runs")
+    ap.add_argument("--sections", default="e4m3,moe-impl,rms-runs,moe-prefill")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--budget", type=float, default=500.0, help="seconds; later cases are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, for CPU checks")
@@ -147,7 +170,7 @@ def main(argv=None) -> int:
     shape = (256, 128, 8, 2) if args.smoke else \
         (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"])
     sections = args.sections.split(",")
-    experts = _experts(*shape[:3]) if {"e4m3", "moe-impl"} & set(sections) else None
+    experts = _experts(*shape[:3]) if {"e4m3", "moe-impl", "moe-prefill"} & set(sections) else None
     for name in sections:
         if name == "e4m3":
             bench_e4m3(b, shape, experts)
@@ -155,8 +178,10 @@ def main(argv=None) -> int:
             bench_moe_impl(b, shape, experts)
         elif name == "rms-runs":
             bench_rms_runs(b, cfg)
+        elif name == "moe-prefill":
+            bench_moe_prefill(b, shape, experts)
         else:
-            raise SystemExit(f"--sections: unknown section {name!r} (e4m3, moe-impl, rms-runs)")
+            raise SystemExit(f"--sections: unknown section {name!r} (e4m3, moe-impl, rms-runs, moe-prefill)")
     b.save()
     return 0
 
