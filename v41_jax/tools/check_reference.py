@@ -41,16 +41,18 @@ Tolerances (the arithmetic behind them)
     whole quantization step of its group (an fp8 step is 2^-3 relative; an fp4 step or a flipped
     ue8m0 scale rescales 32 index lanes), which residual mixing then spreads over the row. So the
     median must stay at a few ulps (row_ulps_p50), while the tail is bounded by row_ulps_p99 /
-    row_ulps_max (`Tolerance`; CPU and GPU profiles, chosen by the backend). A real defect (a wrong weight, position, mask or rounding point) moves the bulk
-    of a row by tens to thousands of row ulps.
+    row_ulps_max (`Tolerance`; CPU and GPU profiles, chosen by the backend), or per tensor by how
+    far the conditioning's gentlest nudge moves it on this fixture where that is further
+    (`tensor_noise`, `tensor_tolerance`). A real defect (a wrong weight, position, mask or rounding
+    point) moves the bulk of a row by tens to thousands of row ulps.
   * target logits: logits = normed . W in fp32, so |dlogit[p, v]| <= sum_d |dn[p, d]| |W[v, d]| +
     2 D u32 sum_d |n[p, d] W[v, d]|, with dn the observed final-normed difference (itself checked
     above) and u32 = 2^-24 (fp32 dot rounding on both sides). Every logit must satisfy it.
   * DSpark (docs/MODEL.md §6.2): the taps on every row a draft reads (bf16 rule above); the head on
-    the reference's taps within one bf16 ulp per lane of its normed (confidence: pre-norm) hidden
-    (where the device deviates by more than last bits: the larger of that and the most the
-    conditioning's nudges moved the lane) + fp32 rounding; the head on the model's own taps within sum_d |dn_d||W_vd| of the measured
-    draft-hidden difference dn (own taps run - reference taps run) + that allowance.
+    the reference's taps within, per lane of its normed (confidence: pre-norm) hidden, the larger
+    of one bf16 ulp and the most the conditioning's nudges moved the lane, + fp32 rounding; the
+    head on the model's own taps within sum_d |dn_d||W_vd| of the measured draft-hidden difference
+    dn (own taps run - reference taps run) + that allowance.
   * pre-mix (sigmoid outputs in (0, 1]): row_ulps_p50 bf16 ulps at 1.
   * selections, per row (docs/MODEL.md §6.3): the model's own picks equal the reference's, or the
     row is a near-tie by a scale measured on this fixture by the conditioning run: index / candidate
