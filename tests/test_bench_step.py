@@ -182,7 +182,8 @@ def test_bench_sampler_times_both_sorts_and_both_kinds_of_rows(tmp_path):
 def test_bench_decode_choices_compares_each_choice_with_its_alternatives(tmp_path):
     """scripts/bench_decode_choices.py --smoke: every alternative of each choice ran and timed, and
     they are exact alternatives (the E4M3 routes give the same MoE output bits, the rms_inv
-    loop shapes the same statistic bits), at widths where the rules pick differently."""
+    loop shapes the same statistic bits, the grouped GEMM's tile shapes and transposed tiles the
+    same pairs), at widths where the rules pick differently."""
     from scripts import bench_decode_choices
     out = tmp_path / "c.json"
     assert bench_decode_choices.main(["--out", str(out), "--smoke", "--reps", "1"]) == 0
@@ -194,6 +195,10 @@ def test_bench_decode_choices_compares_each_choice_with_its_alternatives(tmp_pat
     assert {n.rsplit("/", 1)[1] for n in impl} == {"gemv", "grouped", "grouped-bn32"}
     rms = [c for c in cases if c["name"].startswith("rms-runs/")]
     assert len(rms) == 9 and all(c["bit_equal_to_rule"] for c in rms)
+    prefill = [c for c in cases if c["name"].startswith("moe-prefill/")]
+    assert {c["name"].split("/", 2)[2] for c in prefill} == {
+        "fp8/default", "fp8/swap", "fp8/bn64", "fp8/bm256-bn64", "fp8/bm256-bn64-swap", "bf16/default", "bf16/swap"}
+    assert all(c["ms"] > 0 and c["bit_equal_to_default"] for c in prefill)
 
 
 def test_random_cache_fills_packed_index_planes_with_on_grid_keys():
