@@ -57,6 +57,9 @@ def test_flipped_weight_byte_fails(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     failed = {c["key"] for c in report["checks"] if not c["passed"]}
     assert {"prefill.block_out_last", "decode.block_out", "prefill.final_normed_all"} <= failed
+    # beyond even the largest nudges: no noise floor is measured for it, the profile judges alone
+    assert report["conditioning"]["levels"][-1]["mean_row_ulps"] < report["conditioning"]["deviation_mean_row_ulps"]
+    assert report["conditioning"]["tensor_noise"] == {}
 
 
 def test_one_ulp_nudge_moves_each_value_by_one_ulp():

@@ -642,8 +642,11 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
             runs_at += nudge(ulps, range(runs, draws))
             levels[-1].update(runs=len(runs_at), mean_row_ulps=moved_mean())
             stage2 = max(draws, int(np.ceil(family / FALSE_FAIL)) - 1)
-    # per bf16 tensor and statistic, the gentlest of the final size's runs
-    tensor_noise = {k: {q: min(r[2][k][q] for r in runs_at) for q in ("p50", "p99", "max")} for k in base_tensors}
+    # per bf16 tensor and statistic, the gentlest of the final size's runs; none where even the
+    # largest nudges fall short of the device (no size of noise it is a draw of: the profile judges)
+    measured = inside or moved_mean() >= deviation
+    tensor_noise = {k: {q: min(r[2][k][q] for r in runs_at) for q in ("p50", "p99", "max")}
+                    for k in base_tensors} if measured else {}
     return {"runs": runs, "deviation_mean_row_ulps": deviation, "inside": bool(inside), "ulps": ulps,
             "draws": levels[-1]["runs"], "levels": levels, "rank_reach": reach, "gate_noise": noise, "head": head,
             "tensor_noise": tensor_noise, "rows_moved": {k: [int(v.sum()), int(v.size)] for k, v in moved.items()},
