@@ -515,17 +515,12 @@ def tensor_tolerance(tol: Tolerance, noise: dict | None) -> Tolerance:
                      max(tol.row_ulps_max, noise["max"]))
 
 
-def _recorded(out: dict, s: int) -> list[np.ndarray]:
-    """A run's bf16 tensors on the rows the fixture records them: every layer's block output at the
-    last prompt row and the decode rows [L, 17, N, D], the final normed rows [S+16, D]."""
-    inter = out["inter"]
-    return [inter["block_out"][:, 0, s - 1: s + N_DECODE], inter["final_normed"][0][: s + N_DECODE]]
-
-
-def _reference_recorded(z) -> list[np.ndarray]:
-    """The same tensors of the reference (`_recorded`'s layout)."""
-    blocks = np.concatenate([z["prefill.block_out_last"][None], z["decode.block_out"]]).transpose(1, 0, 2, 3)
-    return [blocks, np.concatenate([z["prefill.final_normed_all"], z["decode.final_normed"]])]
+def _recorded(t) -> list[np.ndarray]:
+    """The tensors the conditioning's deviation is measured on, from a run's `bf16_tensors` or the
+    reference's outputs alike: every layer's block output at the last prompt row and the decode
+    rows [L, 17, N, D], the final normed rows [S+16, D]."""
+    blocks = np.concatenate([t["prefill.block_out_last"][None], t["decode.block_out"]]).transpose(1, 0, 2, 3)
+    return [blocks, np.concatenate([t["prefill.final_normed_all"], t["decode.final_normed"]])]
 
 
 def mean_row_ulps(ours: list[np.ndarray], ref: list[np.ndarray]) -> float:
@@ -593,11 +588,11 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
     s = len(z["prompt_ids"])
     base = base or run_model(cfg, params, z, hasher, numerics)
     picks, gates = _picks(cfg, base), _gate_scores(base)
-    recorded = _recorded(base, s)
-    deviation = mean_row_ulps(recorded, _reference_recorded(z))
     # every bf16 tensor a mode may check (the engine's run, without a draft, checks the taps too)
     tensors = lambda out: bf16_tensors(cfg, {**out, "dspark": None}, s)
     base_tensors = tensors(base)
+    recorded = _recorded(base_tensors)
+    deviation = mean_row_ulps(recorded, _recorded(z))
     base_head = _head_inputs(base) if "dspark_ref_taps" in base else None
     head = None if base_head is None else {k: np.zeros_like(v) for k, v in base_head.items()}
     moved = {k: np.zeros(len(v[0]), bool) for k, v in picks.items()}
@@ -615,9 +610,9 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
             for key, (rows, w) in _rank_draw(cfg, out, own).items():
                 moved[key] |= rows
                 worst[key], reach[key] = w, max(reach[key], w)
-            moved_tensors = {k: compare_bf16(k, v, base_tensors[k], CPU).stats["row_ulps"]
-                             for k, v in tensors(out).items()}
-            runs_at.append((mean_row_ulps(_recorded(out, s), recorded), worst, moved_tensors))
+            nudged = tensors(out)
+            moved_tensors = {k: compare_bf16(k, v, base_tensors[k], CPU).stats["row_ulps"] for k, v in nudged.items()}
+            runs_at.append((mean_row_ulps(_recorded(nudged), recorded), worst, moved_tensors))
             for l, sc in _gate_scores(out).items():
                 noise[l] = max(noise[l], float(np.abs(sc.astype(np.float64) - gates[l]).max()))
             if head is not None:
