@@ -480,12 +480,12 @@ def _draft(params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numeri
 def check_row_formats(numerics: Numerics, kv_format: str, index_format: str) -> None:
     """The cache holds rows it reads back exactly: main and window rows in the activation dtype;
     index rows in it too, or packed FP4 where the numerics put the keys on the fp4 grid."""
-    want, kv, ix = typed_format(numerics.act_dtype), kv_format, index_format
+    want = typed_format(numerics.act_dtype)
     index_ok = (want, INDEX_PACKED) if numerics.fake_quant else (want,)
-    if kv != want or ix not in index_ok:
+    if kv_format != want or index_format not in index_ok:
         raise ValueError(f"kv_format/index_format: {numerics.act_dtype.name} activations"
                          f"{'' if numerics.fake_quant else ' without fake-quant'} need {want!r} main "
-                         f"and window rows and index rows in one of {index_ok}, got {kv!r}/{ix!r}")
+                         f"and window rows and index rows in one of {index_ok}, got {kv_format!r}/{index_format!r}")
 
 
 def check_speculative(cfg: ModelConfig, geom: CacheGeometry, speculative: bool) -> None:

@@ -480,11 +480,11 @@ def _gate_scores(out: dict) -> dict:
     return scores
 
 
-def bf16_tensors(cfg, out: dict, s: int) -> dict[str, np.ndarray]:
-    """A run's bf16 tensors the fixture records, by check key, in the reference's layout (the DSpark
-    main hidden one row per target layer). The checked run is compared on these with the
-    reference's (`check_folder`), and each nudged run of the conditioning with the unnudged run
-    (`tensor_noise`)."""
+def bf16_tensors(cfg, out: dict, s: int, taps: bool) -> dict[str, np.ndarray]:
+    """A run's bf16 tensors the fixture records, by check key, in the reference's layout; with
+    `taps` the DSpark main hidden too (one row per target layer). The checked run is compared on
+    these with the reference's (`check_folder`), and each nudged run of the conditioning with the
+    unnudged run (`tensor_noise`)."""
     inter = out["inter"]
     dec = slice(s, s + N_DECODE)
     block_out = inter["block_out"][:, 0]                                        # [L, S+16, N, D]
@@ -498,7 +498,7 @@ def bf16_tensors(cfg, out: dict, s: int) -> dict[str, np.ndarray]:
     res["prefill.final_collapsed_last"] = inter["final_collapsed"][0, s - 1]
     res["prefill.final_normed_all"] = normed[:s]
     res["decode.final_normed"] = normed[dec]
-    if inter["main_hidden"] is not None and out.get("dspark") is None:  # the draft checks cover every read row
+    if taps and inter["main_hidden"] is not None:
         mh = inter["main_hidden"][0]
         split = lambda a: a.reshape(*a.shape[:-1], len(cfg.dspark_target_layer_ids), cfg.dim)
         res["prefill.dspark_main_hidden_last"] = split(mh[s - 1])
@@ -589,7 +589,7 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
     base = base or run_model(cfg, params, z, hasher, numerics)
     picks, gates = _picks(cfg, base), _gate_scores(base)
     # every bf16 tensor a mode may check (the engine's run, without a draft, checks the taps too)
-    tensors = lambda out: bf16_tensors(cfg, {**out, "dspark": None}, s)
+    tensors = lambda out: bf16_tensors(cfg, out, s, taps=True)
     base_tensors = tensors(base)
     recorded = _recorded(base_tensors)
     deviation = mean_row_ulps(recorded, _recorded(z))
@@ -798,7 +798,8 @@ def check_folder(fx: Fixture, numerics: Numerics, tol: Tolerance | None = None, 
         checks.append(compare_exact("decode.engram_hash_ids", out["hash_ids"][dec], z["decode.engram_hash_ids"]))
 
     noise = conditioning["tensor_noise"]
-    for key, ours in bf16_tensors(cfg, out, s).items():
+    # the taps where no draft ran: the draft checks cover every row a draft reads
+    for key, ours in bf16_tensors(cfg, out, s, taps=out.get("dspark") is None).items():
         checks.append(compare_bf16(key, ours, z[key].reshape(ours.shape), tensor_tolerance(tol, noise.get(key))))
     # sigmoid outputs in (0, 1] from bf16-noisy streams: the row-ulp budget at magnitude 1
     checks.append(compare_fp32("prefill.block_next_pre_mix_last", inter["next_pre"][:, 0, s - 1],
