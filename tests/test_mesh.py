@@ -44,8 +44,24 @@ def _env(devices: int) -> dict:
     return {**os.environ, "XLA_FLAGS": f"{XLA_FLAGS}{devices}", "PYTHONPATH": str(ROOT)}
 
 
+def _story(stderr: str) -> str:
+    """What a failed child said, in order of use: the sections it finished, its Python stacks if it
+    hung long enough to dump them (`mesh_child.HANG_DUMP_S`), then the first distinct other lines.
+    Not the tail: a hung collective's tail is one XLA abort line per device thread, repeated."""
+    lines = stderr.splitlines()
+    laps = [ln for ln in lines if ln.startswith("mesh_child:")]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Timeout (")), None)
+    stacks = lines[start: start + 80] if start is not None else []
+    seen, rest = set(laps) | set(stacks), []
+    for ln in lines:
+        if ln not in seen and len(rest) < 40:
+            seen.add(ln)
+            rest.append(ln)
+    return "\n".join(laps + stacks + rest)
+
+
 def _last_json(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _story(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
