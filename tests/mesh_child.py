@@ -233,8 +233,9 @@ def main(out: Path) -> dict:
     return report
 
 
-# Before XLA:CPU's 600 s collective timeout ends a hung child (an intermittent "7 of 8 threads
-# arrived" hang, 2026-12-04): every Python thread's stack, on stderr, once
+# Before XLA:CPU's 600 s collective timeout ends a hung child: every Python thread's stack, on
+# stderr, once (the intermittent "7 of 8 threads arrived" hang of 2026-12-04 was XLA:CPU's pool
+# one thread short; `v41_jax.xla_env` sizes it now)
 HANG_DUMP_S = 480
 
 if __name__ == "__main__":
