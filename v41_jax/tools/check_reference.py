@@ -480,11 +480,25 @@ def _gate_scores(out: dict) -> dict:
     return scores
 
 
-def bf16_tensors(cfg, out: dict, s: int, taps: bool) -> dict[str, np.ndarray]:
+def split_taps(cfg, a: np.ndarray) -> np.ndarray:
+    """DSpark main hidden [..., nT * D] -> one row per target layer [..., nT, D]."""
+    return a.reshape(*a.shape[:-1], len(cfg.dspark_target_layer_ids), cfg.dim)
+
+
+def read_tap_rows(cfg, z, s: int) -> np.ndarray:
+    """The token rows some step's draft reads whose reference taps the fixture records: the rows
+    `dspark.taps` compares."""
+    _, known = reference_taps(z, s)
+    rows = np.unique(np.concatenate(draft_rows(s, cfg.window_size)))
+    return rows[known[rows]]
+
+
+def bf16_tensors(cfg, out: dict, s: int, taps: bool, tap_rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """A run's bf16 tensors the fixture records, by check key, in the reference's layout; with
-    `taps` the DSpark main hidden too (one row per target layer). The checked run is compared on
-    these with the reference's (`check_folder`), and each nudged run of the conditioning with the
-    unnudged run (`tensor_noise`)."""
+    `taps` the DSpark main hidden too (one row per target layer), and with `tap_rows` the taps the
+    draft checks compare (`dspark.taps`, on `read_tap_rows`). The checked run is compared on these
+    with the reference's (`check_folder`, `_dspark_checks`), and each nudged run of the conditioning
+    with the unnudged run (`tensor_noise`)."""
     inter = out["inter"]
     dec = slice(s, s + N_DECODE)
     block_out = inter["block_out"][:, 0]                                        # [L, S+16, N, D]
@@ -500,9 +514,10 @@ def bf16_tensors(cfg, out: dict, s: int, taps: bool) -> dict[str, np.ndarray]:
     res["decode.final_normed"] = normed[dec]
     if taps and inter["main_hidden"] is not None:
         mh = inter["main_hidden"][0]
-        split = lambda a: a.reshape(*a.shape[:-1], len(cfg.dspark_target_layer_ids), cfg.dim)
-        res["prefill.dspark_main_hidden_last"] = split(mh[s - 1])
-        res["decode.dspark_main_hidden"] = split(mh[dec])
+        res["prefill.dspark_main_hidden_last"] = split_taps(cfg, mh[s - 1])
+        res["decode.dspark_main_hidden"] = split_taps(cfg, mh[dec])
+        if tap_rows is not None:
+            res["dspark.taps"] = split_taps(cfg, mh[tap_rows])
     return res
 
 
@@ -591,7 +606,7 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
     base = base or run_model(cfg, params, z, hasher, numerics)
     picks, gates = _picks(cfg, base), _gate_scores(base)
     # every bf16 tensor a mode may check (the engine's run, without a draft, checks the taps too)
-    tensors = lambda out: bf16_tensors(cfg, out, s, taps=True)
+    tensors = lambda out: bf16_tensors(cfg, out, s, taps=True, tap_rows=read_tap_rows(cfg, z, s))
     base_tensors = tensors(base)
     recorded = _recorded(base_tensors)
     deviation = mean_row_ulps(recorded, _recorded(z))
@@ -876,14 +891,11 @@ def _dspark_checks(cfg, params, z, s: int, own_taps: np.ndarray, draft: dict, re
                             |dlogit| <= sum_d |dn_d||W_vd| + the fp32 rounding of both runs.
     Steps whose context rows the fixture does not record are left out of the last two (counted)."""
     checks = []
-    n_t = len(cfg.dspark_target_layer_ids)
-    split = lambda a: a.reshape(*a.shape[:-1], n_t, cfg.dim)                   # one row per target layer
     ref_taps, known = reference_taps(z, s)
-    reads = draft_rows(s, cfg.window_size)
-    covered = np.array([known[r].all() for r in reads])
-    rows = np.unique(np.concatenate(reads))
-    rows = rows[known[rows]]
-    taps = compare_bf16("dspark.taps", split(own_taps[rows]), split(ref_taps[rows]), tol)
+    covered = np.array([known[r].all() for r in draft_rows(s, cfg.window_size)])
+    rows = read_tap_rows(cfg, z, s)
+    taps = compare_bf16("dspark.taps", split_taps(cfg, own_taps[rows]), split_taps(cfg, ref_taps[rows]),
+                        tensor_tolerance(tol, cond["tensor_noise"].get("dspark.taps")))
     taps.stats.update(rows_read=int(len(rows)), steps_with_reference_context=int(covered.sum()))
     checks.append(taps)
 
