@@ -236,7 +236,7 @@ def _check_planes(q: jax.Array, key_pages: jax.Array, tiles: int | None) -> None
 
 def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_table: jax.Array,
                        visible: jax.Array, *, numerics: Numerics, candidates: jax.Array | None = None,
-                       block_size: int = 8, backend: str | None = None, query_block: int | None = None,
+                       block_size: int = 8, backend: str | None = None, query_block: int = 1,
                        col_tile: int = 128, tiles: int | None = None, num_warps: int = 4,
                        num_stages: int = 2) -> jax.Array:
     """Indexer scores of each query over its request's paged index keys.
@@ -246,14 +246,15 @@ def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_t
     block_table [B, MP] int32, visible [B, S] int32, candidates [B, S, NB] int32 or None.
     Returns [B, S, N] in the score dtype: N = MP*rpp logical rows, or NB*block_size compacted
     candidate columns (see `candidate_rows`); -inf where not visible. tiles: key tiles a program
-    scores, a power of two (a Triton block width; None: `tiles_per_program`).
+    scores, a power of two (a Triton block width; None: `tiles_per_program`). query_block: as
+    `index_scores_tokens` (candidate columns: always 1).
     """
     _check_planes(q, key_pages, tiles)
     if _backend.resolve(backend) == "xla":
         return index_scores_paged_xla(q, w, key_pages, block_table, visible, numerics=numerics,
                                       candidates=candidates, block_size=block_size)
     b, s = q.shape[:2]
-    ts = 1 if candidates is not None else (query_block or min(4, 1 << (s - 1).bit_length()))
+    ts = 1 if candidates is not None else query_block
     # request b's queries as tokens, padded to whole query blocks (so no block holds two requests)
     sp = s + -s % ts
     tokens = lambda x, fill=0: jnp.pad(x, ((0, 0), (0, sp - s)) + ((0, 0),) * (x.ndim - 2),
@@ -266,32 +267,26 @@ def index_scores_paged(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_t
     return out.reshape(b, sp, -1)[:, :s]
 
 
-def tokens_query_block(n_tokens: int, n_requests: int) -> int:
-    """Queries a program scores together in a flat token list: the largest power of two up to 4
-    and up to the mean tokens a request (decode: 1; a verify of 1 + d tokens, a prefill chunk: 4).
-    A block that holds tokens of several requests scores each request's keys in turn."""
-    return min(4, 1 << (max(1, n_tokens // max(1, n_requests)).bit_length() - 1))
-
-
 def index_scores_tokens(q: jax.Array, w: jax.Array, key_pages: jax.Array, block_tables: jax.Array,
                         token_req: jax.Array, visible: jax.Array, *, numerics: Numerics,
-                        backend: str | None = None, query_block: int | None = None, col_tile: int = 128,
+                        backend: str | None = None, query_block: int = 1, col_tile: int = 128,
                         tiles: int | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Indexer scores of a flat token list (a step's batch), each token over its request's keys.
 
     q [T, Hi, Di], w [T, Hi], key_pages as `index_scores_paged`, block_tables [R, MP] int32,
     token_req [T] int32 in [0, R) (the token's row of block_tables; a padding token names any row
     and sees nothing), visible [T] int32 -> [T, MP*rpp] in the score dtype, -inf where not visible.
-    Consecutive tokens of one request share a query block, so their keys are read once for the
-    block (a prefill chunk's 4,096 tokens read the keys 1,024 times, not 4,096); query_block
-    defaults to `tokens_query_block`.
+    With query_block > 1, consecutive tokens of one request share a block and its key tiles are
+    read once for the block; bit-equal either way. One query a block by default: on the H200
+    (BENCHMARKS.md, 2026-12-05) blocks of 4 made the step's index scoring slower, 4K prefill 1.94 ->
+    3.06 ms, 8K 6.73 -> 8.07 ms, a verify of 32 x 6 tokens 0.37 -> 0.68 ms.
     """
     _check_planes(q, key_pages, tiles)
     if _backend.resolve(backend) == "xla":
         tables = block_tables[token_req]                                # [T, MP]
         return index_scores_paged_xla(q[:, None], w[:, None], key_pages, tables, visible[:, None],
                                       numerics=numerics)[:, 0]
-    ts = query_block or tokens_query_block(q.shape[0], block_tables.shape[0])
+    ts = query_block
     return _index_scores_pallas(q, w, key_pages, block_tables, token_req, visible, None, ts=ts, tn=col_tile,
                                 tp=tiles, bs=1, dt=numerics.index_score_dtype, num_warps=num_warps,
                                 num_stages=num_stages, interpret=_backend.interpret())

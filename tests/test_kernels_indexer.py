@@ -20,7 +20,7 @@ import pytest
 from kernels_common import assert_close, fp4_rows, fresh_rng, load_fixture
 from kernels_pallas import backend
 from kernels_pallas.indexer import (candidate_rows, index_scores_paged, index_scores_tokens, index_topk_paged,
-                                    select_topk, select_topk_compacted, tiles_per_program, tokens_query_block,
+                                    select_topk, select_topk_compacted, tiles_per_program,
                                     topk_ids)
 from v41_jax.model import indexer as ref
 from v41_jax.model.numerics import Numerics
@@ -288,7 +288,7 @@ def _token_case(rng, lengths, pad=3, hi=4, di=32, rpp=8, mp=5, order=None):
             jnp.asarray(np.where(real, vis[req, col], 0).astype(np.int32)))
 
 
-@pytest.mark.parametrize("query_block", [1, 2, 4, None])
+@pytest.mark.parametrize("query_block", [1, 2, 4])
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_token_list_scores_each_token_over_its_own_request(query_block, shuffled):
     """A flat token list (the step's layout): query blocks straddle request boundaries (lengths
@@ -318,9 +318,3 @@ def test_token_list_blocks_change_nothing_but_the_grid():
     np.testing.assert_array_equal(run(4).view(np.uint32), one.view(np.uint32), err_msg=f"seed {seed}")
 
 
-def test_token_query_block_follows_the_tokens_a_request():
-    assert tokens_query_block(32, 32) == 1                    # decode: a token a request
-    assert tokens_query_block(192, 32) == 4                   # verify of 1 + 5 tokens
-    assert tokens_query_block(64, 32) == 2
-    assert tokens_query_block(4096, 64) == 4                  # a mixed bucket with a prefill chunk
-    assert tokens_query_block(3, 8) == 1
