@@ -189,18 +189,6 @@ def _dot_t(a, b, dt):
                                preferred_element_type=jnp.float32)
 
 
-def _tile_mma(rows, w, dt, swap: bool):
-    """Gathered rows [BM, BK] @ a weight tile [BN, BK]^T -> fp32 [BM, BN]; swap: computed as
-    (w @ rows^T)^T, the weight the MMA's first operand (the one Hopper's warpgroup MMA can take
-    from registers, where a decoded weight already is) and its product transposed once after the
-    K loop (`_untile`). The same products and K order either way."""
-    return _dot_t(w, rows, dt) if swap else _dot_t(rows, w, dt)
-
-
-def _untile(acc, swap: bool):
-    return acc.T if swap else acc
-
-
 def _tile_setup(te_ref, tf_ref, tend_ref, bn: int, bk: int):
     """This program's (column block, tile): the tile's expert (< 0: no tile), its first and end
     sorted pair rows, the block's output columns [bn], K lanes [bk] and weight column slice."""
@@ -211,7 +199,7 @@ def _tile_setup(te_ref, tf_ref, tend_ref, bn: int, bk: int):
 
 
 def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
-                    bm, bn, bk, limit, numerics, swap):
+                    bm, bn, bk, limit, numerics):
     e, first, end, cols, kk, wcols = _tile_setup(te_ref, tf_ref, tend_ref, bn, bk)
 
     @pl.when(e >= 0)
@@ -224,18 +212,18 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
             acc_g, acc_u = acc
             k0 = kb * bk
             xt = load(x_ref.at[tok[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
-            mma = lambda w_ref: _tile_mma(xt, _weight_tile(w_ref, e, wcols, k0, bk, x_ref.dtype), x_ref.dtype, swap)
+            mma = lambda w_ref: _dot_t(xt, _weight_tile(w_ref, e, wcols, k0, bk, x_ref.dtype), x_ref.dtype)
             return acc_g + mma(w1_ref), acc_u + mma(w3_ref)
 
-        zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
-        acc_g, acc_u = (_untile(a_, swap) for a_ in jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero)))
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        acc_g, acc_u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zero, zero))
         acc_g, acc_u = _row_scale(w1_ref, e, wcols, acc_g), _row_scale(w3_ref, e, wcols, acc_u)
         wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
         a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
         store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
 
 
-def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics, swap):
+def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm, bn, bk, numerics):
     """y rows are stored at their pair's place (token * k + slot), so the combine reads them in
     place instead of gathering the sorted rows back. A tile's rows past its group go to BM spare
     rows after the pairs: each lane keeps a row of its own, also under a masked store."""
@@ -250,10 +238,9 @@ def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm
         def body(kb, acc):
             k0 = kb * bk
             at = load(a_ref.at[safe[:, None], (k0 + kk)[None, :]], mask=live[:, None], other=0)
-            return acc + _tile_mma(at, _weight_tile(w2_ref, e, wcols, k0, bk, a_ref.dtype), a_ref.dtype, swap)
+            return acc + _dot_t(at, _weight_tile(w2_ref, e, wcols, k0, bk, a_ref.dtype), a_ref.dtype)
 
-        zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
-        acc = _untile(jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, zero), swap)
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
         acc = _row_scale(w2_ref, e, wcols, acc)
         spare = pair_ref.shape[0] + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
         dst = jnp.where(live, load(pair_ref.at[safe], mask=live, other=0), spare)
@@ -273,9 +260,9 @@ def default_block_m(n_pairs: int, n_experts: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn", "bk", "num_warps",
-                                             "num_stages", "interpret", "n_exp", "swap"))
+                                             "num_stages", "interpret", "n_exp"))
 def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
-                   interpret, n_exp=None, swap=False):
+                   interpret, n_exp=None):
     t, d = x.shape
     k = idx.shape[1]
     n_exp = n_exp or w1.shape[0]
@@ -291,7 +278,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn,
     # from L2 after the first (tiles fastest re-read them from HBM per column block: 1.14-1.24x
     # slower at 512-8192 tokens on the H200)
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics, swap=swap),
+        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
         grid=(f // bn, te.shape[0]),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _specs(w1), _specs(w3)],
         out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
@@ -299,7 +286,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn,
     )(te, tf, tend, tok, pw, xq, w1, w3)
     a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics, swap=swap),
+        functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
         grid=(d // bn, te.shape[0]),
         in_specs=tables + [_full(order.shape), _full(a.shape), _specs(w2)],
         out_specs=_full((t * k + bm, d)), out_shape=jax.ShapeDtypeStruct((t * k + bm, d), numerics.act_dtype),
@@ -590,7 +577,7 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
                  w2: jax.Array, numerics: Numerics, swiglu_limit: float, *,
                  backend: str | None = None, impl: str | None = None, block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, swap_ab: bool = False,
+                 num_stages: int | None = None,
                  stack_index: jax.Array | None = None) -> jax.Array:
     """The SwiGLU output of every (token, pick) pair before the combine -> [T, k, D] in the
     activation dtype, each token's picks in ascending expert id (ties in the given order: every
@@ -599,9 +586,9 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
     backend "xla" (or numerics.block_gemm) -> the reference's per-token loop; "pallas" -> `impl`
     ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity" | "mgpu"; None = `choose_impl`, the fastest exact
     one measured on the H200). Launch parameters default to `launch_config(block_m, coded)`; for
-    "capacity", block_m is the rows per expert and round (default `capacity_rows`). swap_ab (the
-    grouped GEMM): each tile's product as its transpose, the weight the MMA's first operand
-    (`_tile_mma`; a choice measured by `scripts/bench_decode_choices.py --sections moe-prefill`).
+    "capacity", block_m is the rows per expert and round (default `capacity_rows`). (Each tile's
+    product computed as its transpose, the weight the MMA's first operand, was measured slower on
+    the H200 for FP8 rows at 32-8,192 tokens and removed: BENCHMARKS.md, 2026-12-05.)
 
     stack_index: w1/w3/w2 are [L, E, ...] stacks (a scanned run's, `v41_jax/model/layer_runs.py`)
     and this traced int32 picks the layer. The reference loop and the grouped / GEMV / Mosaic
@@ -667,5 +654,5 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
     return _routed_pallas(x, idx, w, w1, w3, w2, base, bm=bm,
                           **tiles(block_n or fit(cfg["block_n"]), block_k or fit(cfg["block_k"])),
                           num_warps=num_warps or cfg["num_warps"],
-                          num_stages=num_stages or cfg["num_stages"], swap=swap_ab,
+                          num_stages=num_stages or cfg["num_stages"],
                           interpret=_backend.interpret(), **kw)

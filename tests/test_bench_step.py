@@ -197,7 +197,7 @@ def test_bench_decode_choices_compares_each_choice_with_its_alternatives(tmp_pat
     assert len(rms) == 9 and all(c["bit_equal_to_rule"] for c in rms)
     prefill = [c for c in cases if c["name"].startswith("moe-prefill/")]
     assert {c["name"].split("/", 2)[2] for c in prefill} == {
-        "fp8/default", "fp8/swap", "fp8/bn64", "fp8/bm256-bn64", "fp8/bm256-bn64-swap", "bf16/default", "bf16/swap"}
+        "fp8/default", "fp8/bn64", "fp8/bm256-bn64", "bf16/default"}
     assert all(c["ms"] > 0 and c["bit_equal_to_default"] for c in prefill)
 
 
