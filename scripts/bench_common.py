@@ -36,6 +36,24 @@ def copy_bandwidth(mib: int, reps: int = 10) -> dict:
             "copy_ms": round(t * 1e3, 4)}
 
 
+def gemm_peak(n: int, reps: int = 10) -> dict:
+    """The GEMM ceiling: a bf16 [n, n] @ [n, n] through `jnp.dot`, 2 n^3 FLOPs a call; the median
+    over 5 rounds of `reps` calls queued back to back (no host wait between them), after 20 calls
+    to let the clocks ramp up."""
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    y = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, c: jnp.dot(a, c))
+    for _ in range(20):
+        jax.block_until_ready(mm(x, y))
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready([mm(x, y) for _ in range(reps)])
+        ts.append((time.perf_counter() - t0) / reps)
+    t = float(np.median(ts))
+    return {"bf16_gemm_tflops": round(2 * n ** 3 / t / 1e12, 1), "gemm_n": n, "gemm_ms": round(t * 1e3, 4)}
+
+
 # ---- where a step's device time goes ---------------------------------------------------------------
 
 # the `name=` of every pallas_call and the `kernel_name=` of every Mosaic GPU kernel in

@@ -34,7 +34,7 @@ from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas import select as ksel  # noqa: E402
 from kernels_pallas.rmsnorm import rms_inv  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
-from scripts.bench_common import copy_bandwidth, kernel_profile  # noqa: E402
+from scripts.bench_common import copy_bandwidth, gemm_peak, kernel_profile  # noqa: E402
 from v41_jax.model.mhc import split_sinkhorn  # noqa: E402
 from v41_jax.runtime.compile_cache import compiler_options  # noqa: E402
 from v41_jax import linear  # noqa: E402
@@ -111,15 +111,9 @@ class Bench:
 # ---- ceilings ---------------------------------------------------------------------------------
 
 def bench_peak(b: Bench):
-    n = 512 if b.smoke else 8192
-    key = jax.random.key(0)
-    x = jax.random.normal(key, (n, n), jnp.bfloat16)
-    y = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a, c: jnp.dot(a, c))
-    for _ in range(20):                                                # let the clocks ramp up
-        jax.block_until_ready(mm(x, y))
-    t = b.time(mm, x, y)
-    b.peak_tflops = 2 * n ** 3 / t / 1e12
+    peak = gemm_peak(512 if b.smoke else 8192, b.reps)
+    b.peak_tflops = peak["bf16_gemm_tflops"]
+    n = peak["gemm_n"]
     copy = copy_bandwidth(4 if b.smoke else 4096, b.reps)
     b.peak_gbs = copy["copy_gbs_read_plus_write"]
     b.results["peak"] = {"bf16_gemm_tflops": round(b.peak_tflops, 1), "gemm_n": n,

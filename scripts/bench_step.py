@@ -101,7 +101,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import backend as kernel_backend  # noqa: E402
-from scripts.bench_common import back_to_back_s, copy_bandwidth, cut, host_events, kernel_profile  # noqa: E402
+from scripts.bench_common import back_to_back_s, copy_bandwidth, cut, gemm_peak, host_events, kernel_profile  # noqa: E402
 from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
@@ -273,6 +273,27 @@ def prefill_weight_flops(cfg: ModelConfig, specs: dict[str, LeafSpec], tokens: i
     return 2.0 * (per_tok * tokens + int(np.prod(specs["head.weight"].shape)))
 
 
+def prefill_attention_flops(cfg: ModelConfig, tokens: int) -> float:
+    """The attention FLOPs a prefill of `tokens` tokens (positions 0..tokens-1) must compute, by
+    the same position rules as `decode_bytes`: per layer and token, q.k and p.v over the ids it
+    attends (its window rows, then min(top-k, visible) compressed rows), 2 x H x Dh each, and the
+    indexer's scores (2 x index heads x index dim per scanned key) where the layer scores. Ids
+    the kernels pad or skip are not counted."""
+    pos = np.arange(tokens, dtype=np.float64)
+    total = 0.0
+    for t in resolve_topology(cfg)[: cfg.n_layers]:
+        ids = np.minimum(cfg.window_size, pos + 1)
+        if t.mode is not Mode.WINDOW:
+            visible = (pos + 1) // t.ratio
+            ids = ids + np.minimum(cfg.index_topk, visible)
+            if t.scores:
+                scanned = visible if t.mode is Mode.FULL else np.minimum(
+                    visible, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+                total += 2.0 * cfg.index_n_heads * cfg.index_head_dim * scanned.sum()
+        total += 2.0 * 2 * cfg.n_heads * cfg.head_dim * ids.sum()
+    return total
+
+
 # ---- measurement helpers -------------------------------------------------------------------------
 
 def device_memory_limit() -> int | None:
@@ -427,6 +448,8 @@ def markdown_table(data: dict) -> str:
              "back to back ms | ideal ms | measured / ideal | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["cases"]:
         note = r.get("skipped") or r.get("error") or r.get("note") or ""
+        if r.get("model_flops_of_in_run_gemm_peak") is not None:
+            note = f"model {r['model_tflops']:.1f} TFLOP/s = {100 * r['model_flops_of_in_run_gemm_peak']:.1f} % of the GEMM probe; {note}"
         lines.append(f"| {r['name']} | {r.get('bucket', '')} | {_fmt(r.get('lower_s'), 1)} | "
                      f"{_fmt(r.get('compile_s'), 1)} | {_fmt(r.get('first_call_s'), 2)} | "
                      f"{_fmt(r.get('step_ms_median'), 3)} | {_fmt(r.get('tokens_per_s'), 1)} | "
@@ -543,6 +566,11 @@ def main(argv=None) -> int:
     res.data["copy"] = copy_bandwidth(copy_mib)
     copy_gbs = res.data["copy"]["copy_gbs_read_plus_write"]
     clock.log(f"copy probe: {copy_gbs:.1f} GB/s read+write over {2 * copy_mib} MiB")
+    peak_tflops = None
+    if prefills:     # the prefill's model FLOPs are read against the GEMM ceiling of the same run
+        res.data["gemm_peak"] = gemm_peak(8192 if kernel_backend.on_gpu() else 256)
+        peak_tflops = res.data["gemm_peak"]["bf16_gemm_tflops"]
+        clock.log(f"GEMM probe: {peak_tflops:.1f} TFLOP/s")
     t0 = time.perf_counter()
     params = random_params(cfg, args.seed, specs)
     jax.block_until_ready(params)
@@ -698,7 +726,7 @@ def main(argv=None) -> int:
             refill()
             res.record(row)
             continue
-        _timing(row, ts, c, cfg, specs)
+        _timing(row, ts, c, cfg, specs, peak_tflops)
         rows[c.name] = (row, fn)
         res.record(row)
 
@@ -713,7 +741,7 @@ def main(argv=None) -> int:
             refill()
             continue
         row["during_compiles"] = {k: row[k] for k in ("iters", "step_ms_median", "step_ms_min", "compiles_running")}
-        _timing(row, ts, next(c for c in cases if c.name == name), cfg, specs)
+        _timing(row, ts, next(c for c in cases if c.name == name), cfg, specs, peak_tflops)
         row["compiles_running"] = busy()
         res.save()
         clock.log(f"re-timed {name}: {row['step_ms_median']:.3f} ms (was {row['during_compiles']['step_ms_median']:.3f} "
@@ -801,7 +829,8 @@ def differing(a, b) -> dict[str, int]:
     return out
 
 
-def _timing(row: dict, ts: list[float], c: Case, cfg: ModelConfig, specs: dict) -> None:
+def _timing(row: dict, ts: list[float], c: Case, cfg: ModelConfig, specs: dict,
+            gemm_peak_tflops: float | None = None) -> None:
     med = float(np.median(ts))
     row.update(iters=len(ts), step_ms_median=med * 1e3, step_ms_min=float(np.min(ts)) * 1e3,
                step_ms_mean=float(np.mean(ts)) * 1e3, tokens_per_s=c.tokens / med)
@@ -811,7 +840,15 @@ def _timing(row: dict, ts: list[float], c: Case, cfg: ModelConfig, specs: dict) 
         row["measured_over_ideal"] = med * 1e3 / row["ideal_ms"]
         row["achieved_gbs_of_ideal_bytes"] = row["bytes"]["total"] / med / 1e9
     else:
-        row["weight_gemm_tflops"] = prefill_weight_flops(cfg, specs, c.tokens) / med / 1e12
+        weights = prefill_weight_flops(cfg, specs, c.tokens)
+        row["weight_gemm_tflops"] = weights / med / 1e12
+        # model FLOPs over the back-to-back time (the engine's loop; the synchronous median adds
+        # the host's call), weights and attention both
+        over = "back_to_back_ms" if row.get("back_to_back_ms") else "step_ms_median"
+        row["model_tflops"] = (weights + prefill_attention_flops(cfg, c.tokens)) / (row[over] / 1e3) / 1e12
+        row["model_tflops_over"] = over
+        if gemm_peak_tflops:
+            row["model_flops_of_in_run_gemm_peak"] = row["model_tflops"] / gemm_peak_tflops
 
 
 if __name__ == "__main__":

@@ -77,6 +77,24 @@ def test_expected_experts_and_decode_bytes():
     assert one["total"] == one["dense_weights"] + one["experts_expected"] + one["kv_total"]
 
 
+def test_prefill_attention_flops_count_the_rows_each_position_reads():
+    """A prefill's attention FLOPs are, position by position, the rows a decode at that position
+    reads (`decode_bytes`, one context at a time): 4 H Dh a window or compressed row (q.k and
+    p.v), 2 x index heads x index dim a scanned index key."""
+    cfg = ModelConfig.from_file(TINY)
+    from v41_jax.cache.geometry import CacheGeometry, EngineSettings
+    geom = CacheGeometry.build(cfg, EngineSettings(page_tokens=16, num_pages=9, slots=2, max_context=64))
+    specs = bs.param_leaf_specs(cfg)
+    want = 0.0
+    for context in range(1, 65):
+        b = bs.decode_bytes(cfg, geom, specs, 1, context)
+        rows = b["kv_window"] / geom.window_row_bytes + b["kv_compressed"] / geom.main_row_bytes
+        want += 4 * cfg.n_heads * cfg.head_dim * rows
+        want += 2 * cfg.index_n_heads * cfg.index_head_dim * b["kv_index_keys"] / geom.index_row_bytes
+    assert bs.prefill_attention_flops(cfg, 64) == pytest.approx(want, rel=1e-12)
+    assert 0 < bs.prefill_attention_flops(cfg, 32) < bs.prefill_attention_flops(cfg, 64)
+
+
 def test_kernel_profile_attributes_device_time_to_kernels():
     """`--profile`'s breakdown: a traced matmul + tanh + sum shows up as kernels with time, per call;
     Pallas kernels are reported by their pallas_call names, XLA fusions without numeric suffixes."""
