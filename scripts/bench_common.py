@@ -54,6 +54,91 @@ def gemm_peak(n: int, reps: int = 10) -> dict:
     return {"bf16_gemm_tflops": round(2 * n ** 3 / t / 1e12, 1), "gemm_n": n, "gemm_ms": round(t * 1e3, 4)}
 
 
+# ---- where a kernel comes from: the optimized HLO's instructions by the model function that traced them ----
+
+KERNEL_OPS = re.compile(r" (fusion|custom-call|sort|scatter|gather|dot|reduce|convolution)\(")
+HELPERS = ("v41_jax/numerics.py", "v41_jax/linear.py", "v41_jax/quant.py", "<string>")   # attributed to their caller
+
+
+def _table(text: str, name: str) -> list[str]:
+    part = text.split(f"\n{name}\n", 1)
+    return part[1].split("\n\n", 1)[0].splitlines() if len(part) == 2 else []
+
+
+def _frames(text: str) -> tuple[dict, dict]:
+    """(stack frame id -> (file, function), -> parent frame id) from the module's source tables."""
+    ids = lambda rows: {int(r.split()[0]): r.split(None, 1)[1].strip('"') for r in rows}
+    files, funcs = ids(_table(text, "FileNames")), ids(_table(text, "FunctionNames"))
+    loc = {int(m[1]): (files[int(m[2])], funcs[int(m[3])]) for m in
+           (re.match(r"(\d+) \{file_name_id=(\d+) function_name_id=(\d+)", r) for r in _table(text, "FileLocations"))}
+    where, parent = {}, {}
+    for m in (re.match(r"(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)", r) for r in _table(text, "StackFrames")):
+        where[int(m[1])], parent[int(m[1])] = loc[int(m[2])], int(m[3]) - 1   # printed: 1 + parent id, 0 = none
+    return where, parent
+
+
+def source_owner(text: str):
+    """frame id -> "folder/file.py:function", the innermost model function of that stack frame
+    (the numerics / linear / quant helpers count for their caller)."""
+    where, parent = _frames(text)
+
+    def owner(frame: int) -> str:
+        seen = []
+        while frame in where:
+            f, fn = where[frame]
+            seen.append(f"{'/'.join(f.split('/')[-2:])}:{fn}")
+            if not f.endswith(HELPERS):
+                return seen[-1]
+            frame = parent[frame]
+        return seen[0] if seen else "?"
+    return owner
+
+
+def hlo_computations(text: str) -> dict[str, list[str]]:
+    """An HLO module's text -> computation name -> its instruction lines."""
+    comps, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if m and line.rstrip().endswith("{"):
+            cur = comps.setdefault(m[1], [])
+        elif cur is not None and line.startswith("  "):
+            cur.append(line)
+    return comps
+
+
+def kernel_sources(text: str) -> dict[str, str]:
+    """Every kernel instruction of an optimized HLO module (anywhere: a loop body's too) by the
+    name its launches carry in a GPU trace (the instruction's name, '.' and '-' as '_') -> its
+    source (`source_owner`)."""
+    owner = source_owner(text)
+    out = {}
+    for lines in hlo_computations(text).values():
+        for line in lines:
+            m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = ", line)
+            if m and KERNEL_OPS.search(line):
+                frame = re.search(r"stack_frame_id=(\d+)", line)
+                out[re.sub(r"[.\-]", "_", m[1])] = owner(int(frame[1])) if frame else "?"
+    return out
+
+
+def time_by_source(instances: dict[str, list[float]], sources: dict[str, str], calls: int,
+                   top: int = 30) -> list[dict]:
+    """A profile's kernel instances (trace name -> [total ns, launches]) summed by the source
+    of their HLO instruction (`kernel_sources`; a Pallas or library kernel, whose trace name is
+    not an instruction's, stays under its own report name): ms and launches per call, the kernel
+    kinds, largest first."""
+    by: dict[str, list] = {}
+    for name, (ns, n) in instances.items():
+        src = sources.get(name) or sources.get(re.sub(r"[.\-]", "_", name)) or f"[{kernel_group(name)}]"
+        slot = by.setdefault(src, [0.0, 0, set()])
+        slot[0] += ns
+        slot[1] += n
+        slot[2].add(kernel_group(name))
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"source": s, "ms_per_call": round(ns / calls / 1e6, 4), "launches_per_call": n / calls,
+             "kinds": sorted(kinds)} for s, (ns, n, kinds) in ranked]
+
+
 # ---- where a step's device time goes ---------------------------------------------------------------
 
 # the `name=` of every pallas_call and the `kernel_name=` of every Mosaic GPU kernel in
@@ -98,7 +183,7 @@ def kernel_group(name: str) -> str:
 
 
 def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str], list[tuple]]:
-    """(report name -> [total ns, launches], the lines read, every event as (start ns, end ns,
+    """(trace name -> [total ns, launches], the lines read, every event as (start ns, end ns,
     report name)). GPU: the stream lines of the device planes (one event per kernel launch);
     without a device plane (CPU), the XLA CPU client's op events on the host plane."""
     totals: dict[str, list[float]] = {}
@@ -108,7 +193,7 @@ def _kernel_events(profile) -> tuple[dict[str, list[float]], list[str], list[tup
         used.append(line.name)
         for ev in line.events:
             if keep(ev):
-                slot = totals.setdefault(kernel_group(ev.name), [0.0, 0])
+                slot = totals.setdefault(ev.name, [0.0, 0])
                 slot[0] += ev.duration_ns
                 slot[1] += 1
                 spans.append((ev.start_ns, ev.start_ns + ev.duration_ns, kernel_group(ev.name)))
@@ -187,24 +272,34 @@ def _traced(run, calls: int):
         return jax.profiler.ProfileData.from_file(paths[0]) if paths else None
 
 
-def kernel_profile(run, calls: int, top: int = 12) -> dict:
+def kernel_profile(run, calls: int, top: int = 12, sources: dict[str, str] | None = None) -> dict:
     """Device time by kernel over `calls` calls of `run()` (launch and wait), from a jax.profiler
     trace: the total per call, the `top` kernels by time (per call: ms, launches, share), every
     Pallas kernel's time per call, and the device timeline of a call (`device_timeline`: its span,
-    and the idle gaps between kernels that the kernel time leaves out)."""
+    and the idle gaps between kernels that the kernel time leaves out). With `sources` (the
+    compiled module's `kernel_sources`), also the time by the model function that traced each
+    kernel (`time_by_source`)."""
     profile = _traced(run, calls)
     if profile is None:
         return {"error": "the profiler wrote no trace"}
-    totals, lines, spans = _kernel_events(profile)
+    instances, lines, spans = _kernel_events(profile)
+    totals: dict[str, list[float]] = {}
+    for name, (ns, n) in instances.items():
+        slot = totals.setdefault(kernel_group(name), [0.0, 0])
+        slot[0] += ns
+        slot[1] += n
     total_ns = sum(t for t, _ in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     per_call = lambda ns: round(ns / calls / 1e6, 4)
-    return {"calls": calls, "lines": sorted(set(lines)), "device_ms_per_call": per_call(total_ns),
-            "launches_per_call": sum(c for _, c in totals.values()) / calls,
-            "kernels": [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
-                         "share": round(t / total_ns, 4) if total_ns else 0.0} for n, (t, c) in ranked[:top]],
-            "pallas_ms_per_call": {k: per_call(totals[k][0]) for k in PALLAS_KERNELS if k in totals},
-            "timeline": device_timeline(spans, calls)}
+    out = {"calls": calls, "lines": sorted(set(lines)), "device_ms_per_call": per_call(total_ns),
+           "launches_per_call": sum(c for _, c in totals.values()) / calls,
+           "kernels": [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
+                        "share": round(t / total_ns, 4) if total_ns else 0.0} for n, (t, c) in ranked[:top]],
+           "pallas_ms_per_call": {k: per_call(totals[k][0]) for k in PALLAS_KERNELS if k in totals},
+           "timeline": device_timeline(spans, calls)}
+    if sources is not None:
+        out["by_source"] = time_by_source(instances, sources, calls, top)
+    return out
 
 
 def host_events(run, calls: int, top: int = 60) -> list[dict]:

@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # python scripts/bench_compile.py
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from scripts.bench_common import cut  # noqa: E402
+from scripts.bench_common import KERNEL_OPS, cut, hlo_computations, source_owner  # noqa: E402
 from scripts.bench_step import NUMERICS, param_leaf_specs  # noqa: E402
 from v41_jax.cache.buffer import allocate  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
@@ -71,27 +71,6 @@ def hlo_counts(text: str) -> dict:
 
 # ---- where the kernels come from: the optimized HLO's top-level kernels by the source function ----
 
-KERNEL_OPS = re.compile(r" (fusion|custom-call|sort|scatter|gather|dot|reduce|convolution)\(")
-HELPERS = ("v41_jax/numerics.py", "v41_jax/linear.py", "v41_jax/quant.py", "<string>")   # attributed to their caller
-
-
-def _table(text: str, name: str) -> list[str]:
-    part = text.split(f"\n{name}\n", 1)
-    return part[1].split("\n\n", 1)[0].splitlines() if len(part) == 2 else []
-
-
-def _frames(text: str) -> tuple[dict, dict]:
-    """(stack frame id -> (file, function), -> parent frame id) from the module's source tables."""
-    ids = lambda rows: {int(r.split()[0]): r.split(None, 1)[1].strip('"') for r in rows}
-    files, funcs = ids(_table(text, "FileNames")), ids(_table(text, "FunctionNames"))
-    loc = {int(m[1]): (files[int(m[2])], funcs[int(m[3])]) for m in
-           (re.match(r"(\d+) \{file_name_id=(\d+) function_name_id=(\d+)", r) for r in _table(text, "FileLocations"))}
-    where, parent = {}, {}
-    for m in (re.match(r"(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)", r) for r in _table(text, "StackFrames")):
-        where[int(m[1])], parent[int(m[1])] = loc[int(m[2])], int(m[3]) - 1   # printed: 1 + parent id, 0 = none
-    return where, parent
-
-
 def _element_bytes(hlo_type: str) -> int:
     """Bytes of one element of an HLO element type: its first number is its width in bits
     (f32, bf16, s8, f8e4m3fn, ...); pred is a byte."""
@@ -106,25 +85,8 @@ def kernels_by_source(text: str, top: int = 25) -> dict:
     (`kernels`); and every while loop and conditional with its source, the computation holding it,
     its known trip count and how often one call reaches it (`loops`); every top-level copy (a
     memcpy on a GPU) with its shape, bytes and source, largest traffic first (`copies`)."""
-    where, parent = _frames(text)
-
-    def owner(frame: int) -> str:
-        seen = []
-        while frame in where:
-            f, fn = where[frame]
-            seen.append(f"{'/'.join(f.split('/')[-2:])}:{fn}")
-            if not f.endswith(HELPERS):
-                return seen[-1]
-            frame = parent[frame]
-        return seen[0] if seen else "?"
-
-    comps, cur = {}, None
-    for line in text.splitlines():
-        m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
-        if m and line.rstrip().endswith("{"):
-            cur = comps.setdefault(m[1], [])
-        elif cur is not None and line.startswith("  "):
-            cur.append(line)
+    owner = source_owner(text)
+    comps = hlo_computations(text)
     body_of, applied = {}, set()
     for name, lines in comps.items():
         for line in lines:

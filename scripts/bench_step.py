@@ -68,7 +68,9 @@ released config fits one device).
 
 Profile (`--profile N`, after all timing): N more steps per case under `jax.profiler.trace`; the
 kernel time per step by kernel (Pallas kernels by their names, XLA fusions without their numeric
-suffix), from the trace's device stream lines (`bench_common.kernel_profile`).
+suffix), from the trace's device stream lines (`bench_common.kernel_profile`), and by the model
+function that traced each kernel's HLO instruction (`by_source`, from the compiled module's source
+tables: which `loop_convert_fusion`s are whose).
 
 Time limits (the GPU run has one shot): a case whose compile exceeds `--budget-s` is skipped; a
 watchdog ends the process at `--total-s` (the JSON is rewritten after every case, so what was
@@ -101,7 +103,8 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import backend as kernel_backend  # noqa: E402
-from scripts.bench_common import back_to_back_s, copy_bandwidth, cut, gemm_peak, host_events, kernel_profile  # noqa: E402
+from scripts.bench_common import (back_to_back_s, copy_bandwidth, cut, gemm_peak, host_events,  # noqa: E402
+                                  kernel_profile, kernel_sources)
 from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
@@ -792,7 +795,9 @@ def main(argv=None) -> int:
             jax.block_until_ready((state["logits"], state["cache"]))
 
         try:
-            row["profile"] = prof = kernel_profile(run, args.profile, top=30)
+            compiled = next(c for c in cases if c.name == name).compiled
+            row["profile"] = prof = kernel_profile(run, args.profile, top=30,
+                                                   sources=kernel_sources(compiled.as_text()))
             if args.host_events:
                 row["host_events"] = host_events(run, args.host_events)
         except Exception as err:  # noqa: BLE001

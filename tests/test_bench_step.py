@@ -171,6 +171,27 @@ def test_kernels_by_source_lists_the_copies():
                           for c in copies)
 
 
+def test_time_by_source_sums_a_profiles_kernels_by_the_function_that_traced_them():
+    """Every kernel instruction of a compiled module is named as its launches are in a GPU trace
+    ('.' as '_') with its source function; a profile's instances sum by it, and a kernel that is
+    no instruction of the module (a Pallas or library kernel) keeps its report name."""
+    from scripts import bench_common as bcm
+    text = jax.jit(_loop_then_sort).lower(np.ones(64, np.float32)).compile().as_text()
+    sources = bcm.kernel_sources(text)
+    assert sources and all("." not in name and "-" not in name for name in sources)
+    owners = {src.rsplit(":", 1)[1] for src in sources.values()}
+    assert {"_doubled", "_loop_then_sort"} <= owners, owners
+    instances = {name: [1e6 * (i + 1), 2] for i, name in enumerate(sources)}
+    instances["rms_inv_kernel_3"] = [5e6, 4]
+    rows = bcm.time_by_source(instances, sources, calls=2)
+    want = {}
+    for (name, (ns, n)) in instances.items():
+        key = sources.get(name, "[rms_inv]")
+        want[key] = (want.get(key, (0, 0))[0] + ns / 2e6, want.get(key, (0, 0))[1] + n / 2)
+    assert {r["source"]: (pytest.approx(r["ms_per_call"]), r["launches_per_call"]) for r in rows} == want
+    assert [r["ms_per_call"] for r in rows] == sorted((r["ms_per_call"] for r in rows), reverse=True)
+
+
 def _kept_and_updated(a):
     return a, a.at[0].set(1.0)
 
