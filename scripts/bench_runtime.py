@@ -19,6 +19,9 @@ decode step in the same bucket, measured in the same process:
   blocking read of its tokens before the next step is built.
 
 overhead = generate / alone - 1 (the issue's target: <= 5 %); sync / alone - 1 beside it.
+`--profile N`: the device's kernel time per step of the same executable (N calls traced,
+`bench_common.kernel_profile`) over the `generate` period: the share of the engine's step the
+kernels fill (issue 16's >= 90 %).
 Also: warm-up seconds and XLA compilations of this start (run it twice with one --compile-cache
 folder: the second start's figures are the compile-once result).
 """
@@ -34,7 +37,7 @@ import time
 import jax
 import numpy as np
 
-from scripts.bench_common import back_to_back_s, timed_calls
+from scripts.bench_common import back_to_back_s, kernel_profile, timed_calls
 from scripts.bench_step import engram_token_map, param_leaf_specs, random_params
 from v41_jax.cache.geometry import EngineSettings, row_formats
 from v41_jax.config import ModelConfig
@@ -58,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--experts", default="auto", help="held expert format (auto: fp8 on a GPU, bf16 on CPU)")
     ap.add_argument("--page-tokens", type=int, default=16)
     ap.add_argument("--compile-cache", default=None, help="compile cache folder ('' off; default as the engine)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="trace N calls of each decode executable: kernel time per step over the generate period")
     ap.add_argument("--out", required=True, help="JSON results")
     return ap.parse_args(argv)
 
@@ -174,8 +179,17 @@ def main(argv=None) -> int:
                "alone_fresh_call_return_ms": float(np.median(fresh_calls[1:]) * 1e3),
                "host_ms_median": {k: float(np.median(v) * 1e3) for k, v in phases.items()},
                "steps_reusing_batch": int(sum(reused)), "steps_prepared": len(reused)}
+        if args.profile:
+            def traced():
+                alone()
+                jax.block_until_ready(runner.cache)
+            prof = kernel_profile(traced, args.profile, top=15)
+            row["profile"] = prof
+            if "device_ms_per_call" in prof:
+                row["kernel_ms_per_step"] = prof["device_ms_per_call"]
+                row["kernel_share_of_generate"] = prof["device_ms_per_call"] / row["generate_ms"]
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     out = {"config": args.config, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
            "args": vars(args), "warmup_s": warmup_s, "xla_compiles_warmup_and_run":
