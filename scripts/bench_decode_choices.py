@@ -15,7 +15,7 @@ in one process (the machine's spread between processes is larger than these diff
   moe-prefill  the grouped GEMM at 2K-8K tokens (prefill chunks), FP8 rows and bf16: the default
             tiles, 64-column tiles (gate/up holds two fp32 accumulators a tile), and 256-row tiles
             (a weight tile decoded once for twice the rows). Outputs compared bit for bit with the
-            default's.
+            default's; each case's gate/up and down kernel times from a trace of 3 more calls.
 
 MoE cases run one layer per call at the bench slice's widths (5120 / 2304, 64 experts, top-6),
 weights random E2M1 codes under one E8M0 scale (FP8 rows re-coded from them), synthetic routing;
@@ -70,8 +70,9 @@ def _routing(t: int, d: int, e: int, k: int):
     return x, idx, jax.random.uniform(k3, (t, k), jnp.float32)
 
 
-def _moe_case(b: Bench, name: str, shape: tuple, held: str, ws, t: int, **kw):
-    """Time one routed-experts call; returns its output (for bit comparisons)."""
+def _moe_case(b: Bench, name: str, shape: tuple, held: str, ws, t: int, profile: int = 0, **kw):
+    """Time one routed-experts call; returns its output (for bit comparisons). profile: trace that
+    many calls more and record each Pallas kernel's time (gate/up apart from down)."""
     d, f, e, k = shape
     x, idx, wt = _routing(t, d, e, k)
     fn = jax.jit(lambda x, idx, wt, ws: kmoe.routed_experts(x, idx, wt, *ws, FAST, 10.0, backend="pallas", **kw))
@@ -79,6 +80,10 @@ def _moe_case(b: Bench, name: str, shape: tuple, held: str, ws, t: int, **kw):
     active = len(set(np.asarray(idx).reshape(-1).tolist()))
     b.case(name, fn, (x, idx, wt, ws), layers=1, flops=6.0 * t * k * d * f,
            bytes_=active * 3 * d * f * _BYTES_PER_WEIGHT[held], tokens=t, held=held, active_experts=active)
+    if profile and b.results["cases"][-1]["name"] == name:
+        prof = kernel_profile(lambda: jax.block_until_ready(fn(x, idx, wt, ws)), profile)
+        b.results["cases"][-1]["kernel_ms"] = prof.get("pallas_ms_per_call", prof)
+        b.save()
     return np.asarray(out)
 
 
@@ -128,7 +133,7 @@ def bench_moe_prefill(b: Bench, shape: tuple, experts: dict):
                 if b.smoke and "block_m" in kw:
                     kw = {**kw, "block_m": 32, "block_n": 32}
                 outs[label] = _moe_case(b, f"moe-prefill/T{t}/{held}/{label}", shape, held, experts[held], t,
-                                        impl="pallas", **kw)
+                                        profile=3, impl="pallas", **kw)
                 b.results["cases"][-1]["bit_equal_to_default"] = bool((outs[label] == outs["default"]).all())
             b.save()
 
