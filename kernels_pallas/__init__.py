@@ -4,7 +4,7 @@ Entry points (each takes `backend=`; the process-wide switch is `kernels_pallas.
 V41_KERNELS = xla | pallas | auto):
   sparse_attn.sparse_attn_paged   sparse latent attention with sink over cache row views
   indexer.index_scores_paged      lightning-indexer scores from the paged index plane
-  indexer.index_scores_tokens     ... of a step's flat token list (a request's tokens share blocks)
+  indexer.index_scores_tokens     ... of a step's flat token list (one query a block by default)
   indexer.index_topk_paged        ... plus the top-k (full scan, or REINDEX candidate columns)
   select.select_ascending         the indexer's top-k ids in position order without a sort (per
                                   row a bisection over the total-order key bits); the model's

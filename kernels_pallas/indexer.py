@@ -25,7 +25,9 @@ Kernel (Pallas, Triton lowering), on a flat token list (`index_scores_tokens`: a
 `index_scores_paged` lays its [B, S] queries out as one, each request padded to whole blocks): grid
 (query blocks, groups of TP column tiles). A query block of TS consecutive tokens stacks TS x Hi
 query heads as the M dimension of one [TS*Hi, Di] @ [Di, TN] product per key tile, so the tokens of
-one request (a prefill chunk, a verify span) read each key tile once a block; the key rows of a tile
+one request (a prefill chunk, a verify span) can read each key tile once a block (`query_block`;
+the default is one query a block: blocks of 4 measured slower on the H200, BENCHMARKS.md
+2026-12-05); the key rows of a tile
 are gathered through the request's block table (no dense copy of the keys). A block holding tokens
 of several requests does one such pass per request, each keeping its own tokens' scores. A program
 loads its queries once and loops over its TP tiles (`tiles_per_program`: large batches amortize the
@@ -135,7 +137,8 @@ def tiles_per_program(programs: int, tiles: int) -> int:
     program's set-up while a small one still spreads over the GPU. H200, 128-column tiles
     (BENCHMARKS.md, 2026-12-04 e): 16 tiles 10-20 % faster than one wherever >= 512 programs
     remain (32 x 32,768 keys 0.099 -> 0.088 ms; 4,096 prefill queries in blocks of 4 x 16,384
-    keys 3.20 -> 2.55 ms), slower where fewer do (1 x 32,768 keys 0.025 -> 0.034 ms)."""
+    keys 3.20 -> 2.55 ms), slower where fewer do (1 x 32,768 keys 0.025 -> 0.034 ms). Not
+    re-measured with one query a block (the default since 2026-12-05)."""
     tp = 1
     while tp < 16 and programs * -(-tiles // (2 * tp)) >= 1024:
         tp *= 2

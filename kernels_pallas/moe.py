@@ -189,23 +189,23 @@ def _dot_t(a, b, dt):
                                preferred_element_type=jnp.float32)
 
 
-def _tile_setup(te_ref, tf_ref, tend_ref, bn: int, bk: int):
-    """This program's (column block, tile): the tile's expert (< 0: no tile), its first and end
-    sorted pair rows, the block's output columns [bn], K lanes [bk] and weight column slice."""
+def _tile_setup(te_ref, tf_ref, tend_ref, bm: int, bn: int, bk: int):
+    """This program's (column block, tile): the tile's expert (< 0: no tile), its sorted pair
+    rows [bm] and which of them are the tile's (`live`: before its group's end), the block's output
+    columns [bn], K lanes [bk] and weight column slice."""
     j, i = pl.program_id(0), pl.program_id(1)
     cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
-    return (te_ref[i], tf_ref[i], tend_ref[i], cols, jax.lax.broadcasted_iota(jnp.int32, (bk,), 0),
+    rows = tf_ref[i] + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
+    return (te_ref[i], rows, rows < tend_ref[i], cols, jax.lax.broadcasted_iota(jnp.int32, (bk,), 0),
             pl.ds(pl.multiple_of(j * bn, bn), bn))
 
 
 def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
                     bm, bn, bk, limit, numerics):
-    e, first, end, cols, kk, wcols = _tile_setup(te_ref, tf_ref, tend_ref, bn, bk)
+    e, rows, live, cols, kk, wcols = _tile_setup(te_ref, tf_ref, tend_ref, bm, bn, bk)
 
     @pl.when(e >= 0)
     def _():
-        rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)    # sorted pair rows
-        live = rows < end
         tok = load(tok_ref.at[rows], mask=live, other=0)                # token of each pair
 
         def body(kb, acc):
@@ -227,12 +227,10 @@ def _down_kernel(te_ref, tf_ref, tend_ref, pair_ref, a_ref, w2_ref, y_ref, *, bm
     """y rows are stored at their pair's place (token * k + slot), so the combine reads them in
     place instead of gathering the sorted rows back. A tile's rows past its group go to BM spare
     rows after the pairs: each lane keeps a row of its own, also under a masked store."""
-    e, first, end, cols, kk, wcols = _tile_setup(te_ref, tf_ref, tend_ref, bn, bk)
+    e, rows, live, cols, kk, wcols = _tile_setup(te_ref, tf_ref, tend_ref, bm, bn, bk)
 
     @pl.when(e >= 0)
     def _():
-        rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
-        live = rows < end
         safe = jnp.where(live, rows, 0)
 
         def body(kb, acc):

@@ -132,8 +132,8 @@ def launch_config(tokens: int) -> dict:
     [16, 512] fp32 accumulator needs no spills); from 128 tokens every head in one 8-warp
     program with 3 stages (each row read once per token; the grid fills the GPU anyway)."""
     if tokens <= 64:
-        return dict(head_block=16, num_warps=4, num_stages=2)
-    return dict(head_block=64, num_warps=8, num_stages=3)
+        return dict(head_block=16, num_warps=4, num_stages=2, q_per_chunk=False)
+    return dict(head_block=64, num_warps=8, num_stages=3, q_per_chunk=False)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -147,7 +147,7 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
                                              "num_stages", "interpret", "head_block", "q_per_chunk"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block, q_per_chunk=False):
+                        num_stages, interpret, head_block, q_per_chunk):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")

@@ -36,22 +36,33 @@ def copy_bandwidth(mib: int, reps: int = 10) -> dict:
             "copy_ms": round(t * 1e3, 4)}
 
 
+def queued_median_s(fn, *args, reps: int = 10, rounds: int = 5) -> float:
+    """Median seconds of one call of `fn(*args)`, device-bound: two calls to warm up, then each
+    round queues `reps` calls and waits once, so the host's dispatch overlaps the device's work
+    and the per-call sync latency (tens of microseconds, the size of a decode kernel) is paid once
+    a round instead of once a call."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / reps)
+    return float(np.median(ts))
+
+
 def gemm_peak(n: int, reps: int = 10) -> dict:
-    """The GEMM ceiling: a bf16 [n, n] @ [n, n] through `jnp.dot`, 2 n^3 FLOPs a call; the median
-    over 5 rounds of `reps` calls queued back to back (no host wait between them), after 20 calls
-    to let the clocks ramp up."""
+    """The GEMM ceiling: a bf16 [n, n] @ [n, n] through `jnp.dot`, 2 n^3 FLOPs a call, timed by
+    `queued_median_s` after 20 calls to let the clocks ramp up."""
     x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     y = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda a, c: jnp.dot(a, c))
     for _ in range(20):
         jax.block_until_ready(mm(x, y))
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready([mm(x, y) for _ in range(reps)])
-        ts.append((time.perf_counter() - t0) / reps)
-    t = float(np.median(ts))
-    return {"bf16_gemm_tflops": round(2 * n ** 3 / t / 1e12, 1), "gemm_n": n, "gemm_ms": round(t * 1e3, 4)}
+    t = queued_median_s(mm, x, y, reps=reps)
+    return {"bf16_gemm_tflops": 2 * n ** 3 / t / 1e12, "gemm_n": n, "gemm_ms": t * 1e3}
 
 
 # ---- where a kernel comes from: the optimized HLO's instructions by the model function that traced them ----
@@ -106,13 +117,24 @@ def hlo_computations(text: str) -> dict[str, list[str]]:
     return comps
 
 
+def applied_computations(comps: dict[str, list[str]]) -> set[str]:
+    """The computations an instruction calls (a fusion's body, a reducer, a loop's condition):
+    their instructions are not kernels of their own."""
+    return {c for lines in comps.values() for line in lines
+            for c in re.findall(r"(?:calls|to_apply|condition)=%([\w.\-]+)", line)}
+
+
 def kernel_sources(text: str) -> dict[str, str]:
-    """Every kernel instruction of an optimized HLO module (anywhere: a loop body's too) by the
+    """Every kernel instruction of an optimized HLO module (a loop body's too) by the
     name its launches carry in a GPU trace (the instruction's name, '.' and '-' as '_') -> its
     source (`source_owner`)."""
     owner = source_owner(text)
+    comps = hlo_computations(text)
+    applied = applied_computations(comps)
     out = {}
-    for lines in hlo_computations(text).values():
+    for name, lines in comps.items():
+        if name in applied:
+            continue                                  # fused, reducer and condition computations
         for line in lines:
             m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = ", line)
             if m and KERNEL_OPS.search(line):
@@ -127,16 +149,24 @@ def time_by_source(instances: dict[str, list[float]], sources: dict[str, str], c
     of their HLO instruction (`kernel_sources`; a Pallas or library kernel, whose trace name is
     not an instruction's, stays under its own report name): ms and launches per call, the kernel
     kinds, largest first."""
-    by: dict[str, list] = {}
-    for name, (ns, n) in instances.items():
-        src = sources.get(name) or sources.get(re.sub(r"[.\-]", "_", name)) or f"[{kernel_group(name)}]"
-        slot = by.setdefault(src, [0.0, 0, set()])
-        slot[0] += ns
-        slot[1] += n
-        slot[2].add(kernel_group(name))
+    source = lambda name: sources.get(name) or sources.get(re.sub(r"[.\-]", "_", name)) or f"[{kernel_group(name)}]"
+    by = _sum_by(instances, source)
+    kinds: dict[str, set] = {}
+    for name in instances:
+        kinds.setdefault(source(name), set()).add(kernel_group(name))
     ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"source": s, "ms_per_call": round(ns / calls / 1e6, 4), "launches_per_call": n / calls,
-             "kinds": sorted(kinds)} for s, (ns, n, kinds) in ranked]
+             "kinds": sorted(kinds[s])} for s, (ns, n) in ranked]
+
+
+def _sum_by(instances: dict[str, list[float]], key) -> dict[str, list[float]]:
+    """Kernel instances (trace name -> [total ns, launches]) summed by key(name)."""
+    out: dict[str, list[float]] = {}
+    for name, (ns, n) in instances.items():
+        slot = out.setdefault(key(name), [0.0, 0])
+        slot[0] += ns
+        slot[1] += n
+    return out
 
 
 # ---- where a step's device time goes ---------------------------------------------------------------
@@ -283,11 +313,7 @@ def kernel_profile(run, calls: int, top: int = 12, sources: dict[str, str] | Non
     if profile is None:
         return {"error": "the profiler wrote no trace"}
     instances, lines, spans = _kernel_events(profile)
-    totals: dict[str, list[float]] = {}
-    for name, (ns, n) in instances.items():
-        slot = totals.setdefault(kernel_group(name), [0.0, 0])
-        slot[0] += ns
-        slot[1] += n
+    totals = _sum_by(instances, kernel_group)
     total_ns = sum(t for t, _ in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     per_call = lambda ns: round(ns / calls / 1e6, 4)

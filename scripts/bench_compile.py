@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # python scripts/bench_compile.py
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from scripts.bench_common import KERNEL_OPS, cut, hlo_computations, source_owner  # noqa: E402
+from scripts.bench_common import KERNEL_OPS, applied_computations, cut, hlo_computations, source_owner  # noqa: E402
 from scripts.bench_step import NUMERICS, param_leaf_specs  # noqa: E402
 from v41_jax.cache.buffer import allocate  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
@@ -87,13 +87,12 @@ def kernels_by_source(text: str, top: int = 25) -> dict:
     memcpy on a GPU) with its shape, bytes and source, largest traffic first (`copies`)."""
     owner = source_owner(text)
     comps = hlo_computations(text)
-    body_of, applied = {}, set()
+    body_of, applied = {}, applied_computations(comps)
     for name, lines in comps.items():
         for line in lines:
             if " while(" in line:
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 body_of[re.search(r"body=%([\w.\-]+)", line)[1]] = (name, int(trips[1]) if trips else 1)
-            applied.update(re.findall(r"(?:calls|to_apply|condition)=%([\w.\-]+)", line))
 
     def weight(name: str) -> int:
         w = 1

@@ -34,7 +34,7 @@ from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas import select as ksel  # noqa: E402
 from kernels_pallas.rmsnorm import rms_inv  # noqa: E402
 from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
-from scripts.bench_common import copy_bandwidth, gemm_peak, kernel_profile  # noqa: E402
+from scripts.bench_common import copy_bandwidth, gemm_peak, kernel_profile, queued_median_s  # noqa: E402
 from v41_jax.model.mhc import split_sinkhorn  # noqa: E402
 from v41_jax.runtime.compile_cache import compiler_options  # noqa: E402
 from v41_jax import linear  # noqa: E402
@@ -66,20 +66,8 @@ class Bench:
             json.dump(self.results, f, indent=1)
 
     def time(self, fn, *args) -> float:
-        """Median seconds of one call (compile and warm-up excluded), device-bound: each round
-        queues `reps` calls and waits once, so the host's dispatch overlaps the device's work and
-        the per-call sync latency (tens of microseconds, the size of a decode kernel) is paid
-        once per round instead of once per call."""
-        jax.block_until_ready(fn(*args))
-        jax.block_until_ready(fn(*args))
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(self.reps):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            ts.append((time.perf_counter() - t0) / self.reps)
-        return float(np.median(ts))
+        """Median seconds of one call (compile and warm-up excluded; `queued_median_s`)."""
+        return queued_median_s(fn, *args, reps=self.reps)
 
     def record(self, **row):
         if self.peak_tflops and row.get("tflops") is not None:

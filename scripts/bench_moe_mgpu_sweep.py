@@ -4,20 +4,14 @@ and ring depths: ms and TFLOP/s on the computed and on the real rows; writes
 $OUT/sweep_gemm_T{T}.json. As run for BENCHMARKS.md (H200 call 6):
     python3 scripts/bench_moe_mgpu_sweep.py
 """
-import json, os, sys, time, functools, jax, jax.numpy as jnp, numpy as np
+import json, os, sys, functools, jax, jax.numpy as jnp
 sys.path.insert(0, ".")
 from kernels_pallas import moe_mgpu, moe as kmoe
+from scripts.bench_common import queued_median_s as tm_
 e, d, f, k = 64, 5120, 2304, 6
 T = int(os.environ.get("T", "2048"))
 idx = jax.lax.top_k(jax.random.uniform(jax.random.key(4), (T, e)), k)[1].astype(jnp.int32)
 sizes = jnp.bincount(idx.reshape(-1), length=e).astype(jnp.int32)
-def tm_(fn, *a, reps=10):
-    jax.block_until_ready(fn(*a)); jax.block_until_ready(fn(*a)); ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps): o = fn(*a)
-        jax.block_until_ready(o); ts.append((time.perf_counter() - t0) / reps)
-    return float(np.median(ts))
 rows = []
 w1 = (jax.random.normal(jax.random.key(1), (e, f, d), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
 w3 = (jax.random.normal(jax.random.key(3), (e, f, d), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)

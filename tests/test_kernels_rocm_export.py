@@ -48,14 +48,16 @@ def test_sparse_attn_lowers_for_rocm(t, splits):
     assert _triton_calls(e) == 1
 
 
-@pytest.mark.parametrize("with_cand, packed, tiles", [(False, False, 4), (True, False, 1), (False, True, 8)])
-def test_indexer_lowers_for_rocm(with_cand, packed, tiles):
+@pytest.mark.parametrize("with_cand, packed, tiles, block", [(False, False, 4, 4), (True, False, 1, 1),
+                                                           (False, True, 8, 4), (False, False, 8, 1)])
+def test_indexer_lowers_for_rocm(with_cand, packed, tiles, block):
     """Typed and packed FP4 key planes (decoded in the kernel), one tile and several a program,
-    query blocks of 4 tokens (a pass per request a block) and of one (candidates)."""
+    query blocks of 4 tokens (a pass per request a block) and of one (the step's default; the
+    candidates' only)."""
     t = 24
     cand = S((t, 2048), I32) if with_cand else None
     keys = S((512, 256, 68), jnp.uint8) if packed else S((512, 256, 128), BF16)
-    f = functools.partial(_index_scores_pallas, ts=1 if with_cand else 4, tn=128, tp=tiles, bs=8, dt=BF16,
+    f = functools.partial(_index_scores_pallas, ts=block, tn=128, tp=tiles, bs=8, dt=BF16,
                           num_warps=4, num_stages=2, interpret=False)
     e = _export_rocm(f, S((t, 32, 128), BF16), S((t, 32), BF16), keys, S((4, 64), I32), S((t,), I32),
                      S((t,), I32), cand)

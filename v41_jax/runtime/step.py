@@ -182,7 +182,8 @@ def _select(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: LayerTopology,
     (visible columns only) -> (state, this layer's picks and scores {kind: [1, T, ...]})."""
     key_pages = state.cache.index[geom.owner_index(topo.kv_owner)]
     visible = batch.visible[geom.ratios.index(topo.ratio)][:, None]        # [T, 1]
-    # a request's consecutive tokens share query blocks, so a prefill chunk reads its keys once a block
+    # one query a block (`query_block=1`): blocks of a request's consecutive tokens, which read a key
+    # tile once a block, measured slower on the H200 (BENCHMARKS.md, 2026-12-05)
     req = jnp.maximum(batch.token_req, 0)
     score = lambda q, w: index_scores_tokens(q, w, key_pages, batch.block_tables, req, visible[:, 0],
                                              numerics=numerics)[:, None]   # [T, 1, M*rpp]

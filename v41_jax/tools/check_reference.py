@@ -485,10 +485,9 @@ def split_taps(cfg, a: np.ndarray) -> np.ndarray:
     return a.reshape(*a.shape[:-1], len(cfg.dspark_target_layer_ids), cfg.dim)
 
 
-def read_tap_rows(cfg, z, s: int) -> np.ndarray:
-    """The token rows some step's draft reads whose reference taps the fixture records: the rows
-    `dspark.taps` compares."""
-    _, known = reference_taps(z, s)
+def read_tap_rows(cfg, known: np.ndarray, s: int) -> np.ndarray:
+    """The token rows some step's draft reads whose reference taps the fixture records (`known`,
+    from `reference_taps`): the rows `dspark.taps` compares."""
     rows = np.unique(np.concatenate(draft_rows(s, cfg.window_size)))
     return rows[known[rows]]
 
@@ -606,7 +605,8 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
     base = base or run_model(cfg, params, z, hasher, numerics)
     picks, gates = _picks(cfg, base), _gate_scores(base)
     # every bf16 tensor a mode may check (the engine's run, without a draft, checks the taps too)
-    tap_rows = read_tap_rows(cfg, z, s)
+    # (a fixture without a draft records no taps)
+    tap_rows = read_tap_rows(cfg, reference_taps(z, s)[1], s) if "decode.dspark_main_hidden" in z else None
     tensors = lambda out: bf16_tensors(cfg, out, s, taps=True, tap_rows=tap_rows)
     base_tensors = tensors(base)
     recorded = _recorded(base_tensors)
@@ -894,7 +894,7 @@ def _dspark_checks(cfg, params, z, s: int, own_taps: np.ndarray, draft: dict, re
     checks = []
     ref_taps, known = reference_taps(z, s)
     covered = np.array([known[r].all() for r in draft_rows(s, cfg.window_size)])
-    rows = read_tap_rows(cfg, z, s)
+    rows = read_tap_rows(cfg, known, s)
     taps = compare_bf16("dspark.taps", split_taps(cfg, own_taps[rows]), split_taps(cfg, ref_taps[rows]),
                         tensor_tolerance(tol, cond["tensor_noise"].get("dspark.taps")))
     taps.stats.update(rows_read=int(len(rows)), steps_with_reference_context=int(covered.sum()))
