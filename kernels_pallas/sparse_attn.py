@@ -59,7 +59,8 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
-                 n_splits: int, scale: float, bf16_probs: bool, q_per_chunk: bool):
+                 n_splits: int, scale: float, bf16_probs: bool, q_per_chunk: bool,
+                 prefetch_ids: bool):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
     h, d = q_ref.shape
     # q_per_chunk: the queries read again for every chunk (from L1 / L2) instead of held in
@@ -71,39 +72,55 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
     split = pl.program_id(2)
     lanes = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
 
-    def make_body(idx_ref, kv_ref):
-        def body(c, carry):
-            run_max, denom, acc = carry                                # [H], [H], [H, D] fp32
-            ids = idx_ref[pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]   # [C]
-            valid = ids >= 0
-            # masked gather: skipped ids read nothing and give 0 rows (no NaN from unused pages);
-            # two broadcast index arrays, not (ids, :): interpret mode cannot mix them in a load
-            rows = load(kv_ref.at[jnp.maximum(ids, 0)[:, None], lanes[None, :]],
-                        mask=valid[:, None], other=0)                  # [C, D]
-            rows = rows.astype(dtype)                                  # fp32 policy: bf16 pool -> fp32
-            logits = jax.lax.dot_general(q_of(), rows, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                                         preferred_element_type=jnp.float32)          # [H, C]
-            logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
-            new_max = jnp.maximum(run_max, logits.max(axis=1))
-            rescale = jnp.exp(run_max - new_max)
-            p = jnp.exp(logits - new_max[:, None])
-            denom = denom * rescale + p.sum(axis=1)
-            if bf16_probs and rows.dtype == jnp.bfloat16:
-                pv, vals = p.astype(jnp.bfloat16), rows                # exact products, fp32 sum
-            else:
-                pv = p.astype(jnp.bfloat16).astype(jnp.float32) if bf16_probs else p
-                vals = rows.astype(jnp.float32)
-            acc = acc * rescale[:, None] + jax.lax.dot_general(
-                pv, vals, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
-            return new_max, denom, acc
-        return body
+    def attend(idx_ref, kv_ref, carry, ids):
+        """One chunk: its ids [C] gathered from kv_ref and folded into (run_max, denom, acc)."""
+        run_max, denom, acc = carry                                    # [H], [H], [H, D] fp32
+        valid = ids >= 0
+        # masked gather: skipped ids read nothing and give 0 rows (no NaN from unused pages);
+        # two broadcast index arrays, not (ids, :): interpret mode cannot mix them in a load
+        rows = load(kv_ref.at[jnp.maximum(ids, 0)[:, None], lanes[None, :]],
+                    mask=valid[:, None], other=0)                      # [C, D]
+        rows = rows.astype(dtype)                                      # fp32 policy: bf16 pool -> fp32
+        logits = jax.lax.dot_general(q_of(), rows, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                     preferred_element_type=jnp.float32)              # [H, C]
+        logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
+        new_max = jnp.maximum(run_max, logits.max(axis=1))
+        rescale = jnp.exp(run_max - new_max)
+        p = jnp.exp(logits - new_max[:, None])
+        denom = denom * rescale + p.sum(axis=1)
+        if bf16_probs and rows.dtype == jnp.bfloat16:
+            pv, vals = p.astype(jnp.bfloat16), rows                    # exact products, fp32 sum
+        else:
+            pv = p.astype(jnp.bfloat16).astype(jnp.float32) if bf16_probs else p
+            vals = rows.astype(jnp.float32)
+        acc = acc * rescale[:, None] + jax.lax.dot_general(
+            pv, vals, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
+        return new_max, denom, acc
+
+    def chunk_ids(idx_ref, c, n):
+        """Chunk c's ids [C] (c clamped to the source's last chunk: a prefetch past it reads the
+        last again and is never used)."""
+        return idx_ref[pl.ds(pl.multiple_of(jnp.minimum(c, n - 1) * CHUNK, CHUNK), CHUNK)]
+
+    def walk(idx_ref, kv_ref, n, lo, hi, carry):
+        if n == 0:
+            return carry
+        if not prefetch_ids:
+            return jax.lax.fori_loop(lo, hi, lambda c, cr: attend(idx_ref, kv_ref, cr, chunk_ids(idx_ref, c, n)),
+                                     carry)
+
+        # the next chunk's ids loaded while this chunk's rows are gathered: the gather then does
+        # not wait for an ids load issued in the same step
+        def body(c, cr):
+            return (*attend(idx_ref, kv_ref, cr[:3], cr[3]), chunk_ids(idx_ref, c + 1, n))
+        return jax.lax.fori_loop(lo, hi, body, (*carry, chunk_ids(idx_ref, lo, n)))[:3]
 
     carry = (jnp.full((h,), NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
              jnp.zeros((h, d), jnp.float32))
     base = 0
     for idx_ref, kv_ref, n in zip(idx_refs, kv_refs, n_chunks):
         lo, hi = _split_bounds(split, n, base, per_split, n_splits)
-        carry = jax.lax.fori_loop(lo, hi, make_body(idx_ref, kv_ref), carry)
+        carry = walk(idx_ref, kv_ref, n, lo, hi, carry)
         base += n
     run_max, denom, acc = carry
 
@@ -132,8 +149,8 @@ def launch_config(tokens: int) -> dict:
     [16, 512] fp32 accumulator needs no spills); from 128 tokens every head in one 8-warp
     program with 3 stages (each row read once per token; the grid fills the GPU anyway)."""
     if tokens <= 64:
-        return dict(head_block=16, num_warps=4, num_stages=2, q_per_chunk=False)
-    return dict(head_block=64, num_warps=8, num_stages=3, q_per_chunk=False)
+        return dict(head_block=16, num_warps=4, num_stages=2, q_per_chunk=False, prefetch_ids=False)
+    return dict(head_block=64, num_warps=8, num_stages=3, q_per_chunk=False, prefetch_ids=False)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -145,9 +162,10 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "head_block", "q_per_chunk"))
+                                             "num_stages", "interpret", "head_block", "q_per_chunk",
+                                             "prefetch_ids"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block, q_per_chunk):
+                        num_stages, interpret, head_block, q_per_chunk, prefetch_ids):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -181,7 +199,8 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
                      pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g)))
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
-                               bf16_probs=bf16_probs, q_per_chunk=q_per_chunk)
+                               bf16_probs=bf16_probs, q_per_chunk=q_per_chunk,
+                               prefetch_ids=prefetch_ids)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
@@ -222,7 +241,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                       numerics: Numerics, backend: str | None = None,
                       num_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, head_block: int | None = None,
-                      q_per_chunk: bool | None = None) -> jax.Array:
+                      q_per_chunk: bool | None = None, prefetch_ids: bool | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -231,8 +250,9 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).
     num_splits None = `default_splits`; head_block (heads per program, a power of two),
-    num_warps, num_stages (Triton launch parameters) and q_per_chunk (the queries loaded for each
-    chunk of ids rather than held across the loop) None = `launch_config`.
+    num_warps, num_stages (Triton launch parameters), q_per_chunk (the queries loaded for each
+    chunk of ids rather than held across the loop) and prefetch_ids (each chunk's ids loaded one
+    step ahead) None = `launch_config`.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
@@ -241,7 +261,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
     launch = launch_config(q2.shape[0])
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
-                                     ("num_stages", num_stages), ("q_per_chunk", q_per_chunk))
+                                     ("num_stages", num_stages), ("q_per_chunk", q_per_chunk),
+                                     ("prefetch_ids", prefetch_ids))
                    if v is not None})
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,

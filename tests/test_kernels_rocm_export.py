@@ -37,11 +37,13 @@ def _triton_calls(exported) -> int:
     return exported.mlir_module().count(f"custom_call @{TRITON_CUSTOM_CALL}")
 
 
-@pytest.mark.parametrize("t,splits", [(8, 1), (8, 2), (128, 1)])
-def test_sparse_attn_lowers_for_rocm(t, splits):
-    # H=64, Dh=512, window 128 + 512 compressed ids; both launch configs (16- and 64-head programs)
+@pytest.mark.parametrize("t,splits,loads", [(8, 1, {}), (8, 2, {}), (128, 1, {}),
+                                            (128, 2, dict(q_per_chunk=True, prefetch_ids=True))])
+def test_sparse_attn_lowers_for_rocm(t, splits, loads):
+    # H=64, Dh=512, window 128 + 512 compressed ids; both launch configs (16- and 64-head programs),
+    # and the load-placement variants
     f = functools.partial(_sparse_attn_pallas, scale=512 ** -0.5, bf16_probs=True,
-                          num_splits=splits, interpret=False, **launch_config(t))
+                          num_splits=splits, interpret=False, **{**launch_config(t), **loads})
     e = _export_rocm(f, S((t, 64, 512), BF16), S((64,), F32),
                      (S((4096, 512), BF16), S((65536, 512), BF16)), (S((t, 128), I32), S((t, 512), I32)))
     assert e.platforms == ("rocm",)
