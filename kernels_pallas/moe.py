@@ -258,9 +258,9 @@ def default_block_m(n_pairs: int, n_experts: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("numerics", "limit", "bm", "bn", "bk", "num_warps",
-                                             "num_stages", "interpret", "n_exp"))
+                                             "num_stages", "interpret", "n_exp", "bn_gate_up"))
 def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn, bk, num_warps, num_stages,
-                   interpret, n_exp=None):
+                   interpret, n_exp=None, bn_gate_up=None):
     t, d = x.shape
     k = idx.shape[1]
     n_exp = n_exp or w1.shape[0]
@@ -275,9 +275,10 @@ def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn,
     # column blocks fastest: a tile's column blocks run side by side, so its gathered rows come
     # from L2 after the first (tiles fastest re-read them from HBM per column block: 1.14-1.24x
     # slower at 512-8192 tokens on the H200)
+    bn_gu = bn_gate_up or bn
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bm=bm, bn=bn, bk=bk, limit=limit, numerics=numerics),
-        grid=(f // bn, te.shape[0]),
+        functools.partial(_gate_up_kernel, bm=bm, bn=bn_gu, bk=bk, limit=limit, numerics=numerics),
+        grid=(f // bn_gu, te.shape[0]),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _specs(w1), _specs(w3)],
         out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_gate_up",
@@ -557,10 +558,13 @@ def launch_config(block_m: int, coded: bool = False) -> dict:
     0.86 -> 0.83 ms), while bf16 tiles stream at the bandwidth limit with any width
     (BENCHMARKS.md, 2026-12-04)."""
     if block_m >= 128:
-        return dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
+        # FP8 / FP4 gate/up on 64-column blocks: its two fp32 accumulators half as wide; down keeps
+        # 128 (H200, 2K / 4K / 8K tokens, 64 experts, gate/up 2.17 -> 1.93, 3.79 -> 3.31,
+        # 7.02 -> 6.07 ms; down at 64 columns 0.85 -> 1.00, 1.47 -> 1.71 ms; BENCHMARKS.md 2026-12-05)
+        return dict(block_n=128, block_k=64, num_warps=8, num_stages=3, gate_up_block_n=64 if coded else None)
     if block_m <= 32:
-        return dict(block_n=64 if coded else 128, block_k=128, num_warps=4, num_stages=4)
-    return dict(block_n=128, block_k=64, num_warps=4, num_stages=3)
+        return dict(block_n=64 if coded else 128, block_k=128, num_warps=4, num_stages=4, gate_up_block_n=None)
+    return dict(block_n=128, block_k=64, num_warps=4, num_stages=3, gate_up_block_n=None)
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: jax.Array,
@@ -583,7 +587,8 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
 
     backend "xla" (or numerics.block_gemm) -> the reference's per-token loop; "pallas" -> `impl`
     ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity" | "mgpu"; None = `choose_impl`, the fastest exact
-    one measured on the H200). Launch parameters default to `launch_config(block_m, coded)`; for
+    one measured on the H200). Launch parameters default to `launch_config(block_m, coded)` (its
+    gate/up column block too, unless block_n sets both); for
     "capacity", block_m is the rows per expert and round (default `capacity_rows`). (Each tile's
     product computed as its transpose, the weight the MMA's first operand, was measured slower on
     the H200 for FP8 rows at 32-8,192 tokens and removed: BENCHMARKS.md, 2026-12-05.)
@@ -653,4 +658,6 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
                           **tiles(block_n or fit(cfg["block_n"]), block_k or fit(cfg["block_k"])),
                           num_warps=num_warps or cfg["num_warps"],
                           num_stages=num_stages or cfg["num_stages"],
+                          # an explicit block_n sets both kernels' column blocks
+                          bn_gate_up=None if block_n or not cfg["gate_up_block_n"] else fit(cfg["gate_up_block_n"]),
                           interpret=_backend.interpret(), **kw)

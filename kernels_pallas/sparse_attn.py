@@ -59,16 +59,10 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
-                 n_splits: int, scale: float, bf16_probs: bool, q_per_chunk: bool,
-                 prefetch_ids: bool):
+                 n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
-    h, d = q_ref.shape
-    # q_per_chunk: the queries read again for every chunk (from L1 / L2) instead of held in
-    # registers across the loop: 64 heads x 512 lanes of bf16 are 64 registers a thread at 8
-    # warps, beside the 128 of the fp32 accumulator
-    held = None if q_per_chunk else q_ref[...]                         # [H, D]
-    q_of = lambda: q_ref[...] if held is None else held
-    dtype = q_ref.dtype
+    q = q_ref[...]                                                     # [H, D]
+    h, d = q.shape
     split = pl.program_id(2)
     lanes = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
 
@@ -80,8 +74,8 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         # two broadcast index arrays, not (ids, :): interpret mode cannot mix them in a load
         rows = load(kv_ref.at[jnp.maximum(ids, 0)[:, None], lanes[None, :]],
                     mask=valid[:, None], other=0)                      # [C, D]
-        rows = rows.astype(dtype)                                      # fp32 policy: bf16 pool -> fp32
-        logits = jax.lax.dot_general(q_of(), rows, (((1,), (1,)), ((), ())), precision=HIGHEST,
+        rows = rows.astype(q.dtype)                                    # fp32 policy: bf16 pool -> fp32
+        logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                      preferred_element_type=jnp.float32)              # [H, C]
         logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
         new_max = jnp.maximum(run_max, logits.max(axis=1))
@@ -147,10 +141,13 @@ def launch_config(tokens: int) -> dict:
     """Heads per program, warps and pipeline depth, measured on the H200 (BENCHMARKS.md): up to
     64 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
     [16, 512] fp32 accumulator needs no spills); from 128 tokens every head in one 8-warp
-    program with 3 stages (each row read once per token; the grid fills the GPU anyway)."""
+    program with 3 stages (each row read once per token; the grid fills the GPU anyway). The
+    small programs load each chunk's ids a loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32
+    equal; at 128 tokens and past it slower, and the 64-head program has no shared memory left
+    for it; the queries loaded per chunk instead of held: no faster anywhere; 2026-12-05)."""
     if tokens <= 64:
-        return dict(head_block=16, num_warps=4, num_stages=2, q_per_chunk=False, prefetch_ids=False)
-    return dict(head_block=64, num_warps=8, num_stages=3, q_per_chunk=False, prefetch_ids=False)
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True)
+    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -162,10 +159,9 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "head_block", "q_per_chunk",
-                                             "prefetch_ids"))
+                                             "num_stages", "interpret", "head_block", "prefetch_ids"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block, q_per_chunk, prefetch_ids):
+                        num_stages, interpret, head_block, prefetch_ids):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -199,8 +195,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
                      pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g)))
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
-                               bf16_probs=bf16_probs, q_per_chunk=q_per_chunk,
-                               prefetch_ids=prefetch_ids)
+                               bf16_probs=bf16_probs, prefetch_ids=prefetch_ids)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
@@ -241,7 +236,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                       numerics: Numerics, backend: str | None = None,
                       num_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, head_block: int | None = None,
-                      q_per_chunk: bool | None = None, prefetch_ids: bool | None = None) -> jax.Array:
+                      prefetch_ids: bool | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -250,9 +245,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).
     num_splits None = `default_splits`; head_block (heads per program, a power of two),
-    num_warps, num_stages (Triton launch parameters), q_per_chunk (the queries loaded for each
-    chunk of ids rather than held across the loop) and prefetch_ids (each chunk's ids loaded one
-    step ahead) None = `launch_config`.
+    num_warps, num_stages (Triton launch parameters) and prefetch_ids (each chunk's ids loaded one
+    loop step ahead of its gather) None = `launch_config`.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
@@ -261,8 +255,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
     launch = launch_config(q2.shape[0])
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
-                                     ("num_stages", num_stages), ("q_per_chunk", q_per_chunk),
-                                     ("prefetch_ids", prefetch_ids))
+                                     ("num_stages", num_stages), ("prefetch_ids", prefetch_ids))
                    if v is not None})
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,

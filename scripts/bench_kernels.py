@@ -175,14 +175,9 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                     ("h32w4", dict(head_block=32, num_warps=4)), ("h32w8", dict(head_block=32, num_warps=8)),
                     ("h64w8", dict(head_block=64, num_warps=8)),
                     ("h64w8s3", dict(head_block=64, num_warps=8, num_stages=3)),
-                    # the queries loaded per chunk, not held in registers across the loop
-                    ("h16w4-qchunk", dict(head_block=16, num_warps=4, q_per_chunk=True)),
-                    ("h32w8-qchunk", dict(head_block=32, num_warps=8, q_per_chunk=True)),
-                    ("h64w8s3-qchunk", dict(head_block=64, num_warps=8, num_stages=3, q_per_chunk=True)),
-                    ("h64w8s2-qchunk", dict(head_block=64, num_warps=8, num_stages=2, q_per_chunk=True)),
-                    # each chunk's ids loaded one loop step ahead of its gather
-                    ("h16w4-prefetch", dict(head_block=16, num_warps=4, prefetch_ids=True)),
-                    ("h64w8s3-prefetch", dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=True))]
+                    # each chunk's ids loaded one loop step ahead of its gather, or not
+                    ("h16w4-plain", dict(head_block=16, num_warps=4, prefetch_ids=False)),
+                    ("h64w8s2-prefetch", dict(head_block=64, num_warps=8, num_stages=2, prefetch_ids=True))]
         for kind, t, wkind in (("decode", 32, "ring"), ("decode", 64, "ring"), ("decode", 128, "ring"),
                                ("verify", 192, "ring"), ("prefill", 4096, "extend")):
             if b.left() < 0:

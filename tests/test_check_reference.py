@@ -158,6 +158,41 @@ def test_stage2_statistic_bounds_false_fails_and_sees_how_far_beyond():
     assert 0.04 < fails < 0.06
 
 
+def test_tensor_stage2_decides_a_failing_tensor_of_an_inside_device_over_one_ulp_draws():
+    """A bf16 tensor check that fails its first stage, on a device inside the nudges, is decided over
+    the one-ulp draws (asked for once): within the draws' spread it passes, with its numbers in its
+    stats; strictly beyond every draw it fails. Passing checks, and every check of a device not
+    inside (a defect is never inside), keep the first stage's verdict."""
+    import numpy as np
+
+    from v41_jax.tools.check_reference import CPU, compare_bf16, tensor_stage2
+
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((4, 64)).astype(np.float32)
+    ulp = 2.0 ** (np.floor(np.log2(np.sqrt(np.mean(ref.astype(np.float64) ** 2, -1, keepdims=True)))) - 7)
+
+    def check(key, ulps):                                   # every element `ulps` row ulps off
+        return compare_bf16(key, ref + ulps * ulp, ref, CPU)
+    # 19 draws: the tensor's row ulps at 5..14 (p50 = p99 = max); the other tensor's always 1
+    draws = {"t.a": [[u, u, u] for u in np.linspace(5, 14, 19)], "t.b": [[1.0, 1.0, 1.0]] * 19}
+    asked = []
+
+    def decide(ulps_a, inside=True):
+        asked.clear()
+        cond = {"inside": inside, "stage2_draws": 19, "draw_tensors": draws}
+        out = tensor_stage2([check("t.a", ulps_a), check("t.b", 1.0)], cond, lambda: asked.append(1))
+        return {c.key: c for c in out}
+
+    first = decide(3.0)                                     # within CPU's p50 4: stage 1, nothing asked
+    assert first["t.a"].passed and "stage" not in first["t.a"].stats and not asked
+    within = decide(8.0)                                    # fails p50 <= 4; draws reach 14
+    assert not check("t.a", 8.0).passed and within["t.a"].passed and asked == [1]
+    assert within["t.a"].stats["stage2"]["tensors"] == ["t.a"] and "stage 2 over 19" in within["t.a"].tolerance
+    assert not decide(20.0)["t.a"].passed                    # beyond every draw
+    assert not decide(8.0, inside=False)["t.a"].passed and not asked   # not inside: stage 1 stands
+    assert within["t.b"].passed and "stage" not in within["t.b"].stats
+
+
 def test_two_stage_decides_rank_keys_and_keeps_the_tie_rule():
     """Stage 1 decides unless a rank key has a row beyond its reach; then stage 2 (the conditioning's
     draws, asked for once) decides those keys, and its numbers are in their stats. Where the

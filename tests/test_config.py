@@ -109,7 +109,7 @@ BAD = [
     ("shared_experts", dict(n_shared_experts=2), "n_shared_experts"),
     ("activated", dict(n_activated_experts=9), "n_activated_experts"),
     ("dspark_activated", dict(dspark_n_activated_experts=5), "dspark_n_activated_experts"),
-    ("score_func", dict(score_func="sigmoid"), "score_func"),
+    ("score_func", dict(score_func="sparsemax"), "score_func"),
     ("engram_out_of_range", dict(engram_layer_ids=(1, 7)), "engram_layer_ids"),
     ("engram_count", dict(engram_num_embeddings=(1916,)), "engram_num_embeddings"),
     ("engram_rows", dict(engram_num_embeddings=(1916, 2149)), "engram_num_embeddings"),
@@ -172,7 +172,7 @@ def test_loader_refuses_bad_files(edit, field_name):
 
 def test_file_errors_name_the_file(tmp_path):
     raw = _raw("tiny.config.json")
-    raw["text_config"]["scoring_func"] = "softmax"
+    raw["text_config"]["scoring_func"] = "sparsemax"
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"config\.json: scoring_func: "):

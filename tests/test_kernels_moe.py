@@ -192,6 +192,21 @@ def test_skewed_groups_span_tiles():
     _check(got, ref.routed_experts(*case, FAST, 10.0), seed, FAST)
 
 
+@pytest.mark.parametrize("held", ["fp8", "fp4"])
+def test_gate_up_column_blocks_of_their_own_change_nothing(held):
+    """128-row tiles of coded experts run gate/up on 64-column blocks and down on 128
+    (`launch_config`); an explicit block_n sets both. Column blocks split the outputs only, so
+    the pairs are the same bit for bit."""
+    rng, seed = fresh_rng()
+    x, idx, w, *ws = _case(rng, t=90, d=256, f=128, e=4, k=3, skew=True, held=held)
+    assert kmoe.launch_config(128, coded=True)["gate_up_block_n"] == 64
+    run = lambda **kw: np.asarray(kmoe.routed_pairs(x, idx, w, *ws, FAST, 10.0, backend="pallas", impl="pallas",
+                                                    block_m=128, **kw))
+    own = run()
+    assert np.isfinite(own).all() and np.abs(own).max() > 0, f"seed {seed}"
+    np.testing.assert_array_equal(own, run(block_n=128), err_msg=f"seed {seed}")
+
+
 def test_mgpu_dispatch_covers_every_tile_layout():
     """The Mosaic path's tile-aligned dispatch (on CPU with the kernels' jnp references): a hot
     expert over three 128-row tiles (300 pairs: 128 + 128 + 44), empty experts, pad rows."""

@@ -38,7 +38,7 @@ def _triton_calls(exported) -> int:
 
 
 @pytest.mark.parametrize("t,splits,loads", [(8, 1, {}), (8, 2, {}), (128, 1, {}),
-                                            (128, 2, dict(q_per_chunk=True, prefetch_ids=True))])
+                                            (128, 2, dict(prefetch_ids=True))])
 def test_sparse_attn_lowers_for_rocm(t, splits, loads):
     # H=64, Dh=512, window 128 + 512 compressed ids; both launch configs (16- and 64-head programs),
     # and the load-placement variants
@@ -79,11 +79,11 @@ def _experts(held: str, e_: int, d: int, f_: int):
 
 
 @pytest.mark.parametrize("held", ["bf16", "fp8", "fp4"])
-@pytest.mark.parametrize("bm", [16, 128])   # decode- and 2K-token tiles
+@pytest.mark.parametrize("bm", [16, 128])   # decode- and 2K-token tiles (gate/up on 64 columns)
 def test_moe_lowers_for_rocm(bm, held):
     t, d, f_, e_, k = 64, 5120, 2304, 64, 6
     fn = functools.partial(_routed_pallas, numerics=Numerics.fast(), limit=10.0, bm=bm, bn=128,
-                           bk=64, num_warps=4, num_stages=3, interpret=False)
+                           bk=64, num_warps=4, num_stages=3, interpret=False, bn_gate_up=64 if bm == 128 else None)
     e = _export_rocm(fn, S((t, d), BF16), S((t, k), I32), S((t, k), F32), *_experts(held, e_, d, f_))
     assert _triton_calls(e) == 2          # gate/up and down
 

@@ -18,7 +18,7 @@ from v41_jax.model.engram import engram
 from v41_jax.linear import SPLIT_ROWS, bf16_parts
 from v41_jax.model.linear import k_block_dot, lin8, lin_bf, lin_f32
 from v41_jax.model.mhc import collapse, expand, hc_mixes, one_hot_pre, split_sinkhorn
-from v41_jax.model.moe import route, routed_experts, swiglu_ffn
+from v41_jax.model.moe import route, routed_experts, score, swiglu_ffn
 from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics, cascade_sum, exact_div
 from v41_jax.model.rope import apply_rope, rope_freqs
@@ -208,6 +208,27 @@ def test_route_sqrtsoftplus_with_selection_only_bias():
     w, idx = route(jnp.asarray(arr(d["logits"], T, E)), jnp.asarray(bias), k, cfg)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(d["indices"]).reshape(T, k))
     assert_ulps(w, arr(d["weights"], T, k), 2)
+
+
+@pytest.mark.parametrize("func", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_router_score_functions_match_float64(func):
+    """The reference's three router scores (torch: softmax over the experts, sigmoid, sqrt of
+    softplus with threshold 20) of x = logits / gate_temp, each within 4 fp32 ulps of float64 on
+    the same fp32 x (and x - max, for softmax): past those two roundings, which both compute, exp,
+    log1p, the division and the sum each round once."""
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((5, 16)).astype(np.float32) * 8
+    cfg = SimpleNamespace(score_func=func, gate_temp=0.75)
+    x32 = logits / np.float32(0.75)
+    x = x32.astype(np.float64)
+    shifted = (x32 - x32.max(-1, keepdims=True)).astype(np.float64)
+    want = {"softmax": lambda: np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True),
+            "sigmoid": lambda: 1 / (1 + np.exp(-x)),
+            "sqrtsoftplus": lambda: np.sqrt(np.where(x > 20, x, np.log1p(np.exp(x))))}[func]()
+    got = np.asarray(score(jnp.asarray(logits), cfg), np.float64)
+    assert np.all(np.abs(got - want) <= 4 * np.spacing(np.abs(want).astype(np.float32)))
+    if func == "softmax":
+        assert np.allclose(got.sum(-1), 1, atol=1e-6)
 
 
 def test_route_ties_go_to_the_lower_expert():

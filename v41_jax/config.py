@@ -302,6 +302,7 @@ _ROPE_SCALING = {"factor": "rope_factor", "beta_fast": "beta_fast", "beta_slow":
                  "original_max_position_embeddings": "original_seq_len"}
 # model_type where a layout names one: the HF root, its text_config
 _MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")     # the reference's router score functions
 
 
 def _spelled(field_name: str, raw: Any) -> str:
@@ -631,8 +632,8 @@ def _check_token_ids(cfg: ModelConfig) -> None:
 def _check_moe(cfg: ModelConfig) -> None:
     if cfg.n_shared_experts != 1:
         _fail("n_shared_experts", f"must be exactly 1, got {cfg.n_shared_experts}")
-    if cfg.score_func != "sqrtsoftplus":
-        _fail("score_func", f"must be 'sqrtsoftplus', got {cfg.score_func!r}")
+    if cfg.score_func not in SCORE_FUNCS:
+        _fail("score_func", f"must be one of {', '.join(map(repr, SCORE_FUNCS))}, got {cfg.score_func!r}")
     if cfg.moe_inter_dim < 1:
         _fail("moe_inter_dim", f"must be >= 1, got {cfg.moe_inter_dim}")
     if not 1 <= cfg.n_activated_experts <= cfg.n_routed_experts:

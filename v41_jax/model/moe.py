@@ -1,7 +1,8 @@
 """Mixture of experts: sqrtsoftplus router, routed SwiGLU experts, one shared expert (docs/MODEL.md §3.10).
 
 API
-  score(logits [T, E] fp32, cfg) -> fp32     sqrt(softplus(logits / gate_temp))
+  score(logits [T, E] fp32, cfg) -> fp32     sqrt(softplus(logits / gate_temp)); the reference's
+      other score functions too: softmax over the experts, or sigmoid (`score_func`)
   route(logits, bias [T|1, E], k, cfg, idx=None) -> (weights [T, k] fp32, idx [T, k] int32)
       the bias steers selection only; ties go to the lower expert id (`numerics.top_k`); idx in
       selection order; weights renormalised (+1e-20) when k > 1, times route_scale. A given idx
@@ -40,9 +41,13 @@ def _softplus(x: jax.Array) -> jax.Array:
 
 
 def score(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
-    if cfg.score_func != "sqrtsoftplus":  # the only scoring V4.1 checkpoints use
-        raise ValueError(f"score_func: only 'sqrtsoftplus' is implemented, got {cfg.score_func!r}")
-    return jnp.sqrt(_softplus(exact_div(logits, cfg.gate_temp)))
+    x = exact_div(logits, cfg.gate_temp)
+    if cfg.score_func == "softmax":       # the reference's other two (V4.1 checkpoints: sqrtsoftplus)
+        e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+        return exact_div(e, jnp.sum(e, axis=-1, keepdims=True))
+    if cfg.score_func == "sigmoid":
+        return jax.nn.sigmoid(x)
+    return jnp.sqrt(_softplus(x))
 
 
 def route(logits: jax.Array, bias: jax.Array, k: int, cfg: ModelConfig,
