@@ -641,7 +641,7 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
                 moved[key] |= rows
                 worst[key], reach[key] = w, max(reach[key], w)
             nudged = tensors(out)
-            moved_tensors = {k: compare_bf16(k, v, base_tensors[k], CPU).stats["row_ulps"] for k, v in nudged.items()}
+            moved_tensors = _tensor_moves(nudged, base_tensors)
             runs_at.append((mean_row_ulps(_recorded(nudged), recorded), worst, moved_tensors))
             for l, sc in _gate_scores(out).items():
                 noise[l] = max(noise[l], float(np.abs(sc.astype(np.float64) - gates[l]).max()))
@@ -673,14 +673,15 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
     # per bf16 tensor and statistic, the gentlest of the final size's runs; none where even the
     # largest nudges fall short of the device (no size of noise it is a draw of: the profile judges)
     measured = inside or moved_mean() >= deviation
-    tensor_noise = {k: {q: min(r[2][k][q] for r in runs_at) for q in TENSOR_STATS}
-                    for k in base_tensors} if measured else {}
+    draw_tensors = {k: [r[2][k] for r in runs_at] for k in base_tensors}
+    tensor_noise = {k: dict(zip(TENSOR_STATS, np.min(v, 0).tolist())) for k, v in draw_tensors.items()} \
+        if measured else {}
     return {"runs": runs, "deviation_mean_row_ulps": deviation, "inside": bool(inside), "ulps": ulps,
             "draws": levels[-1]["runs"], "levels": levels, "rank_reach": reach, "gate_noise": noise, "head": head,
             "tensor_noise": tensor_noise, "rows_moved": {k: [int(v.sum()), int(v.size)] for k, v in moved.items()},
             "stage2_draws": stage2, "draw_ranks": {k: [r[1][k] for r in runs_at] for k in picks}, "picks": own,
             # each run's tensor statistics, and what a further draw is compared with (`extend_draws`)
-            "draw_tensors": {k: [[r[2][k][q] for q in TENSOR_STATS] for r in runs_at] for k in base_tensors},
+            "draw_tensors": draw_tensors,
             "base_tensors": base_tensors, "tap_rows": tap_rows}
 
 
@@ -695,6 +696,12 @@ def _rank_draw(cfg, out: dict, own: dict) -> dict:
     return res
 
 
+def _tensor_moves(tensors: dict, base: dict) -> dict[str, list[float]]:
+    """A nudged run's bf16 tensors against the unnudged run's -> per tensor its row-ulp statistics
+    (`TENSOR_STATS`, in that order)."""
+    return {k: [compare_bf16(k, v, base[k], CPU).stats["row_ulps"][q] for q in TENSOR_STATS] for k, v in tensors.items()}
+
+
 def extend_draws(fx: Fixture, numerics: Numerics, cond: dict) -> dict:
     """The second stage's draws: the conditioning's draws at its final size, extended by nudges of
     that size (the next seeds) to `stage2_draws` in all -> per rank rule the worst missed rank of
@@ -707,9 +714,9 @@ def extend_draws(fx: Fixture, numerics: Numerics, cond: dict) -> dict:
         out = run_model(cfg, nudged_params(params, seed, cond["ulps"]), z, hasher, numerics, draft=False)
         for key, (_, worst) in _rank_draw(cfg, out, cond["picks"]).items():
             ranks[key].append(worst)
-        for key, v in bf16_tensors(cfg, out, s, taps=True, tap_rows=cond["tap_rows"]).items():
-            moved = compare_bf16(key, v, cond["base_tensors"][key], CPU).stats["row_ulps"]
-            tensors[key].append([moved[q] for q in TENSOR_STATS])
+        moved = _tensor_moves(bf16_tensors(cfg, out, s, taps=True, tap_rows=cond["tap_rows"]), cond["base_tensors"])
+        for key, v in moved.items():
+            tensors[key].append(v)
     return ranks
 
 
