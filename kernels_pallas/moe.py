@@ -69,7 +69,7 @@ IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "capacity", "mgpu")
 def _act_in(x: jax.Array, numerics: Numerics) -> jax.Array:
     """The input side of a `lin4` site: activation dtype, then A8 fake-quant."""
     x = numerics.act(x)
-    return fp8_act_qdq(x, _K_BLOCK) if numerics.fake_quant else x
+    return fp8_act_qdq(x, _K_BLOCK) if numerics.gemm_fake_quant else x
 
 
 def _swiglu_epilogue(g, u, weight, numerics: Numerics, limit: float):
@@ -283,7 +283,7 @@ def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn,
         out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_gate_up",
     )(te, tf, tend, tok, pw, xq, w1, w3)
-    a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
+    a = fp8_act_qdq(a, _K_BLOCK) if numerics.gemm_fake_quant else a
     y = pl.pallas_call(
         functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
         grid=(d // bn, te.shape[0]),
@@ -369,7 +369,7 @@ def _routed_gemv(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bn, bk, n
     launch = dict(numerics=numerics, bn=bn, bk=bk, num_warps=num_warps, num_stages=num_stages,
                   interpret=interpret)
     a = gemv_gate_up(pe, pw, _act_in(x, numerics), w1, w3, limit=limit, **launch)
-    a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
+    a = fp8_act_qdq(a, _K_BLOCK) if numerics.gemm_fake_quant else a
     return gemv_down(pe, a, w2, **launch).reshape(t, k, d)
 
 
@@ -468,7 +468,7 @@ def _routed_mgpu(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, tile_m, s
     swiglu = moe_mgpu.grouped_swiglu_ref if reference else moe_mgpu.grouped_swiglu
     gemm = moe_mgpu.grouped_matmul_ref if reference else moe_mgpu.grouped_matmul
     a = swiglu(xs, w1, w3, pw[pair], limit=limit, tile_n=cfg["glu_n"], **tiles)
-    a = fp8_act_qdq(a, _K_BLOCK) if numerics.fake_quant else a
+    a = fp8_act_qdq(a, _K_BLOCK) if numerics.gemm_fake_quant else a
     # back to pair order by a gather (an XLA scatter of the [M_pad, D] rows took 0.5 ms at 2K
     # tokens on the H200, more than the down GEMM)
     y = gemm(a, w2, tile_n=cfg["down_n"], **tiles)

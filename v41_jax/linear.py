@@ -49,9 +49,9 @@ def _dot_f32(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def lin8(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
     x = numerics.act(x)
-    if numerics.fake_quant:
+    if numerics.gemm_fake_quant:
         x = fp8_act_qdq(x, K_BLOCK)
-    y = k_block_dot(x, w) if numerics.block_gemm else _dot_f32(x, w)
+    y = k_block_dot(x, w) if numerics.gemm_blocks else _dot_f32(x, w)
     return numerics.act(y)
 
 

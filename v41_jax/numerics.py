@@ -1,8 +1,12 @@
 """Numerics policy: where the forward rounds, quantizes and how it accumulates.
 
 API
-  Numerics(act_dtype, fake_quant, block_gemm, index_score_bf16, attn_probs_bf16)
+  Numerics(act_dtype, fake_quant, block_gemm, index_score_bf16, attn_probs_bf16, quantized=True)
       frozen, hashable: pass it as a static argument under jit.
+  numerics.for_model(cfg.quantized)   the policy for this checkpoint; the model's entry points
+      (forward, make_step, the draft head's) apply it, so callers pass a policy only.
+  gemm_fake_quant, gemm_blocks   fake_quant / block_gemm where they touch a linear: only for a
+      quantized checkpoint (the reference's bf16 linears neither quantize nor block-sum).
   Numerics.reference()  bit-level policy of the official reference (docs/MODEL.md §4):
       bf16 activations, fp8/fp4 fake-quant at the reference's points, FP8/FP4 GEMMs summed per
       32-wide K block in fp32 in K order, bf16 index scores, bf16 attention probabilities.
@@ -51,13 +55,15 @@ Fields
                    block summed exactly in fp32, block partials added in fp32 in K order.
   index_score_bf16 indexer einsum -> ReLU -> weighted head sum in bf16 (the reference), else fp32.
   attn_probs_bf16  sparse attention rounds unnormalised probabilities to bf16 before P.V.
+  quantized        the checkpoint's linears are FP8/FP4 (else bf16: fake_quant and block_gemm then
+                   leave the GEMMs alone and keep to the KV / index rows).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +151,21 @@ class Numerics:
     @classmethod
     def fp32(cls) -> "Numerics":
         return cls(np.dtype(jnp.float32), False, False, False, False)
+
+    quantized: bool = True
+
+    def for_model(self, quantized: bool) -> "Numerics":
+        """This policy for a checkpoint with FP8/FP4 linears (`cfg.quantized`) or plain bf16 ones."""
+        return self if quantized == self.quantized else replace(self, quantized=quantized)
+
+    @property
+    def gemm_fake_quant(self) -> bool:
+        # the reference's bf16 `linear` is F.linear: no activation quant before an unquantized GEMM
+        return self.fake_quant and self.quantized
+
+    @property
+    def gemm_blocks(self) -> bool:
+        return self.block_gemm and self.quantized
 
     def act(self, x: jax.Array) -> jax.Array:
         return x.astype(self.act_dtype)

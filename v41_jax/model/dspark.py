@@ -58,7 +58,7 @@ class Draft(NamedTuple):
 
 def context_x(params: dict, cfg: ModelConfig, main_hidden: jax.Array, numerics: Numerics) -> jax.Array:
     p0 = params["mtp"][0]
-    return rms_norm(lin8(main_hidden, p0["main_proj"]["weight"], numerics), p0["main_norm"]["weight"],
+    return rms_norm(lin8(main_hidden, p0["main_proj"]["weight"], numerics.for_model(cfg.quantized)), p0["main_norm"]["weight"],
                     cfg.norm_eps)
 
 
@@ -78,6 +78,7 @@ def _markov_chain(p: dict, logits: jax.Array, first_ids: jax.Array,
 
 def draft(params: dict, cfg: ModelConfig, ctx_x: jax.Array, anchor: jax.Array, first_ids: jax.Array,
           numerics: Numerics, forced_gate: dict | None = None, forced_prev: jax.Array | None = None) -> Draft:
+    numerics = numerics.for_model(cfg.quantized)
     cos, sin = rope_cos_sin(cfg, jnp.arange(ctx_x.shape[1]), global_table=False)
 
     def context(m, p):                                                          # this stage's context rows
@@ -87,6 +88,7 @@ def draft(params: dict, cfg: ModelConfig, ctx_x: jax.Array, anchor: jax.Array, f
 
 def draft_block(params: dict, cfg: ModelConfig, context, anchor: jax.Array, first_ids: jax.Array,
                 numerics: Numerics, forced_gate: dict | None = None, forced_prev: jax.Array | None = None) -> Draft:
+    numerics = numerics.for_model(cfg.quantized)
     b, blk = first_ids.shape[0], cfg.dspark_block_size
     ids = jnp.full((b, blk), cfg.dspark_noise_token_id, first_ids.dtype).at[:, 0].set(first_ids)
     x = embed(params, ids, cfg.hc_mult, numerics)

@@ -173,6 +173,7 @@ def _scan_run(stacked: dict, cfg: ModelConfig, first: LayerTopology, x: jax.Arra
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Numerics,
             engram_rows: dict | None = None, image_mask: jax.Array | None = None,
             forced: dict | None = None, return_intermediates: bool = False):
+    numerics = numerics.for_model(cfg.quantized)
     x = embed(params, tokens, cfg.hc_mult, numerics)
     pre = one_hot_pre(tokens.shape, cfg.hc_mult)
     attend = lambda p, topo, h, ctx: _attend(p, cfg, topo, h, ctx, numerics, forced)

@@ -508,6 +508,7 @@ def make_step(cfg: ModelConfig, geom: CacheGeometry, numerics: Numerics, record:
     executable per bucket (the layout, static, follows from the bucket)."""
     check_row_formats(numerics, geom.settings.kv_format, geom.settings.index_format)
     check_speculative(cfg, geom, speculative)
+    numerics = numerics.for_model(cfg.quantized)
 
     def packed_step(params, cache, packed: PackedBatch, forced=None, *, layout: BatchLayout) -> StepOutput:
         return step(params, cache, layout.unpack(packed), forced, cfg=cfg, geom=geom, numerics=numerics,
