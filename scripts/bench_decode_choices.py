@@ -124,7 +124,11 @@ def bench_moe_prefill(b: Bench, shape: tuple, experts: dict):
     BENCHMARKS.md 2026-11-30): where does the decode's cost go away."""
     variants = (("default", {}),
                 ("bn64", dict(block_n=64)),             # gate/up's two fp32 accumulators half as wide
-                ("bm256-bn64", dict(block_m=256, block_n=64)))
+                ("bm256-bn64", dict(block_m=256, block_n=64)),
+                # the K step and the pipeline depth around the 64-column blocks (2026-12-05 c)
+                ("bn64-k128", dict(block_n=64, block_k=128)),
+                ("bn64-s4", dict(block_n=64, num_stages=4)),
+                ("bn64-w4", dict(block_n=64, num_warps=4)))
     for t in ((64,) if b.smoke else (2048, 4096, 8192)):
         for held in ("fp8", "bf16"):
             outs = {}
