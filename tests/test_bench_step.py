@@ -236,10 +236,11 @@ def test_bench_decode_choices_compares_each_choice_with_its_alternatives(tmp_pat
     assert len(rms) == 9 and all(c["bit_equal_to_rule"] for c in rms)
     prefill = [c for c in cases if c["name"].startswith("moe-prefill/")]
     assert {c["name"].split("/", 2)[2] for c in prefill} == {
-        "fp8/default", "fp8/bn64", "fp8/bm256-bn64", "bf16/default"}
+        "fp8/default", "fp8/bn64", "fp8/bm256-bn64", "fp8/bn64-k128", "fp8/bn64-s4", "fp8/bn64-w4",
+        "bf16/default"}
     assert all(c["ms"] > 0 for c in prefill)
     assert all(c["bit_equal_to_default"] for c in prefill if not c["name"].endswith("/default"))
-    assert sum("bit_equal_to_default" in c for c in prefill) == 2      # fp8 bn64, bm256-bn64
+    assert sum("bit_equal_to_default" in c for c in prefill) == 5      # every fp8 variant
 
 
 def test_random_cache_fills_packed_index_planes_with_on_grid_keys():
