@@ -139,6 +139,7 @@ class Numerics:
     block_gemm: bool
     index_score_bf16: bool
     attn_probs_bf16: bool
+    quantized: bool = True
 
     @classmethod
     def reference(cls) -> "Numerics":
@@ -151,8 +152,6 @@ class Numerics:
     @classmethod
     def fp32(cls) -> "Numerics":
         return cls(np.dtype(jnp.float32), False, False, False, False)
-
-    quantized: bool = True
 
     def for_model(self, quantized: bool) -> "Numerics":
         """This policy for a checkpoint with FP8/FP4 linears (`cfg.quantized`) or plain bf16 ones."""

@@ -57,8 +57,8 @@ class Draft(NamedTuple):
 
 
 def context_x(params: dict, cfg: ModelConfig, main_hidden: jax.Array, numerics: Numerics) -> jax.Array:
-    p0 = params["mtp"][0]
-    return rms_norm(lin8(main_hidden, p0["main_proj"]["weight"], numerics.for_model(cfg.quantized)), p0["main_norm"]["weight"],
+    numerics, p0 = numerics.for_model(cfg.quantized), params["mtp"][0]
+    return rms_norm(lin8(main_hidden, p0["main_proj"]["weight"], numerics), p0["main_norm"]["weight"],
                     cfg.norm_eps)
 
 
