@@ -39,6 +39,12 @@ mHC Sinkhorn (docs/MODEL.md §3.2; kernel: `kernels_pallas.sinkhorn`)
       divisor), then iters-1 rounds of (rows, columns) with +eps in both divisors; every sum over
       the N entries strictly left to right, every division correctly rounded fp32.
 
+Rotary embedding (docs/MODEL.md §3.1; kernel: `kernels_pallas.rope`)
+  apply_rope(x [..., W], cos, sin, inverse=False) -> x.dtype
+      rotates adjacent lane pairs (2i, 2i+1) of the last 2 * cos.shape[-1] lanes of x by the angle
+      (cos / sin broadcast against x[..., :R/2]): four products each rounded to fp32, one add each
+      (the reference's complex multiply), one cast back; inverse by the negative angle.
+
 RMSNorm statistic (docs/MODEL.md §3.1; kernel: `kernels_pallas.rmsnorm`)
   rsqrt(v) -> fp32   1 / sqrt(v), each step correctly rounded: torch's CPU rsqrt bit for bit
       (XLA's own rsqrt differs in ~1/3 of the cases).
@@ -207,6 +213,20 @@ def sinkhorn(e: jax.Array, iters: int, eps: float) -> jax.Array:
 
     # a loop, not an unrolled chain: same operations, a fraction of the compile time
     return jax.lax.fori_loop(0, iters - 1, rows_then_columns, c)
+
+
+# ---- rotary embedding ---------------------------------------------------------------------------
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = False) -> jax.Array:
+    half = cos.shape[-1]
+    head, tail = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
+    pairs = tail.astype(jnp.float32).reshape(*tail.shape[:-1], half, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    if inverse:
+        sin = -sin
+    rotated = jnp.stack([rounded(a * cos) - rounded(b * sin), rounded(a * sin) + rounded(b * cos)],
+                        axis=-1).reshape(tail.shape)
+    return jnp.concatenate([head, rotated.astype(x.dtype)], axis=-1)
 
 
 # ---- RMSNorm statistic --------------------------------------------------------------------------

@@ -4,7 +4,7 @@ and an HBM roofline ratio, on random weights generated on the device.
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
         [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select | --compare-scan] [--layers N] [--routed-experts E]
+        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select | --compare-numerics FIELD | --compare-scan] [--layers N] [--routed-experts E]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -56,7 +56,9 @@ case runs twice, NAME on its XLA path and on its Pallas kernel (`backend.use_bac
 NAME)` around the lowering of a step function of its own; every other kernel as `--kernels`). After
 the timing above, each pair is timed again interleaved (5 rounds, each variant `--iters` / 5 calls
 in turn): `comparisons` in the JSON, per variant the median and spread of those calls.
-`--compare-scan` pairs the unrolled layer stack with the scanned one (`Engine(scan_layers=True)`:
+`--compare-numerics FIELD` pairs the policy with one of its boolean fields off and on (e.g.
+`exact_rms`: the RMS statistic's kernel against one XLA reduction; a step function of its own per
+variant) the same way. `--compare-scan` pairs the unrolled layer stack with the scanned one (`Engine(scan_layers=True)`:
 the same params stacked per run of identical layers, `v41_jax/model/layer_runs.py`) the same way,
 and first runs each from a copy of one cache: `differing_outputs` lists the outputs (logits,
 cache fields) whose bytes differ between the variants, and, as a control, between two runs of the
@@ -90,7 +92,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -119,12 +121,15 @@ from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.layer_runs import stack_runs  # noqa: E402
 from v41_jax.model.numerics import Numerics  # noqa: E402
 from v41_jax.runtime import compile_cache  # noqa: E402
-from v41_jax.runtime.engine import Engine  # noqa: E402
+from v41_jax.runtime.engine import NUMERICS, Engine  # noqa: E402
 from v41_jax.runtime.metadata import Bucket, BucketSet, build_step  # noqa: E402
+from v41_jax.runtime.step import make_step  # noqa: E402
 from v41_jax.topology import Mode, resolve_topology  # noqa: E402
 
-NUMERICS = {"fast": Numerics.fast, "reference": Numerics.reference, "fp32": Numerics.fp32}
 SCAN_VARIANTS = ("unrolled", "scanned")
+SWITCH_VARIANTS = ("off", "on")
+# the policy's switches a run can compare (`--compare-numerics`): its boolean fields
+POLICY_SWITCHES = tuple(f.name for f in fields(Numerics) if f.type in (bool, "bool"))
 NOMINAL_COPY_GBS = 4300.0   # the workplace's measured H200 copy figure (BENCHMARKS.md)
 GiB = float(1 << 30)
 
@@ -360,7 +365,8 @@ class Case:
     batch: int                 # requests
     tokens: int                # token rows
     bucket: Bucket
-    variant: str | None = None  # --compare-kernel: that kernel's backend; --compare-scan: unrolled | scanned
+    variant: str | None = None  # --compare-kernel: that kernel's backend; --compare-numerics: off | on;
+                                # --compare-scan: unrolled | scanned
     device_batch: object = None
     host_build_ms: float = 0.0
     lowered: object = None
@@ -434,6 +440,8 @@ def parse_args(argv=None):
     ap.add_argument("--routed-experts", type=int, default=0, help="routed experts per layer (0 = the config's)")
     ap.add_argument("--compare-kernel", choices=kernel_backend.KERNELS, default=None,
                     help="run every case with this kernel on xla and on pallas, then time each pair interleaved")
+    ap.add_argument("--compare-numerics", choices=POLICY_SWITCHES, default=None,
+                    help="run every case with this Numerics field off and on, then time each pair interleaved")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also trace N steps per case and record the device time by kernel")
     ap.add_argument("--host-events", type=int, default=0, metavar="N",
@@ -490,8 +498,8 @@ def main(argv=None) -> int:
     clock = Clock()
     args = parse_args(argv)
     cfg = ModelConfig.from_file(args.config)
-    if args.compare_scan and args.compare_kernel:
-        raise SystemExit("--compare-scan and --compare-kernel: one comparison per run")
+    if sum(map(bool, (args.compare_scan, args.compare_kernel, args.compare_numerics))) > 1:
+        raise SystemExit("--compare-scan, --compare-kernel, --compare-numerics: one comparison per run")
     if args.layers:
         cfg = cut(cfg, args.layers)
     if args.routed_experts:
@@ -585,7 +593,8 @@ def main(argv=None) -> int:
     cases += [Case(f"prefill {n} (b=1, pos 0)", "prefill", 1, n, Bucket(n, 1, 1))
               for n in prefills]
     compared, variants = (("scan", SCAN_VARIANTS) if args.compare_scan else
-                          (args.compare_kernel, kernel_backend.CHOICES) if args.compare_kernel else (None, ()))
+                          (args.compare_kernel, kernel_backend.CHOICES) if args.compare_kernel else
+                          (args.compare_numerics, SWITCH_VARIANTS) if args.compare_numerics else (None, ()))
     if compared:
         cases = [Case(f"{c.name} [{compared}={v}]", c.kind, c.batch, c.tokens, c.bucket, v)
                  for c in cases for v in variants]
@@ -639,6 +648,10 @@ def main(argv=None) -> int:
 
     # a step function per variant: jit caches a trace, and the backend is read while tracing
     step_fns = {v: engine.runner.make_step_fn() for v in kernel_backend.CHOICES} if args.compare_kernel else {}
+    if args.compare_numerics:
+        r = engine.runner
+        step_fns = {v: make_step(r.cfg, r.geom, replace(numerics, **{args.compare_numerics: v == "on"}),
+                                 r.record, r.speculative) for v in SWITCH_VARIANTS}
     for c in cases:
         t1 = time.perf_counter()
         try:

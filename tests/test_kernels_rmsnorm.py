@@ -30,7 +30,9 @@ from kernels_common import fresh_rng
 from kernels_pallas import backend
 from kernels_pallas._compat import TRITON_CUSTOM_CALL
 from kernels_pallas.rmsnorm import _rms_inv_pallas, rms_inv
+from v41_jax.model import norm
 from v41_jax.model.norm import rms_norm
+from v41_jax.numerics import Numerics
 
 EPS = 1e-20   # the checkpoints' rms_norm_eps
 
@@ -126,7 +128,7 @@ def test_rms_norm_takes_the_kernel_under_its_per_kernel_switch():
     rng, seed = fresh_rng()
     x = _rows(rng, 5, 40, jnp.bfloat16).reshape(5, 1, 40)
     w = jnp.asarray(rng.standard_normal(40), jnp.float32)
-    norm = lambda: jax.jit(lambda x: rms_norm(x, w, EPS))   # a new trace each call
+    norm = lambda: jax.jit(lambda x: rms_norm(x, w, EPS, Numerics.reference()))   # a new trace each call
     with backend.use_backend("pallas", kernel="rmsnorm"):
         assert backend.resolve(kernel="rmsnorm") == "pallas" and backend.resolve(kernel="sinkhorn") == "xla"
         assert "pallas_call" in str(jax.make_jaxpr(norm())(x))
@@ -134,6 +136,28 @@ def test_rms_norm_takes_the_kernel_under_its_per_kernel_switch():
     assert "pallas_call" not in str(jax.make_jaxpr(norm())(x))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(norm()(x)).view(np.uint16),
                                   err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("d", [7, 4096, 20480])
+def test_fast_statistic_is_one_reduction_within_its_rounding_bound(d):
+    """Numerics.fast (exact_rms off): no kernel even where the kernel is selected, and the statistic
+    within its rounding bound of the fp64 one over the fp32 squares. Relative bound: the d squares
+    summed in any order (at most (d - 1) u, u = 2^-24, all terms >= 0), the mean's scaling by 1 / d
+    (XLA multiplies by the rounded reciprocal: two roundings) and + eps one, so the mean is within
+    (d + 2) u; its rsqrt within half of that plus the rsqrt's own rounding (XLA's may be off by
+    2 ulps: 2 u). The squares overflow in fp32 on one row (statistic 0): no relative bound there."""
+    rng, seed = fresh_rng()
+    x = _rows(rng, 5, d, jnp.float32)[:4]          # the NaN row apart: no bound to state for it
+    sq = np.square(np.asarray(x, np.float32))
+    truth = 1.0 / np.sqrt(sq.astype(np.float64).mean(-1) + EPS)
+    fast = jax.jit(lambda x: norm.rms_inv(x, EPS, Numerics.fast()))
+    with backend.use_backend("pallas", kernel="rmsnorm"):
+        assert "pallas_call" not in str(jax.make_jaxpr(fast)(x))
+        got = np.asarray(fast(x), np.float64)[:, 0]
+    u = 2.0 ** -24
+    finite = np.all(np.isfinite(sq), -1)
+    rel = np.abs(got[finite] / truth[finite] - 1)
+    assert finite.sum() >= 2 and np.all(rel <= ((d + 2) / 2 + 2) * u), (rel, seed)
 
 
 def test_auto_takes_every_kernel_on_a_gpu_only(monkeypatch):

@@ -19,6 +19,7 @@ from kernels_pallas._compat import TRITON_CUSTOM_CALL
 from kernels_pallas.indexer import _index_scores_pallas
 from kernels_pallas.moe import _routed_gemv, _routed_pallas, dispatch_rows
 from kernels_pallas.rmsnorm import _rms_inv_pallas
+from kernels_pallas.rope import _rope_pallas
 from kernels_pallas.sinkhorn import _sinkhorn_pallas
 from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config
 from v41_jax.model.numerics import Numerics
@@ -118,6 +119,15 @@ def test_rmsnorm_lowers_for_rocm(t, d, bt, dt):
     root lower through Triton for ROCm too; a width with a masked rest; rows past T masked."""
     fn = functools.partial(_rms_inv_pallas, eps=1e-20, block_rows=bt, interpret=False)
     e = _export_rocm(fn, S((t, d), dt))
+    assert _triton_calls(e) == 1
+
+
+@pytest.mark.parametrize("t,heads,width,inverse", [(8192, 64, 512, False), (37, 64, 512, True), (5, 1, 512, False)])
+def test_rope_lowers_for_rocm(t, heads, width, inverse):
+    """The attention's queries and outputs (64 heads of 512 lanes, the last 64 rotated), rows past
+    the last block masked, one head (a KV row's layout)."""
+    fn = functools.partial(_rope_pallas, heads=heads, inverse=inverse, interpret=False)
+    e = _export_rocm(fn, S((t, heads * width), BF16), S((t, 32), F32), S((t, 32), F32))
     assert _triton_calls(e) == 1
 
 

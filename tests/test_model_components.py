@@ -53,11 +53,12 @@ def test_exact_div_is_correctly_rounded_under_jit():
 
 # ---- RMSNorm ------------------------------------------------------------------------------------
 
-def test_rms_norm_rounds_once_from_fp32():
+@pytest.mark.parametrize("numerics", [Numerics.reference(), Numerics.fast()], ids=["exact", "fast"])
+def test_rms_norm_rounds_once_from_fp32(numerics):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((3, 96)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal(96), jnp.bfloat16)
-    y = rms_norm(x, w, 1e-20)
+    y = rms_norm(x, w, 1e-20, numerics)
     assert y.dtype == jnp.bfloat16
     xf = np.asarray(x, np.float64)
     want = np.asarray(w, np.float64) * xf / np.sqrt((xf ** 2).mean(-1, keepdims=True) + 1e-20)
@@ -183,7 +184,7 @@ def test_hc_mixes_from_raw_streams(case):
                           hc_eps=case["hcEps"])
     x = jnp.asarray(arr(case["x"], T, hc, D))
     pre, post, comb = hc_mixes(x, jnp.asarray(arr(case["fn"], -1, hc * D)), jnp.asarray(arr(case["base"], -1)),
-                               jnp.asarray(arr(case["scale"], 3)), cfg)
+                               jnp.asarray(arr(case["scale"], 3)), cfg, Numerics.reference())
     assert_ulps(pre, arr(case["pre"], T, hc), 2)
     assert_ulps(post, arr(case["post"], T, hc), 2)
     assert_ulps(comb, arr(case["comb"], T, hc, hc), 2)

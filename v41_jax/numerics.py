@@ -1,7 +1,8 @@
 """Numerics policy: where the forward rounds, quantizes and how it accumulates.
 
 API
-  Numerics(act_dtype, fake_quant, block_gemm, index_score_bf16, attn_probs_bf16, quantized=True)
+  Numerics(act_dtype, fake_quant, block_gemm, index_score_bf16, attn_probs_bf16, quantized=True,
+           exact_rms=True)
       frozen, hashable: pass it as a static argument under jit.
   numerics.for_model(cfg.quantized)   the policy for this checkpoint; the model's entry points
       (forward, make_step, the draft head's) apply it, so callers pass a policy only.
@@ -10,8 +11,9 @@ API
   Numerics.reference()  bit-level policy of the official reference (docs/MODEL.md §4):
       bf16 activations, fp8/fp4 fake-quant at the reference's points, FP8/FP4 GEMMs summed per
       32-wide K block in fp32 in K order, bf16 index scores, bf16 attention probabilities.
-  Numerics.fast()       same rounding points, but GEMMs are one fp32-accumulating dot (the order
-      of the fp32 sum is the backend's). For serving.
+  Numerics.fast()       same rounding points, but GEMMs are one fp32-accumulating dot and the RMS
+      statistic one reduction and rsqrt (the order of each fp32 sum, and the last bit of the
+      rsqrt, are the backend's). For serving.
   Numerics.fp32()       same graph with fp32 activations and no fake-quant / bf16 rounding; used to
       compare the cache path with the full forward without rounding noise.
   numerics.act(x)       cast to the activation dtype (the reference's bf16 rounding points).
@@ -57,6 +59,10 @@ Fields
   attn_probs_bf16  sparse attention rounds unnormalised probabilities to bf16 before P.V.
   quantized        the checkpoint's linears are FP8/FP4 (else bf16: fake_quant and block_gemm then
                    leave the GEMMs alone and keep to the KV / index rows).
+  exact_rms        the RMS statistic (RMSNorm, mHC mixes, Engram gate) bit for bit as the reference
+                   computes it (torch's CPU sum order, correctly rounded division and rsqrt: a
+                   kernel of its own, `kernels_pallas.rmsnorm`), else one backend reduction that
+                   XLA fuses with its neighbours (the statistic to within a few fp32 ulps).
 """
 
 from __future__ import annotations
@@ -140,6 +146,7 @@ class Numerics:
     index_score_bf16: bool
     attn_probs_bf16: bool
     quantized: bool = True
+    exact_rms: bool = True
 
     @classmethod
     def reference(cls) -> "Numerics":
@@ -147,7 +154,7 @@ class Numerics:
 
     @classmethod
     def fast(cls) -> "Numerics":
-        return cls(np.dtype(jnp.bfloat16), True, False, True, True)
+        return cls(np.dtype(jnp.bfloat16), True, False, True, True, exact_rms=False)
 
     @classmethod
     def fp32(cls) -> "Numerics":

@@ -82,15 +82,15 @@ def _heads(cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def query(p: dict, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
           numerics: Numerics) -> tuple[jax.Array, jax.Array]:
-    c_q = rms_norm(lin8(h, p["wq_a"]["weight"], numerics), p["q_norm"]["weight"], cfg.norm_eps)
+    c_q = rms_norm(lin8(h, p["wq_a"]["weight"], numerics), p["q_norm"]["weight"], cfg.norm_eps, numerics)
     q = lin8(c_q, p["wq_b"]["weight"], numerics)
     q = q.reshape(*q.shape[:-1], cfg.n_heads, cfg.head_dim)
-    return c_q, apply_rope(q, *_heads(cos, sin))
+    return c_q, apply_rope(q, *_heads(cos, sin), in_place=True)
 
 
 def window_kv(p: dict, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.Array,
               numerics: Numerics) -> jax.Array:
-    kv = rms_norm(lin8(h, p["wkv"]["weight"], numerics), p["kv_norm"]["weight"], cfg.norm_eps)
+    kv = rms_norm(lin8(h, p["wkv"]["weight"], numerics), p["kv_norm"]["weight"], cfg.norm_eps, numerics)
     kv = apply_rope(kv, cos, sin)
     # the whole row, RoPE lanes included
     return fp8_act_qdq(kv, WINDOW_FP8_BLOCK) if numerics.fake_quant else kv
@@ -99,7 +99,7 @@ def window_kv(p: dict, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.
 def output_proj(p: dict, cfg: ModelConfig, o: jax.Array, cos: jax.Array, sin: jax.Array,
                 numerics: Numerics) -> jax.Array:
     # K = V carries RoPE: rotating back by the query's angle leaves a position-free output
-    o = apply_rope(o, *_heads(cos, sin), inverse=True)
+    o = apply_rope(o, *_heads(cos, sin), inverse=True, in_place=True)
     g = cfg.o_groups
     o = o.reshape(*o.shape[:-2], g, -1)                                  # [B, T, G, H/G * Dh]
     wo_a = p["wo_a"]["weight"].reshape(g, cfg.o_lora_rank, -1)           # block-diagonal over groups

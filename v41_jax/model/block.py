@@ -40,8 +40,8 @@ class BlockOut(NamedTuple):
     attn_aux: Any         # whatever `attend` returned beside its output
 
 
-def _mixes(p: dict, sub: str, x: jax.Array, cfg: ModelConfig):
-    return hc_mixes(x, p[f"hc_{sub}_fn"], p[f"hc_{sub}_base"], p[f"hc_{sub}_scale"], cfg)
+def _mixes(p: dict, sub: str, x: jax.Array, cfg: ModelConfig, numerics: Numerics):
+    return hc_mixes(x, p[f"hc_{sub}_fn"], p[f"hc_{sub}_base"], p[f"hc_{sub}_scale"], cfg, numerics)
 
 
 def block(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, pre: jax.Array, attend: Attend,
@@ -49,12 +49,12 @@ def block(p: dict, cfg: ModelConfig, layer: int, x: jax.Array, pre: jax.Array, a
           forced_gate: jax.Array | None = None, expert_layer: jax.Array | None = None) -> BlockOut:
     b, t, _, d = x.shape
     # the attention side's pre is not used here: it collapses the FFN input below
-    pre_a, post_a, comb_a = _mixes(p, "attn", x, cfg)
-    a, aux = attend(rms_norm(collapse(x, pre), p["attn_norm"]["weight"], cfg.norm_eps))
+    pre_a, post_a, comb_a = _mixes(p, "attn", x, cfg, numerics)
+    a, aux = attend(rms_norm(collapse(x, pre), p["attn_norm"]["weight"], cfg.norm_eps, numerics))
     x = expand(a, x, post_a, comb_a)
 
-    pre_f, post_f, comb_f = _mixes(p, "ffn", x, cfg)
-    h = rms_norm(collapse(x, pre_a), p["ffn_norm"]["weight"], cfg.norm_eps)
+    pre_f, post_f, comb_f = _mixes(p, "ffn", x, cfg, numerics)
+    h = rms_norm(collapse(x, pre_a), p["ffn_norm"]["weight"], cfg.norm_eps, numerics)
     flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
     m, gate_idx, gate_scores = moe(p["ffn"], cfg, layer, h.reshape(b * t, d), numerics, flat(image_mask),
                                    flat(forced_gate), expert_layer)

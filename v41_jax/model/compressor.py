@@ -89,7 +89,7 @@ def compress(p: dict, cfg: ModelConfig, ratio: int, h: jax.Array, state: Compres
     """h [B, T, D] (the attention input), start [B]. Ratio 1 carries no state (pass None)."""
     b, t, _ = h.shape
     if ratio == 1:  # one token per group: no gate, no fp32 promotion
-        latent = rms_norm(lin_bf(h, p["wkv"]["weight"], numerics), p["norm"]["weight"], cfg.norm_eps)
+        latent = rms_norm(lin_bf(h, p["wkv"]["weight"], numerics), p["norm"]["weight"], cfg.norm_eps, numerics)
         return latent, (start[:, None] + jnp.arange(t)).astype(jnp.int32), state
     pooled, row_ids, state = pool_groups(*projections(p, h), state, start, ratio)
     return group_latent(p, cfg, pooled, numerics), row_ids, state
@@ -102,7 +102,7 @@ def projections(p: dict, h: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def group_latent(p: dict, cfg: ModelConfig, pooled: jax.Array, numerics: Numerics) -> jax.Array:
     # the pooled sum is rounded to the activation dtype before the norm, as the reference does
-    return rms_norm(numerics.act(pooled), p["norm"]["weight"], cfg.norm_eps)
+    return rms_norm(numerics.act(pooled), p["norm"]["weight"], cfg.norm_eps, numerics)
 
 
 def stored_rows(cfg: ModelConfig, ratio: int, latent: jax.Array, row_ids: jax.Array,

@@ -59,7 +59,7 @@ class Draft(NamedTuple):
 def context_x(params: dict, cfg: ModelConfig, main_hidden: jax.Array, numerics: Numerics) -> jax.Array:
     numerics, p0 = numerics.for_model(cfg.quantized), params["mtp"][0]
     return rms_norm(lin8(main_hidden, p0["main_proj"]["weight"], numerics), p0["main_norm"]["weight"],
-                    cfg.norm_eps)
+                    cfg.norm_eps, numerics)
 
 
 def _markov_chain(p: dict, logits: jax.Array, first_ids: jax.Array,
@@ -107,7 +107,7 @@ def draft_block(params: dict, cfg: ModelConfig, context, anchor: jax.Array, firs
         gate_idx[layer], gate_scores[layer] = out.gate_idx, out.gate_scores
     last = params["mtp"][-1]
     hd = collapse(x, pre)                                                      # pre-norm draft hidden
-    base = lm_head(params["head"]["weight"], rms_norm(hd, last["norm"]["weight"], cfg.norm_eps))
+    base = lm_head(params["head"]["weight"], rms_norm(hd, last["norm"]["weight"], cfg.norm_eps, numerics))
     out_ids, logits, markov = _markov_chain(last, base, first_ids, forced_prev)
     confidence = lin_f32(jnp.concatenate([hd, markov.astype(hd.dtype)], -1),
                          last["confidence_head"]["proj"]["weight"])[..., 0]

@@ -55,7 +55,7 @@ def engram(p: dict, cfg: ModelConfig, x: jax.Array, rows: jax.Array, numerics: N
     weight = p["q_weight"].astype(jnp.float32) * p["k_weight"].astype(jnp.float32)  # only the product is used
     h = x.astype(jnp.float32)
     # normalised per (token, stream) over D, not jointly over the streams
-    rstd = rms_inv(h, cfg.norm_eps)[..., 0] * rms_inv(key, cfg.norm_eps)[..., 0]     # [..., N]
+    rstd = rms_inv(h, cfg.norm_eps, numerics)[..., 0] * rms_inv(key, cfg.norm_eps, numerics)[..., 0]     # [..., N]
     dot = cascade_sum(rounded(h * weight * key)) * rstd * d ** -0.5
     gate = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), _GATE_FLOOR)), dot))
     if token_mask is not None:

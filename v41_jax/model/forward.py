@@ -180,7 +180,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Nume
     x, pre, _, inter = run_layers(params, cfg, x, pre, empty_context(), attend, numerics,
                                   engram_rows=engram_rows, image_mask=image_mask,
                                   forced_gates=None if forced is None else forced.get("gate_topk"))
-    collapsed, normed = final_hidden(params, cfg, x, pre)
+    collapsed, normed = final_hidden(params, cfg, x, pre, numerics)
     logits = lm_head(params["head"]["weight"], normed)
     if not return_intermediates:
         return logits

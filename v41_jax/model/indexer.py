@@ -53,7 +53,7 @@ def _fp4(x: jax.Array, numerics: Numerics) -> jax.Array:
 
 def index_keys(p: dict, cfg: ModelConfig, latent: jax.Array, row_ids: jax.Array, ratio: int,
                numerics: Numerics) -> jax.Array:
-    k = rms_norm(lin_bf(latent, p["wk"]["weight"], numerics), p["k_norm"]["weight"], cfg.norm_eps)
+    k = rms_norm(lin_bf(latent, p["wk"]["weight"], numerics), p["k_norm"]["weight"], cfg.norm_eps, numerics)
     cos, sin = rope_cos_sin(cfg, ratio * jnp.maximum(row_ids, 0), global_table=True)
     return _fp4(apply_rope(k, cos, sin), numerics)
 

@@ -5,7 +5,7 @@ input streams; it expands with its own post/comb but hands `pre` on: the collaps
 sublayer always uses the pre the previous sublayer computed (block.py wires that).
 
 API (X [..., N, D] in the activation dtype; coefficients fp32)
-  hc_mixes(X, fn [M, N*D], base [M], scale [3], cfg) -> (pre [..., N], post [..., N], comb [..., N, N])
+  hc_mixes(X, fn [M, N*D], base [M], scale [3], cfg, numerics) -> (pre [..., N], post [..., N], comb [..., N, N])
   split_sinkhorn(m [..., M], scale, base, hc, iters, eps, backend=None) -> (pre, post, comb)
       comb[i, j]: i = input stream, j = output stream; doubly stochastic after Sinkhorn
       (`kernels_pallas.sinkhorn`: one Pallas kernel per call, or its XLA path).
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from kernels_pallas import sinkhorn as kernel_sinkhorn
 from v41_jax.model.linear import lin_f32
 from v41_jax.model.norm import rms_inv
-from v41_jax.model.numerics import exact_div, ordered_sum, rounded
+from v41_jax.model.numerics import Numerics, exact_div, ordered_sum, rounded
 
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
@@ -44,12 +44,12 @@ def split_sinkhorn(m: jax.Array, scale: jax.Array, base: jax.Array, hc: int, ite
 
 
 def hc_mixes(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
-             cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+             cfg: ModelConfig, numerics: Numerics) -> tuple[jax.Array, jax.Array, jax.Array]:
     flat = x.reshape(*x.shape[:-2], -1)                                    # [..., N*D]
     # one RMS statistic over all streams jointly, no learned weight; the reference's fp32 GEMM
     # of these values (`lin_f32` takes the bf16 rows as they are: from SPLIT_ROWS rows it needs
     # no fp32 copy of them)
-    m = lin_f32(flat, fn) * rms_inv(flat, cfg.norm_eps)                    # [..., M]
+    m = lin_f32(flat, fn) * rms_inv(flat, cfg.norm_eps, numerics)                    # [..., M]
     return split_sinkhorn(m, scale.astype(jnp.float32), base.astype(jnp.float32), cfg.hc_mult,
                           cfg.hc_sinkhorn_iters, cfg.hc_eps)
 

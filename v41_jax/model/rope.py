@@ -6,10 +6,12 @@ API
       global_table=True:  theta = compress_rope_theta with YaRN when original_seq_len > 0
                           (ratio > 0 layers). No mscale: cos/sin are unscaled.
   rope_cos_sin(cfg, positions, global_table) -> (cos, sin), fp32 [*positions.shape, R/2]
-  apply_rope(x, cos, sin, inverse=False) -> x.dtype
+  apply_rope(x, cos, sin, inverse=False, in_place=False) -> x.dtype
       rotates adjacent lane pairs (2i, 2i+1) of the last 2*cos.shape[-1] lanes of x by the angle;
       cos/sin must broadcast against x[..., :R/2] (add a head axis for [T, H, D]). Computed in
-      fp32, one cast back. inverse rotates by the negative angle.
+      fp32, one cast back. inverse rotates by the negative angle. The rule:
+      `kernels_pallas.reference.apply_rope`; in_place: the Pallas backend rewrites only the
+      rotated lanes of x (`kernels_pallas.rope`), for an x nothing reads afterwards.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41_jax.model.numerics import rounded
+from kernels_pallas import reference as ref
+from kernels_pallas import rope as kernel_rope
 
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
@@ -59,14 +62,11 @@ def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, global_table: bool) -> 
     return jnp.cos(angle), jnp.sin(angle)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = False) -> jax.Array:
-    half = cos.shape[-1]
-    head, tail = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
-    pairs = tail.astype(jnp.float32).reshape(*tail.shape[:-1], half, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    if inverse:
-        sin = -sin
-    # the reference multiplies complex numbers: four rounded products, then one add each
-    rotated = jnp.stack([rounded(a * cos) - rounded(b * sin), rounded(a * sin) + rounded(b * cos)],
-                        axis=-1).reshape(tail.shape)
-    return jnp.concatenate([head, rotated.astype(x.dtype)], axis=-1)
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = False,
+               in_place: bool = False) -> jax.Array:
+    # in_place where the rotation is x's last use and x is wide (the attention's queries and
+    # outputs): the kernel rewrites only the rotated lanes; elsewhere the XLA rule fuses into
+    # what follows it (the index and KV rows' quantization)
+    if in_place:
+        return kernel_rope.apply_rope(x, cos, sin, inverse)
+    return ref.apply_rope(x, cos, sin, inverse)

@@ -388,7 +388,7 @@ def run_draft(cfg, params, z, taps: np.ndarray, numerics: Numerics) -> dict:
         jnp.asarray(ref_ids[:, :-1]))
     last = params["mtp"][-1]
     out = _host({k: v for k, v in d._asdict().items() if not isinstance(v, dict)})
-    out["normed"] = _host(rms_norm(d.hidden, last["norm"]["weight"], cfg.norm_eps))
+    out["normed"] = _host(rms_norm(d.hidden, last["norm"]["weight"], cfg.norm_eps, numerics))
     out["markov"] = _host(last["markov_head"]["embed"]["weight"][jnp.asarray(ref_ids[:, :-1])])
     out["gate_idx"] = {l: np.asarray(v) for l, v in d.gate_idx.items()}
     out["gate_scores"] = {l: np.asarray(v) for l, v in d.gate_scores.items()}
