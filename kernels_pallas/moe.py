@@ -27,8 +27,9 @@ FP8 rows 1.4-1.9x faster than bf16 at 1-128 tokens (half the bytes), 0.66x at >=
 in the MMA path); FP4 slower than bf16 everywhere (BENCHMARKS.md).
 
 Accumulation: one fp32 dot per GEMM (the `fast` policy; only fp32 summation order differs from the
-XLA path). Under `numerics.block_gemm` (the reference's K-block order) the dispatcher takes the
-XLA path, which implements that order.
+XLA path). Under `numerics.gemm_blocks` (the reference's K-block order, for quantized experts)
+the dispatcher takes the XLA path, which implements that order; a bf16 checkpoint's experts have
+no K blocks (`Numerics.for_model`), so they take the kernels under every policy.
 
 Decode path (impl="gemv"): one program per (token, expert) pair and column block streams the
 expert's weight rows against the token's row as elementwise fp32 products summed over K (an MMA
@@ -585,7 +586,7 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
     activation dtype, each token's picks in ascending expert id (ties in the given order: every
     path sorts stably). Expert parallelism sums these across devices (`model/expert_parallel.py`).
 
-    backend "xla" (or numerics.block_gemm) -> the reference's per-token loop; "pallas" -> `impl`
+    backend "xla" (or numerics.gemm_blocks) -> the reference's per-token loop; "pallas" -> `impl`
     ("pallas" | "gemv" | "ragged_dot" | "dense" | "capacity" | "mgpu"; None = `choose_impl`, the fastest exact
     one measured on the H200). Launch parameters default to `launch_config(block_m, coded)` (its
     gate/up column block too, unless block_n sets both); for
@@ -601,7 +602,7 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
     if stack_index is not None:
         n_exp, base = w1.shape[1], stack_index.astype(jnp.int32) * w1.shape[1]
         w1, w3, w2 = (jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), w_) for w_ in (w1, w3, w2))
-    if _backend.resolve(backend) == "xla" or numerics.block_gemm:
+    if _backend.resolve(backend) == "xla" or numerics.gemm_blocks:
         return ref.routed_pairs(x, idx, w, w1, w3, w2, numerics, swiglu_limit, *(() if base is None else (base,)))
     if base is None:
         n_exp = w1.shape[0]

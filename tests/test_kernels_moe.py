@@ -332,9 +332,17 @@ def test_tile_table_matches_a_binary_search_and_compiles_without_a_loop():
 
 
 def test_block_gemm_numerics_take_the_reference_path(monkeypatch):
-    """The kernels sum each GEMM in one fp32 dot; the reference's K-block order is the XLA path's."""
+    """The kernels sum each GEMM in one fp32 dot; the reference's K-block order of quantized
+    experts is the XLA path's. A bf16 checkpoint's experts have no K blocks under any policy
+    (`Numerics.for_model`), so the reference policy takes the kernels there."""
     monkeypatch.setattr(kmoe.ref, "routed_pairs", lambda *a: "reference path")
-    assert kmoe.routed_pairs(*[None] * 6, Numerics.reference(), 10.0, backend="pallas") == "reference path"
+    monkeypatch.setattr(kmoe, "auto_impl", lambda *a: "ragged_dot")
+    monkeypatch.setattr(kmoe, "_routed_ragged_dot", lambda *a, **k: "kernel path")
+    x, w = jnp.zeros((3, 4), jnp.bfloat16), jnp.zeros((2, 4, 4), jnp.bfloat16)   # shapes only
+    pairs = lambda numerics: kmoe.routed_pairs(x, None, None, w, w, w, numerics, 10.0, backend="pallas")
+    assert pairs(Numerics.reference()) == "reference path"
+    assert pairs(Numerics.reference().for_model(False)) == "kernel path"
+    assert pairs(Numerics.fast()) == "kernel path"
 
 
 def test_the_model_moe_layer_dispatches_here(monkeypatch):
