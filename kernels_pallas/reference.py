@@ -2,7 +2,8 @@
 `Numerics.reference()`, the rounding points everywhere) and what each kernel entry point runs on
 the XLA backend. The model runs these same functions: `v41_jax.model.sparse_attn`, `.indexer` and
 `.moe` import them from here. This module sits below both the model and the kernels: it imports
-`v41_jax.numerics`, `v41_jax.linear` and `v41_jax.quant` only (tests/test_layering.py).
+`v41_jax.numerics`, `v41_jax.linear` and `v41_jax.quant`, and of the kernels only their plain-jnp
+arithmetic (`kernels_pallas._ieee`) (tests/test_layering.py).
 
 Sparse attention (docs/MODEL.md §3.5; kernel: `kernels_pallas.sparse_attn`)
   Every query head attends over its own list of latent rows (K = V, one shared latent per row).
@@ -34,10 +35,11 @@ Routed experts (docs/MODEL.md §3.10; kernels: `kernels_pallas.moe`, `kernels_pa
   add_slots(pairs [T, k, D]) -> fp32 [T, D]   that sum
 
 mHC Sinkhorn (docs/MODEL.md §3.2; kernel: `kernels_pallas.sinkhorn`)
-  sinkhorn(e [..., N, N] fp32, iters, eps) -> [..., N, N] fp32
+  sinkhorn(e [..., N, N] fp32, iters, eps, exact=True) -> [..., N, N] fp32
       e = exp(logits - row max). Rows normalised (+eps after), columns normalised (+eps in the
       divisor), then iters-1 rounds of (rows, columns) with +eps in both divisors; every sum over
-      the N entries strictly left to right, every division correctly rounded fp32.
+      the N entries strictly left to right, every division correctly rounded fp32 (exact=False,
+      `Numerics.exact_sinkhorn` off: by the kernel's fp32 reciprocal, `_ieee.div_near_by`).
 
 Rotary embedding (docs/MODEL.md §3.1; kernel: `kernels_pallas.rope`)
   apply_rope(x [..., W], cos, sin, inverse=False) -> x.dtype
@@ -58,6 +60,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._ieee import div_near_by
 from v41_jax.linear import lin4
 from v41_jax.numerics import HIGHEST, Numerics, cascade_sum, exact_div, ordered_sum, rounded, top_k
 from v41_jax.quant import held
@@ -203,13 +206,15 @@ def add_slots(pairs: jax.Array) -> jax.Array:
 
 # ---- mHC Sinkhorn -------------------------------------------------------------------------------
 
-def sinkhorn(e: jax.Array, iters: int, eps: float) -> jax.Array:
-    c = exact_div(e, ordered_sum(e, -1)[..., None]) + eps
-    c = exact_div(c, ordered_sum(c, -2)[..., None, :] + eps)
+def sinkhorn(e: jax.Array, iters: int, eps: float, exact: bool = True) -> jax.Array:
+    # not exact: the kernel's reciprocal division (each quotient within 3 ulps), the same bits
+    div = exact_div if exact else (lambda a, b: div_near_by([a], b)[0])
+    c = div(e, ordered_sum(e, -1)[..., None]) + eps
+    c = div(c, ordered_sum(c, -2)[..., None, :] + eps)
 
     def rows_then_columns(_, c):
-        c = exact_div(c, ordered_sum(c, -1)[..., None] + eps)
-        return exact_div(c, ordered_sum(c, -2)[..., None, :] + eps)
+        c = div(c, ordered_sum(c, -1)[..., None] + eps)
+        return div(c, ordered_sum(c, -2)[..., None, :] + eps)
 
     # a loop, not an unrolled chain: same operations, a fraction of the compile time
     return jax.lax.fori_loop(0, iters - 1, rows_then_columns, c)

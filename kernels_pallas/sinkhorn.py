@@ -2,8 +2,10 @@
 
 docs/MODEL.md §3.2; jnp reference and XLA path: `kernels_pallas.reference.sinkhorn`.
 
-  sinkhorn(e [..., N, N] fp32, iters, eps, *, backend=None) -> [..., N, N] fp32
-      e = exp(logits - row max) (computed by the caller, in XLA). Bit-equal to the reference.
+  sinkhorn(e [..., N, N] fp32, iters, eps, *, exact=True, backend=None) -> [..., N, N] fp32
+      e = exp(logits - row max) (computed by the caller, in XLA). Bit-equal to the reference;
+      exact=False (`Numerics.fast`): each division within 3 fp32 ulps (`_ieee.div_near_by`: an
+      fp32 reciprocal, no fp64), the sums and eps as before.
 
 Why a kernel: the XLA path is a `fori_loop` of iters-1 rounds over [T, N, N], each round a few
 tiny fusions: ~60 launches a call for microseconds of arithmetic, 12-14 calls a decode step
@@ -40,7 +42,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._compat import compiler_params, load, store
-from kernels_pallas._ieee import div_rn, div_rn_by
+from kernels_pallas._ieee import div_near_by, div_rn, div_rn_by
 
 ROW_BLOCK = 32   # rows per program (one warp, a row per lane): 4,096 rows are 128 programs, one wave
 
@@ -55,36 +57,47 @@ def _fast_divisions_exact(hc: int, iters: int, eps: float) -> bool:
     return eps > 0 and math.log2(eps) - (2 * iters - 1) * math.log2(hc * (1 + eps) + eps) > math.log2(smallest_normal)
 
 
-def _divided(xs: list, b: jax.Array, fast: bool) -> list:
-    return div_rn_by(xs, b) if fast else [div_rn(x, b) for x in xs]
+def _each_rn(xs: list, b: jax.Array) -> list:
+    return [div_rn(x, b) for x in xs]
 
 
-def _columns(c: list[list], eps: float, fast: bool) -> list[list]:
-    cols = [_divided(list(col), _sum(list(col)) + eps, fast) for col in zip(*c)]
+def _divider(hc: int, iters: int, eps: float, exact: bool):
+    """divide(xs, b) -> [x / b ...] for the divisions after the first: correctly rounded (by one
+    reciprocal where the quotients are provably normal), or within 3 ulps (`exact` off)."""
+    if not exact:
+        return div_near_by
+    return div_rn_by if _fast_divisions_exact(hc, iters, eps) else _each_rn
+
+
+def _columns(c: list[list], eps: float, divide) -> list[list]:
+    cols = [divide(list(col), _sum(list(col)) + eps) for col in zip(*c)]
     return [list(row) for row in zip(*cols)]
 
 
-def _rows_then_columns(_, c: list[list], eps: float, fast: bool) -> list[list]:
-    return _columns([_divided(row, _sum(row) + eps, fast) for row in c], eps, fast)
+def _rows_then_columns(_, c: list[list], eps: float, divide) -> list[list]:
+    return _columns([divide(row, _sum(row) + eps) for row in c], eps, divide)
 
 
-def _sinkhorn_kernel(e_ref, o_ref, *, hc: int, iters: int, eps: float, bt: int):
+def _sinkhorn_kernel(e_ref, o_ref, *, hc: int, iters: int, eps: float, bt: int, exact: bool):
     r = pl.program_id(0) * bt + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
     live = r < e_ref.shape[0]
-    fast = _fast_divisions_exact(hc, iters, eps)
+    divide = _divider(hc, iters, eps, exact)
     c = [[load(e_ref.at[r, i * hc + j], mask=live, other=1.0) for j in range(hc)] for i in range(hc)]
-    c = _columns([[div_rn(x, _sum(row)) + eps for x in row] for row in c], eps, fast)
-    c = jax.lax.fori_loop(0, iters - 1, functools.partial(_rows_then_columns, eps=eps, fast=fast), c)
+    # the first division's quotients may be subnormal: each one correctly rounded when exact
+    first = _each_rn if exact else div_near_by        # a row sum is >= 1 (its max term is exp(0))
+    c = _columns([[x + eps for x in first(row, _sum(row))] for row in c], eps, divide)
+    c = jax.lax.fori_loop(0, iters - 1, functools.partial(_rows_then_columns, eps=eps, divide=divide), c)
     for i in range(hc):
         for j in range(hc):
             store(o_ref.at[r, i * hc + j], c[i][j], mask=live)
 
 
-@functools.partial(jax.jit, static_argnames=("iters", "eps", "block_rows", "num_warps", "interpret"))
-def _sinkhorn_pallas(e2, *, iters, eps, block_rows, num_warps, interpret):
+@functools.partial(jax.jit, static_argnames=("iters", "eps", "block_rows", "num_warps", "interpret", "exact"))
+def _sinkhorn_pallas(e2, *, iters, eps, block_rows, num_warps, interpret, exact=True):
     t, n = e2.shape
     whole = pl.BlockSpec((t, n), lambda i: (0, 0))      # rows addressed (and masked) in the kernel
-    kernel = functools.partial(_sinkhorn_kernel, hc=math.isqrt(n), iters=iters, eps=eps, bt=block_rows)
+    kernel = functools.partial(_sinkhorn_kernel, hc=math.isqrt(n), iters=iters, eps=eps, bt=block_rows,
+                               exact=exact)
     return pl.pallas_call(
         kernel, grid=(pl.cdiv(t, block_rows),), in_specs=[whole], out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((t, n), jnp.float32),
@@ -92,14 +105,15 @@ def _sinkhorn_pallas(e2, *, iters, eps, block_rows, num_warps, interpret):
     )(e2)
 
 
-def sinkhorn(e: jax.Array, iters: int, eps: float, *, backend: str | None = None,
+def sinkhorn(e: jax.Array, iters: int, eps: float, *, exact: bool = True, backend: str | None = None,
              block_rows: int | None = None, num_warps: int = 1) -> jax.Array:
-    """The Sinkhorn of `kernels_pallas.reference.sinkhorn` on e [..., N, N] fp32."""
+    """The Sinkhorn of `kernels_pallas.reference.sinkhorn` on e [..., N, N] fp32; exact off: its
+    divisions each within 3 fp32 ulps (`Numerics.exact_sinkhorn`)."""
     if _backend.resolve(backend, kernel="sinkhorn") == "xla":
-        return ref.sinkhorn(e, iters, eps)
+        return ref.sinkhorn(e, iters, eps, exact)
     hc = e.shape[-1]
     e2 = e.reshape(-1, hc * hc)
     bt = block_rows or min(ROW_BLOCK, 1 << (e2.shape[0] - 1).bit_length())
     out = _sinkhorn_pallas(e2, iters=iters, eps=eps, block_rows=bt, num_warps=num_warps,
-                           interpret=_backend.interpret())
+                           interpret=_backend.interpret(), exact=exact)
     return out.reshape(e.shape)

@@ -105,10 +105,12 @@ def test_moe_dispatch_lowers_for_rocm():
     assert _triton_calls(e) == 1
 
 
-@pytest.mark.parametrize("t,bt", [(1, 1), (4096, 32), (37, 32)])
-def test_sinkhorn_lowers_for_rocm(t, bt):
-    """The fp64 divisions (`_ieee.div_rn`) lower through Triton for ROCm too; rows past T masked."""
-    fn = functools.partial(_sinkhorn_pallas, iters=20, eps=1e-6, block_rows=bt, num_warps=1, interpret=False)
+@pytest.mark.parametrize("t,bt,exact", [(1, 1, True), (4096, 32, True), (37, 32, True), (37, 32, False)])
+def test_sinkhorn_lowers_for_rocm(t, bt, exact):
+    """The fp64 divisions (`_ieee.div_rn`) lower through Triton for ROCm too, and the fast policy's
+    fp32 reciprocal; rows past T masked."""
+    fn = functools.partial(_sinkhorn_pallas, iters=20, eps=1e-6, block_rows=bt, num_warps=1, interpret=False,
+                           exact=exact)
     e = _export_rocm(fn, S((t, 16), F32))
     assert _triton_calls(e) == 1
 

@@ -15,7 +15,7 @@ import pytest
 
 from kernels_common import fresh_rng
 from kernels_pallas import backend
-from kernels_pallas._ieee import div_rn_by
+from kernels_pallas._ieee import div_near_by, div_rn_by
 from kernels_pallas.sinkhorn import _fast_divisions_exact, sinkhorn
 from v41_jax.model.mhc import split_sinkhorn
 
@@ -120,3 +120,40 @@ def test_split_sinkhorn_takes_the_kernel_under_its_per_kernel_switch():
     with pytest.raises(ValueError, match="not one of"):
         with backend.use_backend("pallas", kernel="no_such_kernel"):
             pass
+
+
+def test_near_division_is_within_three_ulps():
+    """`_ieee.div_near_by` (the fast policy's Sinkhorn division) against numpy's IEEE fp32
+    division, over the kernel's divisor range and far beyond it: every normal quotient of a normal
+    dividend within the 3 ulps its docstring derives, and not always the correctly rounded one."""
+    rng, seed = fresh_rng()
+    for lo, hi in ((1e-6, 5.0), (1e-30, 1e30)):
+        a, b = _near_midpoints(rng, 1 << 18, lo, hi)
+        want = a / b
+        # normal dividends and quotients (XLA:CPU flushes subnormals to zero)
+        tiny = np.finfo(np.float32).tiny
+        ok = (np.abs(want) >= tiny) & (np.abs(a) >= tiny)
+        got = np.asarray(jax.jit(lambda a, b: div_near_by([a], b)[0])(a, b))
+        ulps = np.abs(got[ok].astype(np.float64) - want[ok]) / np.spacing(np.abs(want[ok])).astype(np.float64)
+        assert ulps.max() <= 3, (ulps.max(), seed)
+        assert (ulps > 0).any()
+
+
+@pytest.mark.parametrize("t,hc,iters", [(1, 4, 20), (37, 4, 20), (70, 2, 3)])
+def test_fast_kernel_equals_its_xla_path_bit_for_bit(t, hc, iters):
+    """exact=False (Numerics.fast): the kernel and the XLA path divide by the same fp32
+    reciprocal, so they agree bit for bit (the test). And the switch does something, within the
+    first-order rounding budget of the iteration: each of the 2 x iters normalisations moves an
+    entry by at most its sum's hc - 1 roundings, + eps's one and the division (exact: 1/2 ulp; fast:
+    3 ulps = 6 u), so each side is within 2 iters (hc + 6) u of the rounding-free iteration and the
+    two within twice that (u = 2^-24; entries of the doubly stochastic scale, > 1e-3)."""
+    rng, seed = fresh_rng()
+    e = _exp(_logits(rng, t, hc))
+    want = np.asarray(jax.jit(lambda e: sinkhorn(e, iters, EPS, exact=False, backend="xla"))(e))
+    got = np.asarray(jax.jit(lambda e: sinkhorn(e, iters, EPS, exact=False, backend="pallas"))(e))
+    np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"seed {seed}")
+    exact = np.asarray(jax.jit(lambda e: sinkhorn(e, iters, EPS, backend="xla"))(e))
+    assert not np.array_equal(_bits(exact), _bits(got))
+    big = exact > 1e-3           # entries of the doubly stochastic scale (the rest are eps-sized)
+    rel = np.abs(got[big] / exact[big] - 1)
+    assert rel.max() <= 2 * (2 * iters * (hc + 6) * 2.0 ** -24), (rel.max(), seed)

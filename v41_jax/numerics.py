@@ -2,7 +2,7 @@
 
 API
   Numerics(act_dtype, fake_quant, block_gemm, index_score_bf16, attn_probs_bf16, quantized=True,
-           exact_rms=True)
+           exact_rms=True, exact_sinkhorn=True)
       frozen, hashable: pass it as a static argument under jit.
   numerics.for_model(cfg.quantized)   the policy for this checkpoint; the model's entry points
       (forward, make_step, the draft head's) apply it, so callers pass a policy only.
@@ -11,9 +11,9 @@ API
   Numerics.reference()  bit-level policy of the official reference (docs/MODEL.md §4):
       bf16 activations, fp8/fp4 fake-quant at the reference's points, FP8/FP4 GEMMs summed per
       32-wide K block in fp32 in K order, bf16 index scores, bf16 attention probabilities.
-  Numerics.fast()       same rounding points, but GEMMs are one fp32-accumulating dot and the RMS
-      statistic one reduction and rsqrt (the order of each fp32 sum, and the last bit of the
-      rsqrt, are the backend's). For serving.
+  Numerics.fast()       same rounding points, but GEMMs are one fp32-accumulating dot, the RMS
+      statistic one reduction and rsqrt, the mHC Sinkhorn's divisions within a few ulps (the order
+      of each fp32 sum, and the last bits of the rsqrt and divisions, are the backend's). For serving.
   Numerics.fp32()       same graph with fp32 activations and no fake-quant / bf16 rounding; used to
       compare the cache path with the full forward without rounding noise.
   numerics.act(x)       cast to the activation dtype (the reference's bf16 rounding points).
@@ -63,6 +63,8 @@ Fields
                    computes it (torch's CPU sum order, correctly rounded division and rsqrt: a
                    kernel of its own, `kernels_pallas.rmsnorm`), else one backend reduction that
                    XLA fuses with its neighbours (the statistic to within a few fp32 ulps).
+  exact_sinkhorn   the mHC Sinkhorn's divisions correctly rounded (the reference's), else each within
+                   3 fp32 ulps (an fp32 reciprocal; `kernels_pallas.sinkhorn`).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ class Numerics:
     attn_probs_bf16: bool
     quantized: bool = True
     exact_rms: bool = True
+    exact_sinkhorn: bool = True
 
     @classmethod
     def reference(cls) -> "Numerics":
@@ -154,7 +157,7 @@ class Numerics:
 
     @classmethod
     def fast(cls) -> "Numerics":
-        return cls(np.dtype(jnp.bfloat16), True, False, True, True, exact_rms=False)
+        return cls(np.dtype(jnp.bfloat16), True, False, True, True, exact_rms=False, exact_sinkhorn=False)
 
     @classmethod
     def fp32(cls) -> "Numerics":

@@ -6,7 +6,7 @@ sublayer always uses the pre the previous sublayer computed (block.py wires that
 
 API (X [..., N, D] in the activation dtype; coefficients fp32)
   hc_mixes(X, fn [M, N*D], base [M], scale [3], cfg, numerics) -> (pre [..., N], post [..., N], comb [..., N, N])
-  split_sinkhorn(m [..., M], scale, base, hc, iters, eps, backend=None) -> (pre, post, comb)
+  split_sinkhorn(m [..., M], scale, base, hc, iters, eps, backend=None, exact=True) -> (pre, post, comb)
       comb[i, j]: i = input stream, j = output stream; doubly stochastic after Sinkhorn
       (`kernels_pallas.sinkhorn`: one Pallas kernel per call, or its XLA path).
   one_hot_pre(lead_shape, hc) -> fp32 [..., N]   (1, 0, ..., 0): the first collapse returns stream 0.
@@ -33,14 +33,15 @@ if TYPE_CHECKING:
 
 
 def split_sinkhorn(m: jax.Array, scale: jax.Array, base: jax.Array, hc: int, iters: int,
-                   eps: float, backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   eps: float, backend: str | None = None,
+                   exact: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     # each product rounded before its bias is added (the reference's two operations, no FMA)
     pre = jax.nn.sigmoid(rounded(m[..., :hc] * scale[0]) + base[:hc]) + eps
     post = 2 * jax.nn.sigmoid(rounded(m[..., hc:2 * hc] * scale[1]) + base[hc:2 * hc])
     comb = (rounded(m[..., 2 * hc:] * scale[2]) + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
     # the row softmax's numerator here; its normalisation and the Sinkhorn rounds in one kernel
     e = jnp.exp(comb - jnp.max(comb, axis=-1, keepdims=True))
-    return pre, post, kernel_sinkhorn.sinkhorn(e, iters, eps, backend=backend)
+    return pre, post, kernel_sinkhorn.sinkhorn(e, iters, eps, exact=exact, backend=backend)
 
 
 def hc_mixes(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
@@ -51,7 +52,7 @@ def hc_mixes(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
     # no fp32 copy of them)
     m = lin_f32(flat, fn) * rms_inv(flat, cfg.norm_eps, numerics)                    # [..., M]
     return split_sinkhorn(m, scale.astype(jnp.float32), base.astype(jnp.float32), cfg.hc_mult,
-                          cfg.hc_sinkhorn_iters, cfg.hc_eps)
+                          cfg.hc_sinkhorn_iters, cfg.hc_eps, exact=numerics.exact_sinkhorn)
 
 
 def one_hot_pre(lead_shape: tuple[int, ...], hc: int) -> jax.Array:
