@@ -745,10 +745,10 @@ def main(argv=None) -> int:
             continue
         if peak_tflops:
             # the probe again right after the case: the clocks drift within a run (an H100's
-            # probe read 695 to 799 TFLOP/s across calls), and the highest the device showed is
-            # the ceiling (the conservative choice: it can only lower the share)
+            # probe read 687 and 791 TFLOP/s in one run), and the highest the device showed is
+            # the run's ceiling (`run_peak` below)
             row["gemm_probe_after_tflops"] = gemm_peak(probe_n)["bf16_gemm_tflops"]
-        _timing(row, ts, c, cfg, specs, max(peak_tflops or 0, row.get("gemm_probe_after_tflops", 0)) or None)
+        _timing(row, ts, c, cfg, specs, peak_tflops)
         rows[c.name] = (row, fn)
         res.record(row)
 
@@ -768,12 +768,21 @@ def main(argv=None) -> int:
         row["during_compiles"] = {k: row[k] for k in ("iters", "step_ms_median", "step_ms_min", "back_to_back_ms",
                                                       "compiles_running")}
         row["back_to_back_ms"] = back_to_back
-        _timing(row, ts, next(c for c in cases if c.name == name), cfg, specs,
-                max(peak_tflops or 0, row.get("gemm_probe_after_tflops", 0)) or None)
+        _timing(row, ts, next(c for c in cases if c.name == name), cfg, specs, peak_tflops)
         row["compiles_running"] = busy()
         res.save()
         clock.log(f"re-timed {name}: {row['step_ms_median']:.3f} ms (was {row['during_compiles']['step_ms_median']:.3f} "
                   f"with {row['during_compiles']['compiles_running']} compiles running)")
+
+    # ---- every prefill's share against the highest GEMM probe of the run (the conservative ceiling:
+    # a higher one can only lower the share) ----
+    if peak_tflops:
+        run_peak = max([peak_tflops] + [r.get("gemm_probe_after_tflops", 0) for r, _ in rows.values()])
+        res.data["gemm_peak"]["run_max_tflops"] = run_peak
+        for row, _ in rows.values():
+            if "model_tflops" in row:
+                row["model_flops_of_in_run_gemm_peak"] = row["model_tflops"] / run_peak
+        res.save()
 
     # ---- --compare-kernel: each pair timed again, interleaved (the machine drifts between cases) ----
     pairs: dict[str, dict] = {}
