@@ -64,6 +64,13 @@ STAGE2_INSIDE = {"j54_prompt27_s27": "decode.candidate_blocks.L5"}
 # bf16 tensors by far more than any profile) plus the cache-path one
 MUTANT_ON = {"forward": NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"],
              "engine": NAMES if ALL else ["f03_h6_ix8_dspark3_b5_engram0"]}
+# (fixture, mutant) -> the one key where the mutant's change is no larger than one-ulp noise on that
+# fixture, so no checker can tell it from a correct device there: on k64 the released decode's
+# stale index keys drop picks on 8 of layer 2's 16 decode rows, the furthest 2.25 k deep, while
+# one-ulp draws of the model move 8-10 of that layer's 44 rows with worst misses 1.125-2.125 k and
+# reach 1.1x beyond the rest among themselves (the mutant 1.06x): stage 2 passes it, as it must
+# pass such a draw (measured 2026-12-05; docs/MODEL.md §6.3)
+WITHIN_NOISE = {("k64_s9_prompt28_s28", "decode_fix_reverted"): "decode.index_topk.L2"}
 MUTATE = list(MUTANTS) if ALL else ["ties_to_higher_index", "candidate_mask_skipped", "decode_fix_reverted"]
 RUNNER = {"forward": run_model, "engine": run_engine}
 # the official fixtures that keep the reference's unfixed decode (~6 min of CPU each)
@@ -213,7 +220,7 @@ def test_mutants_fail_wherever_they_change_the_computation(name, path, fixtures,
     fx, cond = fixtures(name)
     base = _own(runs(name, path))
     mutants = [m for m in MUTATE if (m in CACHE_PATH) == (path == "engine")]
-    changed, caught = [], []
+    changed, caught, within = [], [], []
     for mutant in mutants:
         jax.clear_caches()  # jit caches by function identity: retrace under the patch
         with MUTANTS[mutant]():
@@ -223,11 +230,17 @@ def test_mutants_fail_wherever_they_change_the_computation(name, path, fixtures,
                 changed.append(mutant)
                 # the forward's conditioning is measured under the mutant (it is the model checked);
                 # the cache-path mutant leaves the forward, and so that measurement, unchanged
-                if _failed(check_folder(fx, NUMERICS, CPU, runner=_made(run),
-                                        conditioning=cond if path == "engine" else None)):
+                checks = check_folder(fx, NUMERICS, CPU, runner=_made(run),
+                                      conditioning=cond if path == "engine" else None)
+                if _failed(checks):
                     caught.append(mutant)
+                elif (name, mutant) in WITHIN_NOISE:
+                    # passed exactly where measured: that key, beyond stage 1's reach, at stage 2
+                    key = WITHIN_NOISE[name, mutant]
+                    assert {c.key for c in checks if c.stats.get("stage") == 2} == {key}
+                    within.append(mutant)
     jax.clear_caches()
-    assert caught == changed
+    assert caught == [m for m in changed if m not in within]
     # every mutant but the tie rule changes every fixture; ties need an exact boundary tie
     assert set(mutants) - {"ties_to_higher_index"} <= set(changed)
 
