@@ -15,7 +15,10 @@ V41_KERNELS = xla | pallas | auto):
                                   fast path, V41_MOSAIC_GPU=0 to keep Triton)
   sinkhorn.sinkhorn               the mHC Sinkhorn, one launch per call, rows in registers, every
                                   division in fp64 rounded once to fp32 (correctly rounded, as
-                                  the reference; Triton's fp32 `/` is approximate on NVIDIA)
+                                  the reference; Triton's fp32 `/` is approximate on NVIDIA), or
+                                  (exact=False, the fast policy) by an fp32 reciprocal, 3 ulps
+  rope.apply_rope                 RoPE of the last lanes of wide rows written in place (the
+                                  attention's queries and outputs: 1/8 of the bytes)
   rmsnorm.rms_inv                 the RMSNorm statistic rsqrt(mean(x^2) + eps), one launch per
                                   call: torch's sum order over 32-wide chunks in registers, the
                                   division, sqrt and 1 / sqrt correctly rounded as the Sinkhorn's

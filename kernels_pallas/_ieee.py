@@ -1,4 +1,5 @@
-"""Correctly rounded fp32 division and square root inside Triton kernels.
+"""Correctly rounded fp32 division and square root inside Triton kernels (and one division that is
+not: `div_near_by`, the fast policy's).
 
 Triton's fp32 `/` and `sqrt` are approximate on NVIDIA (`div.full.f32`, up to 2 ulp; libdevice's
 `sqrtf` without the precise-sqrt reflection); their fp64 forms are IEEE (`div.rn.f64`,

@@ -72,7 +72,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = Fal
     if _backend.resolve(backend, kernel="rope") == "xla":
         return ref.apply_rope(x, cos, sin, inverse)
     half = cos.shape[-1]
-    per_head = cos.ndim == x.ndim and cos.shape[-2] == 1 and x.ndim >= 2
+    # the tables' missing leading axes (a [T, 1, R/2] table against [B, T, H, W] rows) are 1s:
+    # without them the one-angle-per-row case would read as per-head tables, [B T H, R/2] in HBM
+    pad = (1,) * (x.ndim - cos.ndim)
+    cos, sin = cos.reshape(pad + cos.shape), sin.reshape(pad + sin.shape)
+    per_head = cos.shape[-2] == 1 and x.ndim >= 2
     lead = x.shape[:-2] if per_head else x.shape[:-1]
     heads = x.shape[-2] if per_head else 1
     rows = math.prod(lead)

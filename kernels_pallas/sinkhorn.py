@@ -17,8 +17,10 @@ reshape is free); rows past T are masked.
 
 Exactness: the reference's operations in its order. A row or column sum adds its N entries left to
 right in fp32 (as `ordered_sum`), eps is added in fp32 where the reference adds it, and every
-division is correctly rounded fp32 (Triton's fp32 `/` is not). No products, so no FMA contraction
-can change a rounding. The first division (e by its row sums) is `_ieee.div_rn`: its quotients may
+division is correctly rounded fp32 (Triton's fp32 `/` is not). No products outside the divisions,
+so no FMA contraction can change a rounding (the fast policy's division rounds its own products,
+`_ieee.div_near_by`: kernel and XLA path agree bit for bit while its quotients are normal, which
+the released eps and 20 rounds keep them, `_fast_divisions_exact`; XLA:CPU flushes subnormals). The first division (e by its row sums) is `_ieee.div_rn`: its quotients may
 be subnormal. Every later one divides the N entries sharing a sum by one reciprocal
 (`_ieee.div_rn_by`, no division instruction: on CUDA a chain of `div.rn.f32` made the kernel 5x
 slower at one row, BENCHMARKS.md 2026-12-03), which is exact for normal quotients. Their range,

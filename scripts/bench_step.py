@@ -4,7 +4,7 @@ and an HBM roofline ratio, on random weights generated on the device.
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
         [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select | --compare-numerics FIELD | --compare-scan] [--layers N] [--routed-experts E]
+        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope | --compare-numerics FIELD | --compare-scan] [--layers N] [--routed-experts E]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -128,8 +128,9 @@ from v41_jax.topology import Mode, resolve_topology  # noqa: E402
 
 SCAN_VARIANTS = ("unrolled", "scanned")
 SWITCH_VARIANTS = ("off", "on")
-# the policy's switches a run can compare (`--compare-numerics`): its boolean fields
-POLICY_SWITCHES = tuple(f.name for f in fields(Numerics) if f.type in (bool, "bool"))
+# the policy's switches a run can compare (`--compare-numerics`): its boolean fields but
+# `quantized`, which the checkpoint sets (`make_step` applies `for_model`)
+POLICY_SWITCHES = tuple(f.name for f in fields(Numerics) if f.type in (bool, "bool") and f.name != "quantized")
 NOMINAL_COPY_GBS = 4300.0   # the workplace's measured H200 copy figure (BENCHMARKS.md)
 GiB = float(1 << 30)
 
@@ -651,7 +652,7 @@ def main(argv=None) -> int:
     step_fns = {v: engine.runner.make_step_fn() for v in kernel_backend.CHOICES} if args.compare_kernel else {}
     if args.compare_numerics:
         r = engine.runner
-        step_fns = {v: make_step(r.cfg, r.geom, replace(numerics, **{args.compare_numerics: v == "on"}),
+        step_fns = {v: make_step(r.cfg, r.geom, replace(r.numerics, **{args.compare_numerics: v == "on"}),
                                  r.record, r.speculative) for v in SWITCH_VARIANTS}
     for c in cases:
         t1 = time.perf_counter()
@@ -743,7 +744,7 @@ def main(argv=None) -> int:
             refill()
             res.record(row)
             continue
-        if peak_tflops:
+        if peak_tflops and c.kind == "prefill":
             # the probe again right after the case: the clocks drift within a run (an H100's
             # probe read 687 and 791 TFLOP/s in one run), and the highest the device showed is
             # the run's ceiling (`run_peak` below)

@@ -265,11 +265,12 @@ def test_random_cache_fills_packed_index_planes_with_on_grid_keys():
 
 def test_compare_numerics_offers_the_policys_switches_one_comparison_a_run(tmp_path):
     """`--compare-numerics FIELD` takes the boolean fields of `Numerics` (exact_rms among them, not
-    act_dtype), and one comparison per run: with --compare-kernel it stops before any work."""
+    act_dtype, nor `quantized`, which the checkpoint sets), and one comparison per run: with
+    --compare-kernel it stops before any work."""
     from dataclasses import fields
     from v41_jax.numerics import Numerics
     bools = {f.name for f in fields(Numerics) if isinstance(getattr(Numerics.fast(), f.name), bool)}
-    assert set(bs.POLICY_SWITCHES) == bools and "exact_rms" in bools and "act_dtype" not in bools
+    assert set(bs.POLICY_SWITCHES) == bools - {"quantized"} and "exact_rms" in bools and "act_dtype" not in bools
     out = str(tmp_path / "r.json")
     assert bs.parse_args(["--config", TINY, "--out", out, "--compare-numerics", "exact_rms"]).compare_numerics == "exact_rms"
     with pytest.raises(SystemExit):

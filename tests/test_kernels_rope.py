@@ -57,6 +57,19 @@ def test_input_read_after_the_call_stays_intact():
     np.testing.assert_array_equal(np.asarray(rotated), np.asarray(ref.apply_rope(x * 2, cos, sin)))
 
 
+def test_one_table_row_serves_every_head():
+    """The attention's shapes (a [T, 1, R/2] table against [B, T, H, W] rows, no batch axis in the
+    table): the kernel gets [B T, R/2] tables and H heads a row, not a table row per head."""
+    rng, seed = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((2, 5, 4, 32)), jnp.bfloat16)
+    cos, sin = _angles(rng, (5, 1, 8))
+    fn = lambda x: apply_rope(x, cos, sin, backend="pallas")
+    call = next(e for e in jax.make_jaxpr(fn)(x).eqns if e.primitive.name in ("jit", "pjit"))
+    assert [tuple(v.aval.shape) for v in call.invars] == [(10, 4 * 32), (10, 8), (10, 8)]
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x), np.float32),
+                                  np.asarray(ref.apply_rope(x, cos, sin), np.float32), err_msg=f"seed {seed}")
+
+
 def test_model_rotates_in_place_only_on_the_pallas_backend():
     from v41_jax.model.rope import apply_rope as model_rope
     x = jnp.ones((4, 2, 16), jnp.bfloat16)

@@ -11,9 +11,10 @@ API
   Numerics.reference()  bit-level policy of the official reference (docs/MODEL.md §4):
       bf16 activations, fp8/fp4 fake-quant at the reference's points, FP8/FP4 GEMMs summed per
       32-wide K block in fp32 in K order, bf16 index scores, bf16 attention probabilities.
-  Numerics.fast()       same rounding points, but GEMMs are one fp32-accumulating dot, the RMS
-      statistic one reduction and rsqrt, the mHC Sinkhorn's divisions within a few ulps (the order
-      of each fp32 sum, and the last bits of the rsqrt and divisions, are the backend's). For serving.
+  Numerics.fast()       same rounding points, but GEMMs are one fp32-accumulating dot and the RMS
+      statistic one reduction and rsqrt (the order of each fp32 sum and the rsqrt's last bits are
+      the backend's), and the mHC Sinkhorn divides by an fp32 reciprocal (each quotient within 3
+      ulps, the same bits on every backend). For serving.
   Numerics.fp32()       same graph with fp32 activations and no fake-quant / bf16 rounding; used to
       compare the cache path with the full forward without rounding noise.
   numerics.act(x)       cast to the activation dtype (the reference's bf16 rounding points).
@@ -62,9 +63,10 @@ Fields
   exact_rms        the RMS statistic (RMSNorm, mHC mixes, Engram gate) bit for bit as the reference
                    computes it (torch's CPU sum order, correctly rounded division and rsqrt: a
                    kernel of its own, `kernels_pallas.rmsnorm`), else one backend reduction that
-                   XLA fuses with its neighbours (the statistic to within a few fp32 ulps).
+                   XLA fuses with its neighbours (the statistic within (D + 2) / 2 + 2 fp32 ulps
+                   relative whatever the order: tests/test_kernels_rmsnorm.py).
   exact_sinkhorn   the mHC Sinkhorn's divisions correctly rounded (the reference's), else each within
-                   3 fp32 ulps (an fp32 reciprocal; `kernels_pallas.sinkhorn`).
+                   3 fp32 ulps for normal quotients (an fp32 reciprocal; `kernels_pallas.sinkhorn`).
 """
 
 from __future__ import annotations
