@@ -148,15 +148,16 @@ def time_by_source(instances: dict[str, list[float]], sources: dict[str, str], c
     """A profile's kernel instances (trace name -> [total ns, launches]) summed by the source
     of their HLO instruction (`kernel_sources`; a Pallas or library kernel, whose trace name is
     not an instruction's, stays under its own report name): ms and launches per call, the kernel
-    kinds, largest first."""
+    kinds and each kind's [ms, launches] per call, largest first."""
     source = lambda name: sources.get(name) or sources.get(re.sub(r"[.\-]", "_", name)) or f"[{kernel_group(name)}]"
     by = _sum_by(instances, source)
-    kinds: dict[str, set] = {}
-    for name in instances:
-        kinds.setdefault(source(name), set()).add(kernel_group(name))
+    parts = _sum_by(instances, lambda name: (source(name), kernel_group(name)))
     ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    per_call = lambda ns, n: [round(ns / calls / 1e6, 4), n / calls]
     return [{"source": s, "ms_per_call": round(ns / calls / 1e6, 4), "launches_per_call": n / calls,
-             "kinds": sorted(kinds[s])} for s, (ns, n) in ranked]
+             "kinds": sorted(k for src, k in parts if src == s),
+             "by_kind": {k: per_call(*parts[src, k]) for src, k in sorted(parts) if src == s}}
+            for s, (ns, n) in ranked]
 
 
 def _sum_by(instances: dict[str, list[float]], key) -> dict[str, list[float]]:

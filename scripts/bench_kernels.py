@@ -22,6 +22,7 @@ import re
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -386,6 +387,35 @@ def bench_head(b: Bench, cfg: dict):
     b.save()
 
 
+def bench_gemm_out(b: Bench, cfg: dict):
+    """The FP8 dense linears (`linear.lin8`, fast numerics) with the GEMM's fp32 result cast
+    afterwards (`exact_gemm_out`) and with the GEMM writing bf16 itself, at the model's query,
+    kv, output and shared-expert shapes per row count; how many outputs differ between the two
+    (the same fp32 sum rounded once when the backend accumulates, and reduces a split K, in fp32)."""
+    d, q, h = cfg["hidden_size"], cfg["q_lora_rank"], cfg["num_attention_heads"] * cfg["head_dim"]
+    o, f = cfg["o_groups"] * cfg["o_lora_rank"], cfg["moe_intermediate_size"]
+    sites = {"wq_a": (q, d), "wq_b": (h, q), "wkv": (cfg["head_dim"], d), "wo_b": (d, o), "w1": (f, d), "w2": (d, f)}
+    if b.smoke:
+        sites = {"wq_b": (256, 128)}
+    fast = Numerics.fast()
+    policies = {"bf16_out": fast, "f32_out": replace(fast, exact_gemm_out=True)}
+    runs = {name: jax.jit(functools.partial(linear.lin8, numerics=n)) for name, n in policies.items()}
+    diffs = {}
+    for site, (n, k) in sites.items():
+        w = (jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+        for m in ((8,) if b.smoke else (1, 8, 64, 4096, 8192)):
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            for name, fn in runs.items():
+                out_bytes = m * n * (2 if name == "bf16_out" else 4)
+                b.case(f"lin8 {site} {name} M={m}", fn, (x, w), layers=1, flops=2.0 * m * n * k,
+                       bytes_=w.nbytes + x.nbytes + out_bytes, rows=m, site=site, route=name)
+            got, want = np.asarray(runs["bf16_out"](x, w), np.float32), np.asarray(runs["f32_out"](x, w), np.float32)
+            diffs[f"{site} M={m}"] = {"outputs": got.size, "differ": int((got != want).sum()),
+                                      "max_abs_diff": float(np.abs(got - want).max())}
+    b.results["gemm_out_check"] = diffs
+    b.save()
+
+
 def bench_mhc_mix(b: Bench, cfg: dict):
     """The mHC mixes' GEMM (`linear.lin_f32`: bf16 stream rows [M, hc*D] by the fp32 weight
     [hc*(2+hc), hc*D]) on its two routes per row count: the fp32 GEMM, and one bf16 GEMM against
@@ -716,7 +746,7 @@ def main(argv=None):
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "head": bench_head, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
-             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm, "mhc-mix": bench_mhc_mix,
+             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm, "mhc-mix": bench_mhc_mix, "gemm-out": bench_gemm_out,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True),
              "moe-sweep-decode": functools.partial(bench_moe, decode_sweep=True, helds=("fp8", "bf16")), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
@@ -753,7 +783,7 @@ def print_table(res):
         else:
             print(f"{c['name']:<48} {c.get('error') or c.get('skipped')}"[:160])
     for k in ("head_check", "attn_check", "index_check", "moe_check", "moe_gemv_check", "moe_speedups",
-              "sinkhorn_check", "sinkhorn_bit_equal", "rmsnorm_check", "rmsnorm_bit_equal"):
+              "sinkhorn_check", "sinkhorn_bit_equal", "rmsnorm_check", "rmsnorm_bit_equal", "gemm_out_check"):
         if k in res:
             print(k, res[k])
 

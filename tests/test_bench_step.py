@@ -190,6 +190,11 @@ def test_time_by_source_sums_a_profiles_kernels_by_the_function_that_traced_them
         want[key] = (want.get(key, (0, 0))[0] + ns / 2e6, want.get(key, (0, 0))[1] + n / 2)
     assert {r["source"]: (pytest.approx(r["ms_per_call"]), r["launches_per_call"]) for r in rows} == want
     assert [r["ms_per_call"] for r in rows] == sorted((r["ms_per_call"] for r in rows), reverse=True)
+    # each source's kinds add up to it
+    for r in rows:
+        assert sorted(r["by_kind"]) == r["kinds"]
+        assert sum(ms for ms, _ in r["by_kind"].values()) == pytest.approx(r["ms_per_call"], abs=1e-3)
+        assert sum(n for _, n in r["by_kind"].values()) == r["launches_per_call"]
 
 
 def _kept_and_updated(a):

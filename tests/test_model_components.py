@@ -160,6 +160,28 @@ def test_lin8_quantizes_the_activation_and_rounds_once():
     assert lin_bf(x, w, ref).dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("m, k, n", [(1, 5120, 1280), (7, 1280, 4096), (300, 4096, 512)])
+def test_gemm_writing_the_activation_dtype_rounds_its_fp32_sum_once(m, k, n):
+    """Without `exact_gemm_out` the GEMM writes bf16 itself (no fp32 tensor in the program) and
+    rounds the same fp32 sum once: on XLA:CPU bit-equal to the fp32 result cast afterwards."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)
+    fast = Numerics.fast()
+    exact = replace(fast, exact_gemm_out=True)
+    assert not fast.exact_gemm_out and fast.gemm_out_dtype == jnp.bfloat16 and exact.gemm_out_dtype == jnp.float32
+    for f in (lin8, lin_bf):
+        hlo = jax.jit(lambda x, w, f=f: f(x, w, fast)).lower(x, w).as_text()
+        dots = [ln for ln in hlo.splitlines() if "dot_general" in ln]
+        assert dots and all(f"tensor<{m}x{n}xbf16>" in ln for ln in dots), dots
+        got = jax.jit(lambda x, w, f=f: f(x, w, fast))(x, w)
+        want = jax.jit(lambda x, w, f=f: f(x, w, exact))(x, w)
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 # ---- mHC ----------------------------------------------------------------------------------------
 
 def test_sinkhorn_collapse_expand_hc_mix():

@@ -47,19 +47,24 @@ def _dot_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w.T.astype(x.dtype), precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
+def _dot_act(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
+    """The fp32-accumulating GEMM of a linear the reference rounds to the activation dtype: its
+    fp32 result (`numerics.exact_gemm_out`) or the activation dtype written by the GEMM itself."""
+    return jnp.dot(x, w.T.astype(x.dtype), precision=HIGHEST, preferred_element_type=numerics.gemm_out_dtype)
+
+
 def lin8(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
     x = numerics.act(x)
     if numerics.gemm_fake_quant:
         x = fp8_act_qdq(x, K_BLOCK)
-    y = k_block_dot(x, w) if numerics.gemm_blocks else _dot_f32(x, w)
-    return numerics.act(y)
+    return numerics.act(k_block_dot(x, w) if numerics.gemm_blocks else _dot_act(x, w, numerics))
 
 
 lin4 = lin8  # FP4 expert weights arrive decoded to bf16 (at load or by `quant.held`): the FP8 GEMM
 
 
 def lin_bf(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
-    return numerics.act(_dot_f32(numerics.act(x), w))
+    return numerics.act(_dot_act(numerics.act(x), w, numerics))
 
 
 def _top_bits(w: jax.Array) -> jax.Array:

@@ -2,7 +2,7 @@
 
 API
   Numerics(act_dtype, fake_quant, block_gemm, index_score_bf16, attn_probs_bf16, quantized=True,
-           exact_rms=True, exact_sinkhorn=True)
+           exact_rms=True, exact_sinkhorn=True, exact_gemm_out=True)
       frozen, hashable: pass it as a static argument under jit.
   numerics.for_model(cfg.quantized)   the policy for this checkpoint; the model's entry points
       (forward, make_step, the draft head's) apply it, so callers pass a policy only.
@@ -14,10 +14,13 @@ API
   Numerics.fast()       same rounding points, but GEMMs are one fp32-accumulating dot and the RMS
       statistic one reduction and rsqrt (the order of each fp32 sum and the rsqrt's last bits are
       the backend's), and the mHC Sinkhorn divides by an fp32 reciprocal (each quotient within 3
-      ulps, the same bits on every backend). For serving.
+      ulps, the same bits on every backend), and a GEMM whose output the reference rounds to bf16
+      writes bf16 from its fp32 accumulator. For serving.
   Numerics.fp32()       same graph with fp32 activations and no fake-quant / bf16 rounding; used to
       compare the cache path with the full forward without rounding noise.
   numerics.act(x)       cast to the activation dtype (the reference's bf16 rounding points).
+  numerics.gemm_out_dtype   the preferred_element_type of a GEMM that `act` rounds next: fp32, or
+                        the activation dtype itself without `exact_gemm_out`.
   HIGHEST               the dot precision for every fp32 product (no TF32 / bf16 passes on GPU).
   exact_div(a, b)       a / b correctly rounded. XLA rewrites a division by a constant or by a
                         broadcast operand into a multiplication by its (inexact) reciprocal, and a
@@ -67,6 +70,13 @@ Fields
                    relative whatever the order: tests/test_kernels_rmsnorm.py).
   exact_sinkhorn   the mHC Sinkhorn's divisions correctly rounded (the reference's), else each within
                    3 fp32 ulps for normal quotients (an fp32 reciprocal; `kernels_pallas.sinkhorn`).
+  exact_gemm_out   a linear whose output the reference rounds to the activation dtype computes an
+                   fp32 result and rounds it in a separate cast; else the GEMM writes the
+                   activation dtype straight from its fp32 accumulator. The same single rounding
+                   of an fp32 sum (XLA accumulates bf16 GEMMs in fp32 and, by default, reduces a
+                   split K in fp32), without the fp32 tensor: at a 4,096-token prefill the
+                   queries' [T, 64 x 512] fp32 output and its cast were ~0.8 GB of traffic a layer
+                   (BENCHMARKS.md, 2026-12-05 g).
 """
 
 from __future__ import annotations
@@ -152,6 +162,7 @@ class Numerics:
     quantized: bool = True
     exact_rms: bool = True
     exact_sinkhorn: bool = True
+    exact_gemm_out: bool = True
 
     @classmethod
     def reference(cls) -> "Numerics":
@@ -159,7 +170,8 @@ class Numerics:
 
     @classmethod
     def fast(cls) -> "Numerics":
-        return cls(np.dtype(jnp.bfloat16), True, False, True, True, exact_rms=False, exact_sinkhorn=False)
+        return cls(np.dtype(jnp.bfloat16), True, False, True, True, exact_rms=False, exact_sinkhorn=False,
+                   exact_gemm_out=False)
 
     @classmethod
     def fp32(cls) -> "Numerics":
@@ -180,6 +192,11 @@ class Numerics:
 
     def act(self, x: jax.Array) -> jax.Array:
         return x.astype(self.act_dtype)
+
+    @property
+    def gemm_out_dtype(self) -> np.dtype:
+        """What an fp32-accumulating GEMM whose result is then rounded by `act` writes."""
+        return np.dtype(jnp.float32) if self.exact_gemm_out else self.act_dtype
 
     @property
     def index_score_dtype(self) -> np.dtype:

@@ -104,7 +104,7 @@ def output_proj(p: dict, cfg: ModelConfig, o: jax.Array, cos: jax.Array, sin: ja
     o = o.reshape(*o.shape[:-2], g, -1)                                  # [B, T, G, H/G * Dh]
     wo_a = p["wo_a"]["weight"].reshape(g, cfg.o_lora_rank, -1)           # block-diagonal over groups
     u = jnp.einsum("btgd,grd->btgr", o, wo_a.astype(o.dtype), precision=HIGHEST,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=numerics.gemm_out_dtype)
     return lin8(numerics.act(u).reshape(*u.shape[:-2], -1), p["wo_b"]["weight"], numerics)
 
 
