@@ -62,7 +62,7 @@ from kernels_pallas._codecs import e4m3_as, fp4_halves, fp4_values
 from kernels_pallas._compat import compiler_params, load, store
 from v41_jax.linear import K_BLOCK as _K_BLOCK  # A8 fake-quant group
 from v41_jax.numerics import HIGHEST, Numerics, stable_argsort
-from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp8_act_qdq, held
+from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp8_act_qdq, fp8_act_qdq_by_amax, held
 
 IMPLS = ("pallas", "gemv", "ragged_dot", "dense", "capacity", "mgpu")
 
@@ -78,6 +78,20 @@ def _swiglu_epilogue(g, u, weight, numerics: Numerics, limit: float):
     g = numerics.act(g).astype(jnp.float32)
     u = numerics.act(u).astype(jnp.float32)
     return numerics.act(ref.swiglu(g, u, limit, weight[:, None]))
+
+
+def _tile_act_qdq(a: jax.Array) -> jax.Array:
+    """The down projection's A8 fake-quant (`fp8_act_qdq` per K_BLOCK lanes) of a [rows, bn] tile
+    whose columns are whole groups: each group's max |a| by a masked row max (a kernel cannot
+    reshape the tile into groups), then the shared rule. Saves the separate QDQ's two passes over
+    the [T k, F] intermediate (a 4,096-token prefill: 0.75 ms, BENCHMARKS.md 2026-12-05 i)."""
+    v = a.astype(jnp.float32)
+    group = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1) // _K_BLOCK
+    amax = jnp.zeros_like(v)
+    for g in range(v.shape[1] // _K_BLOCK):
+        mine = group == g
+        amax = jnp.where(mine, jnp.max(jnp.where(mine, jnp.abs(v), 0.0), axis=1, keepdims=True), amax)
+    return fp8_act_qdq_by_amax(v, amax).astype(a.dtype)
 
 
 # ---- routing bookkeeping (XLA) ----------------------------------------------------------------
@@ -221,6 +235,8 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
         acc_g, acc_u = _row_scale(w1_ref, e, wcols, acc_g), _row_scale(w3_ref, e, wcols, acc_u)
         wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
         a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
+        if numerics.gemm_fake_quant:                                   # the down GEMM's input QDQ
+            a = _tile_act_qdq(a)
         store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
 
 
@@ -277,14 +293,15 @@ def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn,
     # from L2 after the first (tiles fastest re-read them from HBM per column block: 1.14-1.24x
     # slower at 512-8192 tokens on the H200)
     bn_gu = bn_gate_up or bn
+    if numerics.gemm_fake_quant and bn_gu % _K_BLOCK:
+        raise ValueError(f"gate/up column block {bn_gu}: the epilogue's QDQ needs whole {_K_BLOCK}-lane groups")
     a = pl.pallas_call(
         functools.partial(_gate_up_kernel, bm=bm, bn=bn_gu, bk=bk, limit=limit, numerics=numerics),
         grid=(f // bn_gu, te.shape[0]),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _specs(w1), _specs(w3)],
         out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_gate_up",
-    )(te, tf, tend, tok, pw, xq, w1, w3)
-    a = fp8_act_qdq(a, _K_BLOCK) if numerics.gemm_fake_quant else a
+    )(te, tf, tend, tok, pw, xq, w1, w3)                              # QDQ'd in the epilogue
     y = pl.pallas_call(
         functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
         grid=(d // bn, te.shape[0]),

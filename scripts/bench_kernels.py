@@ -22,7 +22,6 @@ import re
 import sys
 import time
 import traceback
-from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +39,9 @@ from v41_jax.model.mhc import split_sinkhorn  # noqa: E402
 from v41_jax.runtime.compile_cache import compiler_options  # noqa: E402
 from v41_jax import linear  # noqa: E402
 from v41_jax.linear import lin_f32  # noqa: E402
-from v41_jax.model.numerics import Numerics  # noqa: E402
+from v41_jax.model.numerics import HIGHEST, Numerics  # noqa: E402
 from v41_jax.checkpoint.load import held_bytes  # noqa: E402
-from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, pack_fp4_ue8m0_rows  # noqa: E402
+from v41_jax.quant import Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, pack_fp4_ue8m0_rows  # noqa: E402
 
 REF = Numerics.reference()
 FAST = Numerics.fast()
@@ -388,28 +387,32 @@ def bench_head(b: Bench, cfg: dict):
 
 
 def bench_gemm_out(b: Bench, cfg: dict):
-    """The FP8 dense linears (`linear.lin8`, fast numerics) with the GEMM's fp32 result cast
-    afterwards (`exact_gemm_out`) and with the GEMM writing bf16 itself, at the model's query,
-    kv, output and shared-expert shapes per row count; how many outputs differ between the two
-    (the same fp32 sum rounded once when the backend accumulates, and reduces a split K, in fp32)."""
+    """The FP8 dense linears (`linear.lin8` under fast numerics: A8 QDQ, one fp32-accumulating
+    GEMM) with the GEMM's fp32 result cast afterwards and with the GEMM writing bf16 itself, at
+    the model's query, kv, output and shared-expert shapes per row count; how many outputs differ
+    between the two (`linear.GEMM_OUT_ROWS` takes the second from where none do)."""
     d, q, h = cfg["hidden_size"], cfg["q_lora_rank"], cfg["num_attention_heads"] * cfg["head_dim"]
     o, f = cfg["o_groups"] * cfg["o_lora_rank"], cfg["moe_intermediate_size"]
     sites = {"wq_a": (q, d), "wq_b": (h, q), "wkv": (cfg["head_dim"], d), "wo_b": (d, o), "w1": (f, d), "w2": (d, f)}
     if b.smoke:
         sites = {"wq_b": (256, 128)}
-    fast = Numerics.fast()
-    policies = {"bf16_out": fast, "f32_out": replace(fast, exact_gemm_out=True)}
-    runs = {name: jax.jit(functools.partial(linear.lin8, numerics=n)) for name, n in policies.items()}
+    out = {"f32_out": jnp.float32, "bf16_out": jnp.bfloat16}
+    runs = {name: jax.jit(lambda x, w, dt=dt: jnp.dot(fp8_act_qdq(x), w.T, precision=HIGHEST,
+                                                      preferred_element_type=dt).astype(jnp.bfloat16))
+            for name, dt in out.items()}
+    timed = (8,) if b.smoke else (1, 8, 4096, 8192)
+    checked = (1, 2, 8) if b.smoke else (1, 2, 3, 4, 7, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)
     diffs = {}
     for site, (n, k) in sites.items():
         w = (jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
-        for m in ((8,) if b.smoke else (1, 8, 64, 4096, 8192)):
+        for m in checked:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            for name, fn in runs.items():
-                out_bytes = m * n * (2 if name == "bf16_out" else 4)
-                b.case(f"lin8 {site} {name} M={m}", fn, (x, w), layers=1, flops=2.0 * m * n * k,
-                       bytes_=w.nbytes + x.nbytes + out_bytes, rows=m, site=site, route=name)
-            got, want = np.asarray(runs["bf16_out"](x, w), np.float32), np.asarray(runs["f32_out"](x, w), np.float32)
+            if m in timed:
+                for name, fn in runs.items():
+                    b.case(f"lin8 {site} {name} M={m}", fn, (x, w), layers=1, flops=2.0 * m * n * k,
+                           bytes_=w.nbytes + x.nbytes + m * n * jnp.dtype(out[name]).itemsize, rows=m,
+                           site=site, route=name)
+            got, want = (np.asarray(runs[r](x, w), np.float32) for r in ("bf16_out", "f32_out"))
             diffs[f"{site} M={m}"] = {"outputs": got.size, "differ": int((got != want).sum()),
                                       "max_abs_diff": float(np.abs(got - want).max())}
     b.results["gemm_out_check"] = diffs

@@ -105,6 +105,23 @@ def test_held_experts_match_their_bf16_decode(impl, held):
     _check(got, want, seed, FAST)
 
 
+def test_the_gate_up_epilogue_quantizes_as_fp8_act_qdq():
+    """The gate/up kernel fake-quantizes its output tile for the down GEMM (each 32-lane group's
+    max by a masked row max): bit-equal to `fp8_act_qdq` on groups of very different scales,
+    zeros, -0.0 and values under the amax floor."""
+    from v41_jax.quant import fp8_act_qdq
+
+    rng, seed = fresh_rng()
+    a = rng.standard_normal((16, 128)) * np.exp2(rng.integers(-30, 12, size=(16, 4)))[:, :, None].repeat(32, 2).reshape(16, 128)
+    a[0, :32], a[1, 5], a[2, 40:72] = 0.0, -0.0, 1e-7 * rng.standard_normal(32)
+    a = jnp.asarray(a, jnp.bfloat16)
+    got, want = kmoe._tile_act_qdq(a), fp8_act_qdq(a, 32)
+    assert got.dtype == jnp.bfloat16
+    assert (np.asarray(want) != np.asarray(a)).any()                   # the QDQ moves values
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16),
+                                  err_msg=f"seed {seed}")
+
+
 def test_fp4_tile_decode_is_exact_for_every_byte_and_scale():
     """The in-register decode (nibble -> E4M3 byte -> fp32, times 2^(c-121)) against the loader's
     table decode, for all 256 code bytes under scale codes from 2^-20 to 2^+20."""

@@ -15,18 +15,26 @@ API (x [..., K], w [N, K]; outputs [..., N])
                                         fp32; bf16 x by an fp32 w, from SPLIT_ROWS rows, one bf16
                                         GEMM against w's three bf16 parts (`bf16_parts`).
   k_block_dot(x, w) -> fp32             the block-ordered fp32 GEMM itself.
+  gemm_out_dtype(numerics, rows)        the preferred_element_type of a GEMM that `numerics.act`
+                                        rounds next (fp32, or the act dtype: GEMM_OUT_ROWS).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from v41_jax.numerics import HIGHEST, Numerics
 from v41_jax.quant import fp8_act_qdq
 
 K_BLOCK = 32  # one activation scale and one weight scale per 32 inputs
 SPLIT_ROWS = 256  # lin_f32 of bf16 rows by an fp32 weight: the three-part bf16 GEMM from here
+# GEMMs write the activation dtype themselves (`Numerics.exact_gemm_out` off) from this many rows:
+# XLA:GPU's one-row GEMV rounds a bf16 output apart from the fp32 result's cast (on the H100,
+# 42 % of a row's outputs one bf16 ulp away), from 8 rows every output is the cast's (BENCHMARKS.md
+# 2026-12-05 i); a decode step gained nothing from it.
+GEMM_OUT_ROWS = 8
 
 
 def k_block_dot(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -47,10 +55,17 @@ def _dot_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w.T.astype(x.dtype), precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
+def gemm_out_dtype(numerics: Numerics, rows: int) -> np.dtype:
+    """What an fp32-accumulating GEMM of `rows` rows, rounded to the activation dtype next, writes:
+    fp32, or the activation dtype itself (`Numerics.exact_gemm_out` off, from GEMM_OUT_ROWS rows)."""
+    own = not numerics.exact_gemm_out and rows >= GEMM_OUT_ROWS
+    return numerics.act_dtype if own else np.dtype(jnp.float32)
+
+
 def _dot_act(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
-    """The fp32-accumulating GEMM of a linear the reference rounds to the activation dtype: its
-    fp32 result (`numerics.exact_gemm_out`) or the activation dtype written by the GEMM itself."""
-    return jnp.dot(x, w.T.astype(x.dtype), precision=HIGHEST, preferred_element_type=numerics.gemm_out_dtype)
+    """The fp32-accumulating GEMM of a linear the reference rounds to the activation dtype."""
+    return jnp.dot(x, w.T.astype(x.dtype), precision=HIGHEST,
+                   preferred_element_type=gemm_out_dtype(numerics, x.size // x.shape[-1]))
 
 
 def lin8(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:

@@ -19,8 +19,6 @@ API
   Numerics.fp32()       same graph with fp32 activations and no fake-quant / bf16 rounding; used to
       compare the cache path with the full forward without rounding noise.
   numerics.act(x)       cast to the activation dtype (the reference's bf16 rounding points).
-  numerics.gemm_out_dtype   the preferred_element_type of a GEMM that `act` rounds next: fp32, or
-                        the activation dtype itself without `exact_gemm_out`.
   HIGHEST               the dot precision for every fp32 product (no TF32 / bf16 passes on GPU).
   exact_div(a, b)       a / b correctly rounded. XLA rewrites a division by a constant or by a
                         broadcast operand into a multiplication by its (inexact) reciprocal, and a
@@ -72,11 +70,12 @@ Fields
                    3 fp32 ulps for normal quotients (an fp32 reciprocal; `kernels_pallas.sinkhorn`).
   exact_gemm_out   a linear whose output the reference rounds to the activation dtype computes an
                    fp32 result and rounds it in a separate cast; else the GEMM writes the
-                   activation dtype straight from its fp32 accumulator. The same single rounding
-                   of an fp32 sum (XLA accumulates bf16 GEMMs in fp32 and, by default, reduces a
-                   split K in fp32), without the fp32 tensor: at a 4,096-token prefill the
-                   queries' [T, 64 x 512] fp32 output and its cast were ~0.8 GB of traffic a layer
-                   (BENCHMARKS.md, 2026-12-05 g).
+                   activation dtype straight from its fp32 accumulator, from
+                   `linear.GEMM_OUT_ROWS` rows (`linear.gemm_out_dtype`). The same single rounding
+                   of an fp32 sum (XLA accumulates bf16 GEMMs in fp32 and reduces a split K in
+                   fp32), without the fp32 tensor: at a 4,096-token prefill the queries' [T, 64 x
+                   512] fp32 output and its cast were ~0.8 GB of traffic a layer (BENCHMARKS.md,
+                   2026-12-05 g, i).
 """
 
 from __future__ import annotations
@@ -192,11 +191,6 @@ class Numerics:
 
     def act(self, x: jax.Array) -> jax.Array:
         return x.astype(self.act_dtype)
-
-    @property
-    def gemm_out_dtype(self) -> np.dtype:
-        """What an fp32-accumulating GEMM whose result is then rounded by `act` writes."""
-        return np.dtype(jnp.float32) if self.exact_gemm_out else self.act_dtype
 
     @property
     def index_score_dtype(self) -> np.dtype:

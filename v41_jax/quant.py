@@ -202,11 +202,20 @@ def _e2m1_step_exp(a) -> jax.Array:
     return jnp.where(a < 2, -1, jnp.where(a < 4, 0, 1))
 
 
+def _round_steps(t) -> jax.Array:
+    """t in [0, 16) or NaN -> the nearest integer, ties to even (`jnp.round`), in integer ops: a
+    kernel's Triton lowering has no round, and XLA folds (t + 2^23) - 2^23 back into t."""
+    i = t.astype(jnp.int32)                                            # t >= 0: the floor
+    frac = t - i.astype(jnp.float32)                                   # exact
+    up = (frac > 0.5) | ((frac == 0.5) & ((i & 1) == 1))
+    return jnp.where(t != t, t, (i + up.astype(jnp.int32)).astype(jnp.float32))
+
+
 def _round_grid(x, step_exp, max_val: float) -> jax.Array:
     """fp32 -> nearest grid value, ties to even, |x| saturated at max_val (the satfinite cast)."""
     a = jnp.minimum(jnp.abs(x.astype(jnp.float32)), max_val)
     k = step_exp(a)
-    return jnp.copysign(jnp.round(a * _pow2(-k)) * _pow2(k), x)
+    return jnp.copysign(_round_steps(a * _pow2(-k)) * _pow2(k), x)
 
 
 def round_e4m3(x) -> jax.Array:
@@ -277,9 +286,19 @@ def _groups(x, group: int, what: str) -> jax.Array:
 
 def _fp8_ue8m0_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:
     """xg fp32 [..., g] -> (on-grid e4m3 values [..., g], fp32 scale [...], E8M0 code [...])."""
-    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), _FP8_AMAX_FLOOR)
-    s, inv, code = ue8m0_scale(amax, _FP8_MAX_INV)
+    s, inv, code = _fp8_ue8m0_scale(jnp.max(jnp.abs(xg), axis=-1))
     return round_e4m3(xg * inv[..., None]), s, code
+
+
+def _fp8_ue8m0_scale(amax) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return ue8m0_scale(jnp.maximum(amax, _FP8_AMAX_FLOOR), _FP8_MAX_INV)
+
+
+def fp8_act_qdq_by_amax(x, group_amax) -> jax.Array:
+    """`fp8_act_qdq`'s value of fp32 x given its group's max |x| in x's shape (fp32): for a kernel
+    that holds a tile of whole groups and takes their max its own way."""
+    s, inv, _ = _fp8_ue8m0_scale(group_amax)
+    return round_e4m3(x * inv) * s
 
 
 def _fp4_e4m3_groups(xg) -> tuple[jax.Array, jax.Array, jax.Array]:

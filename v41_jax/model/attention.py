@@ -52,7 +52,7 @@ from v41_jax.config import ModelConfig
 from v41_jax.model.compressor import compress, init_state, stored_rows
 from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_keys, index_query, index_scores,
                                    index_weights, select_topk, visible_rows)
-from v41_jax.model.linear import lin8
+from v41_jax.model.linear import gemm_out_dtype, lin8
 from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.model.rope import apply_rope, rope_cos_sin
@@ -104,7 +104,7 @@ def output_proj(p: dict, cfg: ModelConfig, o: jax.Array, cos: jax.Array, sin: ja
     o = o.reshape(*o.shape[:-2], g, -1)                                  # [B, T, G, H/G * Dh]
     wo_a = p["wo_a"]["weight"].reshape(g, cfg.o_lora_rank, -1)           # block-diagonal over groups
     u = jnp.einsum("btgd,grd->btgr", o, wo_a.astype(o.dtype), precision=HIGHEST,
-                   preferred_element_type=numerics.gemm_out_dtype)
+                   preferred_element_type=gemm_out_dtype(numerics, o.size // o.shape[-1] // g))
     return lin8(numerics.act(u).reshape(*u.shape[:-2], -1), p["wo_b"]["weight"], numerics)
 
 
