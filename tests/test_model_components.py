@@ -160,7 +160,7 @@ def test_lin8_quantizes_the_activation_and_rounds_once():
     assert lin_bf(x, w, ref).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 5120, 1280), (8, 1280, 4096), (300, 4096, 512)])
+@pytest.mark.parametrize("m, k, n", [(1, 5120, 1280), (2, 1280, 4096), (300, 4096, 512)])
 def test_gemm_writing_the_activation_dtype_rounds_its_fp32_sum_once(m, k, n):
     """Without `exact_gemm_out` the GEMM writes bf16 itself from GEMM_OUT_ROWS rows (no fp32
     tensor in the program) and rounds the same fp32 sum once: on XLA:CPU bit-equal to the fp32

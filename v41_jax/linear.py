@@ -31,10 +31,10 @@ from v41_jax.quant import fp8_act_qdq
 K_BLOCK = 32  # one activation scale and one weight scale per 32 inputs
 SPLIT_ROWS = 256  # lin_f32 of bf16 rows by an fp32 weight: the three-part bf16 GEMM from here
 # GEMMs write the activation dtype themselves (`Numerics.exact_gemm_out` off) from this many rows:
-# XLA:GPU's one-row GEMV rounds a bf16 output apart from the fp32 result's cast (on the H100,
-# 42 % of a row's outputs one bf16 ulp away), from 8 rows every output is the cast's (BENCHMARKS.md
-# 2026-12-05 i); a decode step gained nothing from it.
-GEMM_OUT_ROWS = 8
+# XLA:GPU's one-row GEMV rounds a bf16 output apart from the fp32 result's cast (on the H100, 42 %
+# of a row's outputs one bf16 ulp away); at 2 to 8,192 rows (13 counts, the model's six dense
+# shapes) every output is the cast's (BENCHMARKS.md 2026-12-05 i).
+GEMM_OUT_ROWS = 2
 
 
 def k_block_dot(x: jax.Array, w: jax.Array) -> jax.Array:
