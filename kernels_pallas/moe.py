@@ -10,8 +10,9 @@ Steps (one call):
   2. Pallas gate/up kernel, grid (F/BN, tiles): rows of one expert's group gathered from x by
      token id (no sorted copy of x in HBM), [BM, D] @ w1[e]^T and w3[e]^T in one K loop; epilogue:
      g, u rounded to the activation dtype, u clamped to ±limit, g to <= limit,
-     a = act(routing weight * silu(g) * u), stored to the pair's sorted row.
-  3. XLA: fp8 fake-quant of a (A8 per 32 lanes, the next linear's input).
+     a = act(routing weight * silu(g) * u), then (fake-quant policies) the down GEMM's A8 input
+     fake-quant of a per 32 lanes in the same epilogue, stored to the pair's sorted row.
+  3. (a column block that is not whole 32-lane groups, and the other impls: that fake-quant in XLA.)
   4. Pallas down kernel, grid (D/BN, tiles): a rows [BM, F] @ w2[e]^T -> act dtype, stored at the
      pair's own row (token * k + slot), so no gather puts the rows back in token order.
   5. XLA: [T, k, D] summed in fp32 in ascending expert order.
@@ -84,13 +85,16 @@ def _tile_act_qdq(a: jax.Array) -> jax.Array:
     """The down projection's A8 fake-quant (`fp8_act_qdq` per K_BLOCK lanes) of a [rows, bn] tile
     whose columns are whole groups: each group's max |a| by a masked row max (a kernel cannot
     reshape the tile into groups), then the shared rule. Saves the separate QDQ's two passes over
-    the [T k, F] intermediate (a 4,096-token prefill: 0.75 ms, BENCHMARKS.md 2026-12-05 i)."""
+    the [T k, F] intermediate (a 4,096-token prefill: 0.75 ms, BENCHMARKS.md 2026-12-05 i).
+    Equal to `fp8_act_qdq` for finite values; a NaN lane, which XLA's max propagates, Triton's
+    max skips (its group's scale then comes from the other lanes)."""
     v = a.astype(jnp.float32)
+    mag = jnp.abs(v)
     group = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1) // _K_BLOCK
     amax = jnp.zeros_like(v)
     for g in range(v.shape[1] // _K_BLOCK):
         mine = group == g
-        amax = jnp.where(mine, jnp.max(jnp.where(mine, jnp.abs(v), 0.0), axis=1, keepdims=True), amax)
+        amax = jnp.where(mine, jnp.max(jnp.where(mine, mag, 0.0), axis=1, keepdims=True), amax)
     return fp8_act_qdq_by_amax(v, amax).astype(a.dtype)
 
 
@@ -216,7 +220,7 @@ def _tile_setup(te_ref, tf_ref, tend_ref, bm: int, bn: int, bk: int):
 
 
 def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3_ref, a_ref, *,
-                    bm, bn, bk, limit, numerics):
+                    bm, bn, bk, limit, numerics, qdq):
     e, rows, live, cols, kk, wcols = _tile_setup(te_ref, tf_ref, tend_ref, bm, bn, bk)
 
     @pl.when(e >= 0)
@@ -235,7 +239,7 @@ def _gate_up_kernel(te_ref, tf_ref, tend_ref, tok_ref, pw_ref, x_ref, w1_ref, w3
         acc_g, acc_u = _row_scale(w1_ref, e, wcols, acc_g), _row_scale(w3_ref, e, wcols, acc_u)
         wt = load(pw_ref.at[rows], mask=live, other=0).astype(jnp.float32)
         a = _swiglu_epilogue(acc_g, acc_u, wt, numerics, limit)
-        if numerics.gemm_fake_quant:                                   # the down GEMM's input QDQ
+        if qdq:                                                        # the down GEMM's input QDQ
             a = _tile_act_qdq(a)
         store(a_ref.at[rows[:, None], cols[None, :]], a.astype(a_ref.dtype), mask=live[:, None])
 
@@ -293,15 +297,17 @@ def _routed_pallas(x, idx, w, w1, w3, w2, base=None, *, numerics, limit, bm, bn,
     # from L2 after the first (tiles fastest re-read them from HBM per column block: 1.14-1.24x
     # slower at 512-8192 tokens on the H200)
     bn_gu = bn_gate_up or bn
-    if numerics.gemm_fake_quant and bn_gu % _K_BLOCK:
-        raise ValueError(f"gate/up column block {bn_gu}: the epilogue's QDQ needs whole {_K_BLOCK}-lane groups")
+    qdq_in_epilogue = numerics.gemm_fake_quant and bn_gu % _K_BLOCK == 0   # whole groups per tile
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bm=bm, bn=bn_gu, bk=bk, limit=limit, numerics=numerics),
+        functools.partial(_gate_up_kernel, bm=bm, bn=bn_gu, bk=bk, limit=limit, numerics=numerics,
+                          qdq=qdq_in_epilogue),
         grid=(f // bn_gu, te.shape[0]),
         in_specs=tables + [_full(tok.shape), _full(pw.shape), _full(xq.shape), _specs(w1), _specs(w3)],
         out_specs=_full((t * k, f)), out_shape=jax.ShapeDtypeStruct((t * k, f), numerics.act_dtype),
         compiler_params=cp, interpret=interpret, name="moe_gate_up",
-    )(te, tf, tend, tok, pw, xq, w1, w3)                              # QDQ'd in the epilogue
+    )(te, tf, tend, tok, pw, xq, w1, w3)
+    if numerics.gemm_fake_quant and not qdq_in_epilogue:
+        a = fp8_act_qdq(a, _K_BLOCK)
     y = pl.pallas_call(
         functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, numerics=numerics),
         grid=(d // bn, te.shape[0]),

@@ -154,13 +154,16 @@ def time_by_source(instances: dict[str, list[float]], sources: dict[str, str], c
     parts = _sum_by(instances, lambda name: (source(name), kernel_group(name)))
     ranked = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
     per_call = lambda ns, n: [round(ns / calls / 1e6, 4), n / calls]
-    return [{"source": s, "ms_per_call": round(ns / calls / 1e6, 4), "launches_per_call": n / calls,
-             "kinds": sorted(k for src, k in parts if src == s),
-             "by_kind": {k: per_call(*parts[src, k]) for src, k in sorted(parts) if src == s}}
-            for s, (ns, n) in ranked]
+    rows = []
+    for s, (ns, n) in ranked:
+        by_kind = {k: per_call(*parts[src, k]) for src, k in sorted(parts) if src == s}
+        ms, launches = per_call(ns, n)
+        rows.append({"source": s, "ms_per_call": ms, "launches_per_call": launches,
+                     "kinds": list(by_kind), "by_kind": by_kind})
+    return rows
 
 
-def _sum_by(instances: dict[str, list[float]], key) -> dict[str, list[float]]:
+def _sum_by(instances: dict[str, list[float]], key) -> dict:
     """Kernel instances (trace name -> [total ns, launches]) summed by key(name)."""
     out: dict[str, list[float]] = {}
     for name, (ns, n) in instances.items():

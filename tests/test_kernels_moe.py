@@ -107,15 +107,25 @@ def test_held_experts_match_their_bf16_decode(impl, held):
 
 def test_the_gate_up_epilogue_quantizes_as_fp8_act_qdq():
     """The gate/up kernel fake-quantizes its output tile for the down GEMM (each 32-lane group's
-    max by a masked row max): bit-equal to `fp8_act_qdq` on groups of very different scales,
-    zeros, -0.0 and values under the amax floor."""
+    max by a masked row max), inside a kernel as the gate/up epilogue runs it (interpret mode
+    here, compiled on a GPU): bit-equal to `fp8_act_qdq` on groups of very different scales, a
+    zero group, -0.0 and a whole group under the amax floor."""
+    from jax.experimental import pallas as pl
+
+    from kernels_pallas import backend
     from v41_jax.quant import fp8_act_qdq
 
     rng, seed = fresh_rng()
     a = rng.standard_normal((16, 128)) * np.exp2(rng.integers(-30, 12, size=(16, 4)))[:, :, None].repeat(32, 2).reshape(16, 128)
-    a[0, :32], a[1, 5], a[2, 40:72] = 0.0, -0.0, 1e-7 * rng.standard_normal(32)
+    a[0, :32], a[1, 5], a[2, 64:96] = 0.0, -0.0, 1e-7 * rng.standard_normal(32)
     a = jnp.asarray(a, jnp.bfloat16)
-    got, want = kmoe._tile_act_qdq(a), fp8_act_qdq(a, 32)
+
+    def kernel(a_ref, o_ref):
+        o_ref[...] = kmoe._tile_act_qdq(a_ref[...])
+
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+                         interpret=backend.interpret())(a)
+    want = fp8_act_qdq(a, 32)
     assert got.dtype == jnp.bfloat16
     assert (np.asarray(want) != np.asarray(a)).any()                   # the QDQ moves values
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16),
@@ -222,6 +232,8 @@ def test_gate_up_column_blocks_of_their_own_change_nothing(held):
     own = run()
     assert np.isfinite(own).all() and np.abs(own).max() > 0, f"seed {seed}"
     np.testing.assert_array_equal(own, run(block_n=128), err_msg=f"seed {seed}")
+    # 16 columns hold no whole 32-lane group: the down GEMM's input QDQ is then XLA's, same bits
+    np.testing.assert_array_equal(own, run(block_n=16), err_msg=f"seed {seed}")
 
 
 def test_mgpu_dispatch_covers_every_tile_layout():

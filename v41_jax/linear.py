@@ -63,7 +63,9 @@ def gemm_out_dtype(numerics: Numerics, rows: int) -> np.dtype:
 
 
 def _dot_act(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
-    """The fp32-accumulating GEMM of a linear the reference rounds to the activation dtype."""
+    """The fp32-accumulating GEMM of a linear the reference rounds to the activation dtype. The
+    rows are counted as traced: under vmap (the routed experts' reference loop) one instance's,
+    so those one-row GEMVs keep the fp32 output."""
     return jnp.dot(x, w.T.astype(x.dtype), precision=HIGHEST,
                    preferred_element_type=gemm_out_dtype(numerics, x.size // x.shape[-1]))
 
