@@ -389,23 +389,25 @@ def bench_head(b: Bench, cfg: dict):
 def bench_gemm_out(b: Bench, cfg: dict):
     """The FP8 dense linears (`linear.lin8` under fast numerics, restated here to force each
     route at every row count: A8 QDQ, one fp32-accumulating GEMM) with the GEMM's fp32 result
-    cast afterwards and with the GEMM writing bf16 itself, at
-    the model's query, kv, output and shared-expert shapes per row count; how many outputs differ
-    between the two (`linear.GEMM_OUT_ROWS` takes the second from where none do)."""
+    cast afterwards and with the GEMM writing bf16 itself, at the model's query, kv, output and
+    shared-expert shapes per row count; how many outputs differ between the two
+    (`linear.GEMM_OUT_ROWS` takes the second from where none do)."""
     d, q, h = cfg["hidden_size"], cfg["q_lora_rank"], cfg["num_attention_heads"] * cfg["head_dim"]
     o, f = cfg["o_groups"] * cfg["o_lora_rank"], cfg["moe_intermediate_size"]
     sites = {"wq_a": (q, d), "wq_b": (h, q), "wkv": (cfg["head_dim"], d), "wo_b": (d, o), "w1": (f, d), "w2": (d, f)}
     if b.smoke:
         sites = {"wq_b": (256, 128)}
     out = {"f32_out": jnp.float32, "bf16_out": jnp.bfloat16}
-    runs = {name: jax.jit(lambda x, w, dt=dt: jnp.dot(fp8_act_qdq(x), w.T, precision=HIGHEST,
-                                                      preferred_element_type=dt).astype(jnp.bfloat16))
-            for name, dt in out.items()}
+
+    def route(x, w, dt):
+        return jnp.dot(fp8_act_qdq(x), w.T, precision=HIGHEST, preferred_element_type=dt).astype(jnp.bfloat16)
+
+    runs = {name: jax.jit(functools.partial(route, dt=dt)) for name, dt in out.items()}
     timed = (8,) if b.smoke else (1, 8, 4096, 8192)
     checked = (1, 2, 8) if b.smoke else (1, 2, 3, 4, 7, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)
     # every checked row count's GEMM in one program per route (one compile each; XLA picks each
     # dot's algorithm by its own shape, as in a program of one)
-    each = {name: jax.jit(lambda xs, w, fn=fn.__wrapped__: [fn(x, w) for x in xs]) for name, fn in runs.items()}
+    each = {name: jax.jit(lambda xs, w, dt=dt: [route(x, w, dt) for x in xs]) for name, dt in out.items()}
     diffs = {}
     for site, (n, k) in sites.items():
         w = (jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
