@@ -26,7 +26,7 @@ from kernels_pallas._compat import on_gpu
 ENV_BACKEND = "V41_KERNELS"
 ENV_INTERPRET = "V41_PALLAS_INTERPRET"
 CHOICES = ("xla", "pallas")
-KERNELS = ("sinkhorn", "rmsnorm", "select", "rope")  # the names `resolve(kernel=...)` is called with
+KERNELS = ("sinkhorn", "rmsnorm", "select", "rope", "hc_expand")  # the names `resolve(kernel=...)` is called with
 
 _overrides: dict[str | None, str] = {}   # None: every kernel; a name of KERNELS: that kernel only
 

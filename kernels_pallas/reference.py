@@ -47,6 +47,14 @@ Rotary embedding (docs/MODEL.md §3.1; kernel: `kernels_pallas.rope`)
       (cos / sin broadcast against x[..., :R/2]): four products each rounded to fp32, one add each
       (the reference's complex multiply), one cast back; inverse by the negative angle.
 
+mHC expand and collapse (docs/MODEL.md §3.2; kernel: `kernels_pallas.hc_expand`)
+  expand_streams(f, xs, post, comb) -> [N] fp32   X'[j] = post[j] f + sum_i comb[i][j] X[i]: every
+      product rounded to fp32 on its own, the N products of comb summed in stream order, then
+      added to post's (fp32 operands broadcast against each other; lists of the N streams).
+  collapse_streams(xs, pre) -> fp32   sum_s pre[s] X[s], products rounded, streams in order.
+  expand_collapse(f [..., D], x [..., N, D], post [..., N], comb [..., N, N], pre [..., N])
+      -> (x' [..., N, D], c = collapse(x', pre) [..., D]), both in f's dtype.
+
 RMSNorm statistic (docs/MODEL.md §3.1; kernel: `kernels_pallas.rmsnorm`)
   rsqrt(v) -> fp32   1 / sqrt(v), each step correctly rounded: torch's CPU rsqrt bit for bit
       (XLA's own rsqrt differs in ~1/3 of the cases).
@@ -56,6 +64,9 @@ RMSNorm statistic (docs/MODEL.md §3.1; kernel: `kernels_pallas.rmsnorm`)
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +243,33 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = Fal
     rotated = jnp.stack([rounded(a * cos) - rounded(b * sin), rounded(a * sin) + rounded(b * cos)],
                         axis=-1).reshape(tail.shape)
     return jnp.concatenate([head, rotated.astype(x.dtype)], axis=-1)
+
+
+# ---- mHC expand and collapse ----------------------------------------------------------------------
+
+def expand_streams(f: jax.Array, xs: list, post: list, comb: list) -> list:
+    n = len(xs)
+    return [rounded(post[j] * f) + functools.reduce(operator.add, [rounded(comb[i][j] * xs[i]) for i in range(n)])
+            for j in range(n)]
+
+
+def collapse_streams(xs: list, pre: list) -> jax.Array:
+    return functools.reduce(operator.add, [rounded(p * x) for p, x in zip(pre, xs)])
+
+
+def _streams(a: jax.Array, axis: int) -> list:
+    return [jnp.take(a, i, axis=axis) for i in range(a.shape[axis])]
+
+
+def expand_collapse(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array,
+                    pre: jax.Array) -> tuple[jax.Array, jax.Array]:
+    n = x.shape[-2]
+    col = lambda a: a[..., None]                       # a coefficient against [..., D] rows
+    combs = [[col(comb[..., i, j]) for j in range(n)] for i in range(n)]
+    ys = [y.astype(f.dtype) for y in expand_streams(f.astype(jnp.float32), _streams(x.astype(jnp.float32), -2),
+                                                    _streams(col(post), -2), combs)]
+    c = collapse_streams([y.astype(jnp.float32) for y in ys], _streams(col(pre), -2)).astype(f.dtype)
+    return jnp.stack(ys, axis=-2), c
 
 
 # ---- RMSNorm statistic --------------------------------------------------------------------------

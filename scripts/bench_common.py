@@ -179,7 +179,7 @@ def _sum_by(instances: dict[str, list[float]], key) -> dict:
 # kernels_pallas: their launches are reported under these names
 PALLAS_KERNELS = ("sparse_latent_attn", "index_scores", "moe_gemv_gate_up", "moe_gemv_down",
                   "moe_gate_up", "moe_down", "moe_dispatch", "moe_mgpu_gate_up", "moe_mgpu_down",
-                  "mhc_sinkhorn", "rms_inv", "rope_in_place")
+                  "mhc_sinkhorn", "rms_inv", "rope_in_place", "hc_expand")
 
 
 def timed_calls(obj, name: str, acc: dict) -> None:

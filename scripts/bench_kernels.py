@@ -1,6 +1,6 @@
 """Benchmark the Pallas kernels against their XLA paths at real V4.1 widths (bench_slice config).
 
-    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe,sinkhorn,rmsnorm,mhc-mix]
+    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe,sinkhorn,rmsnorm,hc-expand,mhc-mix]
                                     [--budget SECONDS] [--smoke]
 
 Every case: after warm-up, five rounds of `--reps` calls queued back to back with one
@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kernels_pallas import hc_expand as khc  # noqa: E402
 from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas import select as ksel  # noqa: E402
@@ -559,6 +560,31 @@ def bench_rmsnorm(b: Bench, cfg: dict):
                              tokens=t, width=d, dtype=jnp.dtype(dt).name)
 
 
+def bench_hc_expand(b: Bench, cfg: dict):
+    """One `hc_expand.expand_collapse` call (the mHC expand, the next collapse and both sums of
+    squares) on [T, N, hidden] bf16 streams, the XLA path vs the kernel at a few block shapes
+    (`compare_variants`; the sums of squares differ from XLA's in their last bits by design)."""
+    hc, d = cfg["hc_mult"], cfg["hidden_size"]
+    rng = np.random.default_rng(18)
+    blocks = ((8, 256, 4), (16, 256, 8), (4, 512, 4), (8, 128, 4))
+    for t in (1, 8, 64) if b.smoke else (1, 64, 4096, 8192):
+        if b.left() < 0:
+            b.record(name=f"hc_expand/T{t}", skipped="time budget")
+            continue
+        post = rng.random((t, hc)) * 2
+        comb = rng.random((t, hc, hc))
+        args = tuple(jnp.asarray(a, dt) for a, dt in (
+            (rng.standard_normal((t, d)), jnp.bfloat16), (rng.standard_normal((t, hc, d)), jnp.bfloat16),
+            (post, jnp.float32), (comb / comb.sum(-1, keepdims=True), jnp.float32), (rng.random((t, hc)), jnp.float32)))
+        fns = {"xla": jax.jit(functools.partial(khc.expand_collapse, backend="xla"))}
+        for bt, bd, w in blocks:
+            fns[f"pallas-{bt}x{bd}w{w}"] = jax.jit(functools.partial(
+                khc.expand_collapse, backend="pallas", block_rows=bt, block_cols=bd, warps=w))
+        # bytes: x and f read, x' and c written
+        compare_variants(b, "hc_expand", f"T{t}", compile_variants(fns, args), tokens=t,
+                         bytes=int(2 * t * d * (2 * hc + 2)))
+
+
 # ---- MoE ----------------------------------------------------------------------------------------
 
 # launch parameters of the grouped GEMM tried at batched-decode sizes (`--sections moe-sweep-decode`,
@@ -758,7 +784,7 @@ def main(argv=None):
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "head": bench_head, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
-             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm, "mhc-mix": bench_mhc_mix, "gemm-out": bench_gemm_out,
+             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm, "hc-expand": bench_hc_expand, "mhc-mix": bench_mhc_mix, "gemm-out": bench_gemm_out,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True),
              "moe-sweep-decode": functools.partial(bench_moe, decode_sweep=True, helds=("fp8", "bf16")), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}

@@ -38,7 +38,7 @@ from v41_jax.model.block import block
 from v41_jax.model.forward import embed
 from v41_jax.model.head import lm_head
 from v41_jax.model.linear import lin8, lin_f32
-from v41_jax.model.mhc import collapse, one_hot_pre
+from v41_jax.model.mhc import one_hot_pre
 from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import rope_cos_sin
@@ -93,7 +93,7 @@ def draft_block(params: dict, cfg: ModelConfig, context, anchor: jax.Array, firs
     ids = jnp.full((b, blk), cfg.dspark_noise_token_id, first_ids.dtype).at[:, 0].set(first_ids)
     x = embed(params, ids, cfg.hc_mult, numerics)
     pre = one_hot_pre((b, blk), cfg.hc_mult)
-    gate_idx, gate_scores = {}, {}
+    gate_idx, gate_scores, collapsed = {}, {}, None
     for m, p in enumerate(params["mtp"]):
         layer = cfg.n_layers + m
         ctx_kv, ctx_idx = context(m, p)
@@ -102,12 +102,13 @@ def draft_block(params: dict, cfg: ModelConfig, context, anchor: jax.Array, firs
             return draft_attention(p["attn"], cfg, h, ctx_kv, anchor, numerics, ctx_idx=ctx_idx), None
 
         out = block(p, cfg, layer, x, pre, attend, numerics,
-                    forced_gate=None if forced_gate is None else forced_gate.get(layer))
-        x, pre = out.x, out.pre
+                    forced_gate=None if forced_gate is None else forced_gate.get(layer), collapsed=collapsed)
+        x, pre, collapsed = out.x, out.pre, out.collapsed
         gate_idx[layer], gate_scores[layer] = out.gate_idx, out.gate_scores
     last = params["mtp"][-1]
-    hd = collapse(x, pre)                                                      # pre-norm draft hidden
-    base = lm_head(params["head"]["weight"], rms_norm(hd, last["norm"]["weight"], cfg.norm_eps, numerics))
+    hd = collapsed.c                                       # pre-norm draft hidden: x collapsed by pre
+    base = lm_head(params["head"]["weight"], rms_norm(hd, last["norm"]["weight"], cfg.norm_eps, numerics,
+                                                      collapsed.c_sumsq))
     out_ids, logits, markov = _markov_chain(last, base, first_ids, forced_prev)
     confidence = lin_f32(jnp.concatenate([hd, markov.astype(hd.dtype)], -1),
                          last["confidence_head"]["proj"]["weight"])[..., 0]

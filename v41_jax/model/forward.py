@@ -39,7 +39,7 @@ from v41_jax.model.block import BlockOut, block
 from v41_jax.model.engram import engram
 from v41_jax.model.head import final_hidden, lm_head
 from v41_jax.model.layer_runs import RUNS_KEY, layer_params
-from v41_jax.model.mhc import one_hot_pre, stream_mean
+from v41_jax.model.mhc import Collapsed, input_collapse, one_hot_pre, stream_mean
 from v41_jax.model.numerics import Numerics
 from v41_jax.topology import LayerTopology, Mode, resolve_topology
 
@@ -98,8 +98,10 @@ def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, pre: jax.Array, car
 
     x [B, S, N, D], pre [B, S, N]; attend(p_attn, topo, h, carry) -> (out, (carry, picks)), picks =
     this layer's own selections {kind: [B, S, ...]}; engram_rows {layer: [B, S, cols, hd]};
-    forced_gates {layer: [B, S, k]}. -> (x, pre, carry, intermediates: every one `forward`
-    documents but the final hidden states)."""
+    forced_gates {layer: [B, S, k]}. -> (x, collapsed (`mhc.Collapsed`: x collapsed by the last
+    block's pre, the head's input), carry, intermediates: every one `forward` documents but the
+    final hidden states). Each block hands the next its input's collapse (`BlockOut.collapsed`)
+    unless an Engram module rewrites the streams between them."""
     topology = resolve_topology(cfg)
     token_mask = None if image_mask is None else ~image_mask
     forced_gates = forced_gates or {}
@@ -117,11 +119,11 @@ def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, pre: jax.Array, car
             inter[kind][layer] = ids
 
     runs = params.get(RUNS_KEY, {})
-    layer = 0
+    layer, collapsed = 0, None
     while layer < cfg.n_layers:
         if layer in runs:
-            x, pre, carry, outs = _scan_run(runs[layer], cfg, topology[layer], x, pre, carry, attend, numerics,
-                                            image_mask, forced_gates)
+            x, pre, collapsed, carry, outs = _scan_run(runs[layer], cfg, topology[layer], x, pre, collapsed, carry,
+                                                       attend, numerics, image_mask, forced_gates)
             for j, (out, tap) in enumerate(outs):
                 record(layer + j, out, tap)
             layer += len(outs)
@@ -130,22 +132,25 @@ def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, pre: jax.Array, car
         if topo.engram:
             x = engram(p["engram"], cfg, x, engram_rows[layer], numerics, token_mask)
             inter["engram_out"][layer] = x
+            collapsed = None
         tap = stream_mean(x) if layer in cfg.dspark_target_layer_ids else None
         out = block(p, cfg, layer, x, pre, lambda h, p=p, topo=topo, carry=carry: attend(p["attn"], topo, h, carry),
-                    numerics, image_mask, forced_gates.get(layer))
-        x, pre, carry = out.x, out.pre, out.attn_aux[0]
+                    numerics, image_mask, forced_gates.get(layer), collapsed=collapsed)
+        x, pre, carry, collapsed = out.x, out.pre, out.attn_aux[0], out.collapsed
         record(layer, out, tap)
         layer += 1
     inter.update(block_out=jnp.stack(inter["block_out"]), next_pre=jnp.stack(inter["next_pre"]),
                  main_hidden=jnp.concatenate(taps, -1) if taps else None)
-    return x, pre, carry, inter
+    return x, collapsed, carry, inter
 
 
-def _scan_run(stacked: dict, cfg: ModelConfig, first: LayerTopology, x: jax.Array, pre: jax.Array, carry,
-              attend, numerics: Numerics, image_mask: jax.Array | None, forced_gates: dict):
+def _scan_run(stacked: dict, cfg: ModelConfig, first: LayerTopology, x: jax.Array, pre: jax.Array,
+              collapsed: Collapsed | None, carry, attend, numerics: Numerics, image_mask: jax.Array | None,
+              forced_gates: dict):
     """One stacked run (model/layer_runs.py) as a `lax.scan` over its layers: the block traced once,
     the layer index traced (the window ring's), the routed experts read in place from the stack.
-    -> (x, pre, carry, per layer (BlockOut with attn_aux = (None, picks), its input's stream mean))."""
+    -> (x, pre, collapsed, carry, per layer (BlockOut with attn_aux = (None, picks) and no
+    collapsed, its input's stream mean))."""
     n = jax.tree.leaves(stacked)[0].shape[0]
     layers = range(first.layer, first.layer + n)
     forced = [forced_gates[l] for l in layers if l in forced_gates]
@@ -156,18 +161,22 @@ def _scan_run(stacked: dict, cfg: ModelConfig, first: LayerTopology, x: jax.Arra
     per_layer = {**stacked, "ffn": {k: v for k, v in stacked["ffn"].items() if k != "experts"}}
 
     def body(c, xs):
-        x, pre, carry = c
+        x, pre, collapsed, carry = c
         p, j, gate = xs
         p = {**p, "ffn": {**p["ffn"], "experts": experts}}
         topo = dataclasses.replace(first, layer=first.layer + j)
         out = block(p, cfg, first.layer, x, pre, lambda h: attend(p["attn"], topo, h, carry), numerics,
-                    image_mask, gate, expert_layer=j)
+                    image_mask, gate, expert_layer=j, collapsed=collapsed)
         carry, picks = out.attn_aux
-        return (out.x, out.pre, carry), (out._replace(attn_aux=(None, picks)), stream_mean(x))
+        return (out.x, out.pre, out.collapsed, carry), (out._replace(attn_aux=(None, picks), collapsed=None),
+                                                         stream_mean(x))
 
-    (x, pre, carry), (outs, taps) = jax.lax.scan(
-        body, (x, pre, carry), (per_layer, jnp.arange(n, dtype=jnp.int32), jnp.stack(forced) if forced else None))
-    return x, pre, carry, [(jax.tree.map(lambda a: a[j], outs), taps[j]) for j in range(n)]
+    # the carry's structure is fixed before the loop: a fresh input's collapse with the sums where
+    # the blocks hand them on
+    start = input_collapse(x, pre, numerics) if collapsed is None else collapsed
+    (x, pre, collapsed, carry), (outs, taps) = jax.lax.scan(
+        body, (x, pre, start, carry), (per_layer, jnp.arange(n, dtype=jnp.int32), jnp.stack(forced) if forced else None))
+    return x, pre, collapsed, carry, [(jax.tree.map(lambda a: a[j], outs), taps[j]) for j in range(n)]
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Numerics,
@@ -177,10 +186,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, *, numerics: Nume
     x = embed(params, tokens, cfg.hc_mult, numerics)
     pre = one_hot_pre(tokens.shape, cfg.hc_mult)
     attend = lambda p, topo, h, ctx: _attend(p, cfg, topo, h, ctx, numerics, forced)
-    x, pre, _, inter = run_layers(params, cfg, x, pre, empty_context(), attend, numerics,
+    x, collapsed, _, inter = run_layers(params, cfg, x, pre, empty_context(), attend, numerics,
                                   engram_rows=engram_rows, image_mask=image_mask,
                                   forced_gates=None if forced is None else forced.get("gate_topk"))
-    collapsed, normed = final_hidden(params, cfg, x, pre, numerics)
+    collapsed, normed = final_hidden(params, cfg, collapsed, numerics)
     logits = lm_head(params["head"]["weight"], normed)
     if not return_intermediates:
         return logits

@@ -3,7 +3,8 @@
 There are no separate hc_head parameters: the last block's FFN-side pre-mix collapses the streams.
 
 API
-  final_hidden(params, cfg, x [..., N, D], pre [..., N], numerics) -> (collapsed [..., D], normed [..., D])
+  final_hidden(params, cfg, collapsed, numerics) -> (collapsed [..., D], normed [..., D])
+      collapsed: `mhc.Collapsed`, the last block's streams collapsed by its pre (`run_layers`).
   lm_head(w [V, D] bf16, h [..., D]) -> fp32 [..., V]     logits in fp32 (the reference's fp32 head:
                                                            `lin_f32`, exact products of bf16 values)
 """
@@ -15,18 +16,17 @@ from typing import TYPE_CHECKING
 import jax
 
 from v41_jax.model.linear import lin_f32
-from v41_jax.model.mhc import collapse
 from v41_jax.model.norm import rms_norm
 
 if TYPE_CHECKING:
     from v41_jax.config import ModelConfig
+    from v41_jax.model.mhc import Collapsed
     from v41_jax.model.numerics import Numerics
 
 
-def final_hidden(params: dict, cfg: ModelConfig, x: jax.Array, pre: jax.Array,
+def final_hidden(params: dict, cfg: ModelConfig, collapsed: Collapsed,
                  numerics: Numerics) -> tuple[jax.Array, jax.Array]:
-    collapsed = collapse(x, pre)
-    return collapsed, rms_norm(collapsed, params["norm"]["weight"], cfg.norm_eps, numerics)
+    return collapsed.c, rms_norm(collapsed.c, params["norm"]["weight"], cfg.norm_eps, numerics, collapsed.c_sumsq)
 
 
 def lm_head(w: jax.Array, h: jax.Array) -> jax.Array:

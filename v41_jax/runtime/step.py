@@ -386,10 +386,10 @@ def step(params: dict, cache: Cache, batch: StepBatch, forced: dict | None = Non
     rows = {layer: dequant_fp8_rows(codes, scales)[None]
             for layer, codes, scales in zip(cfg.engram_layer_ids, engram_codes, engram_scales)}
     attend = lambda p, topo, h, state: cached_attention(p, cfg, geom, topo, h, batch, state, numerics, forced)
-    x, pre, state, inter = run_layers(params, cfg, x, pre, StepState(cache, {}, {}), attend, numerics,
+    x, collapsed, state, inter = run_layers(params, cfg, x, pre, StepState(cache, {}, {}), attend, numerics,
                                       engram_rows=rows,
                                       forced_gates={l: g[None] for l, g in forced.get("gate_topk", {}).items()})
-    collapsed, normed = final_hidden(params, cfg, x, pre, numerics)
+    collapsed, normed = final_hidden(params, cfg, collapsed, numerics)
     logits = lm_head(params["head"]["weight"], normed[0, batch.logit_rows])
     # each logits row's draws once: a verify span's rows check their drafts against the same ones
     drawn = draws(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed,
