@@ -16,6 +16,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from kernels_pallas._compat import TRITON_CUSTOM_CALL
+from kernels_pallas.hc_expand import _expand_collapse_pallas
 from kernels_pallas.indexer import _index_scores_pallas
 from kernels_pallas.moe import _routed_gemv, _routed_pallas, dispatch_rows
 from kernels_pallas.rmsnorm import _rms_inv_pallas
@@ -130,6 +131,15 @@ def test_rope_lowers_for_rocm(t, heads, width, inverse):
     the last block masked, one head (a KV row's layout)."""
     fn = functools.partial(_rope_pallas, heads=heads, inverse=inverse, interpret=False)
     e = _export_rocm(fn, S((t, heads * width), BF16), S((t, 32), F32), S((t, 32), F32))
+    assert _triton_calls(e) == 1
+
+
+@pytest.mark.parametrize("t,d,bt,bd", [(8192, 5120, 8, 128), (1, 5120, 8, 128), (37, 300, 8, 256)])
+def test_hc_expand_lowers_for_rocm(t, d, bt, bd):
+    """The mHC expand + collapse at the hidden width (4 streams), a prefill and one decode row,
+    then rows and columns past the last block masked."""
+    fn = functools.partial(_expand_collapse_pallas, bt=bt, bd=bd, warps=4, interpret=False)
+    e = _export_rocm(fn, S((t, d), BF16), S((t, 4 * d), BF16), S((t, 4), F32), S((t, 16), F32), S((t, 4), F32))
     assert _triton_calls(e) == 1
 
 
