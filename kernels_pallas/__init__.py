@@ -19,6 +19,8 @@ V41_KERNELS = xla | pallas | auto):
                                   (exact=False, the fast policy) by an fp32 reciprocal, 3 ulps
   rope.apply_rope                 RoPE of the last lanes of wide rows written in place (the
                                   attention's queries and outputs: 1/8 of the bytes)
+  hc_expand.expand_collapse       the mHC expand, the next collapse and both sums of squares in
+                                  one pass (the fast RMS's statistics, handed to their consumers)
   rmsnorm.rms_inv                 the RMSNorm statistic rsqrt(mean(x^2) + eps), one launch per
                                   call: torch's sum order over 32-wide chunks in registers, the
                                   division, sqrt and 1 / sqrt correctly rounded as the Sinkhorn's

@@ -10,14 +10,15 @@ docs/MODEL.md §3.2; jnp reference and XLA path: `kernels_pallas.reference.expan
       XLA path returns no sums (None): XLA fuses each with its consumer on its own.
   sums_computed(backend=None) -> bool   whether `expand_collapse` returns the sums.
 
-Why a kernel: inside a block the attention's output is expanded into the streams, and the FFN side
-then reads the new streams twice more, for its mixes' RMS statistic and for its collapse and
-RMSNorm. XLA fuses the expand with the statistic but runs that fusion at ~62 % of HBM bandwidth on
-the H100 (0.22 ms a call at a 4,096-token prefill against ~0.14 ms of bytes), and the collapse +
-norm fusion reads the streams again (BENCHMARKS.md, 2026-12-05 j). Here one program owns a block
-of rows and of columns of all N streams: it reads x and f once, writes x' and c, and hands the
-row statistics on as per-column-block partial sums (a few values a row, added by the caller's
-next fusion). The mixes' GEMM still reads x' (cuBLAS, at bandwidth).
+Why a kernel: each sublayer's output is expanded into the streams, and the next sublayer then
+reads the new streams twice more, for its mixes' RMS statistic and for its collapse and RMSNorm
+(its pre is already known: the single pass). XLA fuses the expand with the statistic but runs that
+fusion at ~62 % of HBM bandwidth on the H100 (0.22 ms a call at a 4,096-token prefill against
+~0.14 ms of bytes), and the collapse + norm fusion reads the streams again (BENCHMARKS.md,
+2026-12-05 j, k). Here one program owns a block of rows and of columns of all N streams: it reads
+x and f once, writes x' and c, and hands the row statistics on as per-column-block partial sums (a
+few values a row, added by the consumer's fusion). The mixes' GEMM still reads x' (cuBLAS, at
+bandwidth). The model calls it for both expands of every block (`mhc.expand_collapse`).
 
 Exactness: x' and c are the reference's operations (`reference.expand_streams`,
 `collapse_streams`: products rounded on their own, `numerics.rounded`, since Triton contracts a

@@ -52,8 +52,10 @@ mHC expand and collapse (docs/MODEL.md §3.2; kernel: `kernels_pallas.hc_expand`
       product rounded to fp32 on its own, the N products of comb summed in stream order, then
       added to post's (fp32 operands broadcast against each other; lists of the N streams).
   collapse_streams(xs, pre) -> fp32   sum_s pre[s] X[s], products rounded, streams in order.
-  expand_collapse(f [..., D], x [..., N, D], post [..., N], comb [..., N, N], pre [..., N])
-      -> (x' [..., N, D], c = collapse(x', pre) [..., D]), both in f's dtype.
+  expand(f [..., D], x [..., N, D], post [..., N], comb [..., N, N]) -> [..., N, D] f's dtype
+  collapse(x [..., N, D], pre [..., N]) -> [..., D] x's dtype   (the model's `mhc.expand` / `collapse`)
+  expand_collapse(f, x, post, comb, pre) -> (x', collapse(x', pre))
+  streams(a, axis) -> list   a's slices along axis (the rules' stream lists)
 
 RMSNorm statistic (docs/MODEL.md §3.1; kernel: `kernels_pallas.rmsnorm`)
   rsqrt(v) -> fp32   1 / sqrt(v), each step correctly rounded: torch's CPU rsqrt bit for bit
@@ -257,19 +259,25 @@ def collapse_streams(xs: list, pre: list) -> jax.Array:
     return functools.reduce(operator.add, [rounded(p * x) for p, x in zip(pre, xs)])
 
 
-def _streams(a: jax.Array, axis: int) -> list:
+def streams(a: jax.Array, axis: int) -> list:
     return [jnp.take(a, i, axis=axis) for i in range(a.shape[axis])]
+
+
+def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
+    return collapse_streams(streams(x.astype(jnp.float32), -2), streams(pre[..., None], -2)).astype(x.dtype)
+
+
+def expand(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    n = x.shape[-2]
+    combs = [[comb[..., i, j, None] for j in range(n)] for i in range(n)]
+    ys = expand_streams(f.astype(jnp.float32), streams(x.astype(jnp.float32), -2), streams(post[..., None], -2), combs)
+    return jnp.stack(ys, axis=-2).astype(f.dtype)
 
 
 def expand_collapse(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array,
                     pre: jax.Array) -> tuple[jax.Array, jax.Array]:
-    n = x.shape[-2]
-    col = lambda a: a[..., None]                       # a coefficient against [..., D] rows
-    combs = [[col(comb[..., i, j]) for j in range(n)] for i in range(n)]
-    ys = [y.astype(f.dtype) for y in expand_streams(f.astype(jnp.float32), _streams(x.astype(jnp.float32), -2),
-                                                    _streams(col(post), -2), combs)]
-    c = collapse_streams([y.astype(jnp.float32) for y in ys], _streams(col(pre), -2)).astype(f.dtype)
-    return jnp.stack(ys, axis=-2), c
+    y = expand(f, x, post, comb)
+    return y, collapse(y, pre)
 
 
 # ---- RMSNorm statistic --------------------------------------------------------------------------

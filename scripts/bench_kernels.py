@@ -562,8 +562,9 @@ def bench_rmsnorm(b: Bench, cfg: dict):
 
 def bench_hc_expand(b: Bench, cfg: dict):
     """One `hc_expand.expand_collapse` call (the mHC expand, the next collapse and both sums of
-    squares) on [T, N, hidden] bf16 streams, the XLA path vs the kernel at a few block shapes
-    (`compare_variants`; the sums of squares differ from XLA's in their last bits by design)."""
+    squares) on [T, N, hidden] bf16 streams, against XLA computing the same four outputs (its rule
+    and two reductions, which the model's XLA path leaves to their consumers), the kernel at a few
+    block shapes (`compare_variants`; the sums differ from XLA's in their last bits: the order)."""
     hc, d = cfg["hc_mult"], cfg["hidden_size"]
     rng = np.random.default_rng(18)
     blocks = ((8, 256, 4), (16, 256, 8), (4, 512, 4), (8, 128, 4))
@@ -576,7 +577,8 @@ def bench_hc_expand(b: Bench, cfg: dict):
         args = tuple(jnp.asarray(a, dt) for a, dt in (
             (rng.standard_normal((t, d)), jnp.bfloat16), (rng.standard_normal((t, hc, d)), jnp.bfloat16),
             (post, jnp.float32), (comb / comb.sum(-1, keepdims=True), jnp.float32), (rng.random((t, hc)), jnp.float32)))
-        fns = {"xla": jax.jit(functools.partial(khc.expand_collapse, backend="xla"))}
+        sumsq = lambda v: jnp.sum(jnp.square(v.astype(jnp.float32)), axis=tuple(range(1, v.ndim)))
+        fns = {"xla": jax.jit(lambda *a: (lambda y, c: (y, c, sumsq(y), sumsq(c)))(*khc.expand_collapse(*a, backend="xla")[:2]))}
         for bt, bd, w in blocks:
             fns[f"pallas-{bt}x{bd}w{w}"] = jax.jit(functools.partial(
                 khc.expand_collapse, backend="pallas", block_rows=bt, block_cols=bd, warps=w))

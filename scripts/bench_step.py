@@ -4,7 +4,7 @@ and an HBM roofline ratio, on random weights generated on the device.
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
         [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope | --compare-numerics FIELD | --compare-scan] [--layers N] [--routed-experts E]
+        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope|hc_expand | --compare-numerics FIELD | --compare-scan] [--layers N] [--routed-experts E]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 

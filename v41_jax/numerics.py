@@ -64,8 +64,10 @@ Fields
   exact_rms        the RMS statistic (RMSNorm, mHC mixes, Engram gate) bit for bit as the reference
                    computes it (torch's CPU sum order, correctly rounded division and rsqrt: a
                    kernel of its own, `kernels_pallas.rmsnorm`), else one backend reduction that
-                   XLA fuses with its neighbours (the statistic within (D + 2) / 2 + 2 fp32 ulps
-                   relative whatever the order: tests/test_kernels_rmsnorm.py).
+                   XLA fuses with its neighbours, or on the Pallas backend the mHC expand
+                   kernel's sums of squares (`kernels_pallas.hc_expand`): the statistic within
+                   (D + 2) / 2 + 2 fp32 ulps relative whatever the order
+                   (tests/test_kernels_rmsnorm.py).
   exact_sinkhorn   the mHC Sinkhorn's divisions correctly rounded (the reference's), else each within
                    3 fp32 ulps for normal quotients (an fp32 reciprocal; `kernels_pallas.sinkhorn`).
   exact_gemm_out   a linear whose output the reference rounds to the activation dtype computes an

@@ -5,7 +5,8 @@ input streams; it expands with its own post/comb but hands `pre` on: the collaps
 sublayer always uses the pre the previous sublayer computed (block.py wires that).
 
 API (X [..., N, D] in the activation dtype; coefficients fp32)
-  hc_mixes(X, fn [M, N*D], base [M], scale [3], cfg, numerics) -> (pre [..., N], post [..., N], comb [..., N, N])
+  hc_mixes(X, fn [M, N*D], base [M], scale [3], cfg, numerics, sumsq=None)
+      -> (pre [..., N], post [..., N], comb [..., N, N])   sumsq: X's, where an expand gave it
   split_sinkhorn(m [..., M], scale, base, hc, iters, eps, backend=None, exact=True) -> (pre, post, comb)
       comb[i, j]: i = input stream, j = output stream; doubly stochastic after Sinkhorn
       (`kernels_pallas.sinkhorn`: one Pallas kernel per call, or its XLA path).
@@ -72,20 +73,7 @@ def one_hot_pre(lead_shape: tuple[int, ...], hc: int) -> jax.Array:
     return jnp.broadcast_to(jnp.eye(hc, dtype=jnp.float32)[0], (*lead_shape, hc))
 
 
-def _streams(a: jax.Array, axis: int) -> list:
-    return [jnp.take(a, i, axis=axis) for i in range(a.shape[axis])]
-
-
-def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
-    return ref.collapse_streams(_streams(x.astype(jnp.float32), -2), _streams(pre[..., None], -2)).astype(x.dtype)
-
-
-def expand(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    n = x.shape[-2]
-    combs = [[comb[..., i, j, None] for j in range(n)] for i in range(n)]
-    ys = ref.expand_streams(f.astype(jnp.float32), _streams(x.astype(jnp.float32), -2),
-                            _streams(post[..., None], -2), combs)
-    return jnp.stack(ys, axis=-2).astype(f.dtype)
+collapse, expand = ref.collapse, ref.expand     # the rules the kernel runs too, on arrays
 
 
 class Collapsed(NamedTuple):
@@ -105,8 +93,8 @@ def _with_sums(numerics: Numerics) -> bool:
 def expand_collapse(f: jax.Array, x: jax.Array, post: jax.Array, comb: jax.Array, pre: jax.Array,
                     numerics: Numerics) -> tuple[jax.Array, Collapsed]:
     if not _with_sums(numerics):
-        y = expand(f, x, post, comb)
-        return y, Collapsed(collapse(y, pre), None, None)
+        y, c = ref.expand_collapse(f, x, post, comb, pre)
+        return y, Collapsed(c, None, None)
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     y, c, ss, css = kernel_hc_expand.expand_collapse(f.reshape(-1, d), x.reshape(-1, n, d), post.reshape(-1, n),
                                                      comb.reshape(-1, n, n), pre.reshape(-1, n))
