@@ -39,7 +39,7 @@ from kernels_pallas import hc_expand as kernel_hc_expand
 from kernels_pallas import reference as ref
 from kernels_pallas import sinkhorn as kernel_sinkhorn
 from v41_jax.model.linear import lin_f32
-from v41_jax.model.norm import rms_inv
+from v41_jax.model.norm import rms_inv, sum_sq
 from v41_jax.model.numerics import Numerics, exact_div, ordered_sum, rounded
 
 if TYPE_CHECKING:
@@ -82,10 +82,6 @@ class Collapsed(NamedTuple):
     c_sumsq: jax.Array | None
 
 
-def _sumsq(v: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1, keepdims=True)
-
-
 def _with_sums(numerics: Numerics) -> bool:
     return not numerics.exact_rms and kernel_hc_expand.sums_computed()
 
@@ -105,7 +101,7 @@ def input_collapse(x: jax.Array, pre: jax.Array, numerics: Numerics) -> Collapse
     c = collapse(x, pre)
     if not _with_sums(numerics):
         return Collapsed(c, None, None)
-    return Collapsed(c, _sumsq(x.reshape(*x.shape[:-2], -1)), _sumsq(c))
+    return Collapsed(c, sum_sq(x.reshape(*x.shape[:-2], -1)), sum_sq(c))
 
 
 def stream_mean(x: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ API
                                      Without, one backend reduction and rsqrt.
                                      `sumsq` [..., 1]: x's sum of squares, already computed
                                      (`mhc.expand_collapse`); the fast statistic only.
+  sum_sq(x) -> fp32 [..., 1]         that sum where it is computed ahead of the statistic.
   rms_norm(x, w, eps, numerics, sumsq=None) -> x.dtype   w * x * rms_inv(x), all fp32, one cast
                                      back to x's dtype.
 """
@@ -22,6 +23,11 @@ from kernels_pallas import rmsnorm as kernel_rmsnorm
 from v41_jax.model.numerics import Numerics
 
 
+def sum_sq(x: jax.Array) -> jax.Array:
+    """fp32 sum of squares over the last axis, [..., 1]: the fast statistic's sum, in the backend's order."""
+    return jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+
+
 def rms_inv(x: jax.Array, eps: float, numerics: Numerics, sumsq: jax.Array | None = None) -> jax.Array:
     if numerics.exact_rms:
         return kernel_rmsnorm.rms_inv(x, eps)
@@ -29,7 +35,7 @@ def rms_inv(x: jax.Array, eps: float, numerics: Numerics, sumsq: jax.Array | Non
     # with the ops around it, where the exact statistic is one latency-bound launch per call
     # (~40 a decode step; BENCHMARKS.md, 2026-12-05 d)
     if sumsq is None:
-        sumsq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+        sumsq = sum_sq(x)
     return jax.lax.rsqrt(sumsq / x.shape[-1] + eps)
 
 
