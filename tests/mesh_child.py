@@ -146,8 +146,8 @@ def main(out: Path) -> dict:
     lap("tiny one device")
     tiny = {}
     # 2 and 8 devices: 4 runs the same MeshRunner path (device feedback, one bucket) as 8 and is
-    # covered by `modes` on 4 below (tokens, donation, cache and experts split); each mesh is a
-    # compile of its own (~11 s of the child)
+    # covered by the demo model on 4 below (tokens, donation, cache and experts split); each mesh
+    # is a compile of its own (~11 s of the child)
     for n in (2, 8):
         # on 2 devices the released model's path: Engram tables on the host, each step's decode
         # tokens and their Engram rows handed off through it
@@ -160,17 +160,6 @@ def main(out: Path) -> dict:
                    "logits_max_abs": float(np.abs(logits - want_logits).max()), **split(eng, before)}
         lap(f"tiny/{n}")
     report["tiny"] = {"want_tokens": want_tokens, "meshes": tiny}
-
-    # ---- the `modes` config (every attention mode, candidates, Engram on two layers) ------------
-    make_checkpoint(str(ROOT / "v41_jax/configs/modes.config.json"), str(out / "modes"), 0)
-    mcfg, mparams = load_mod.load_params(out / "modes", progress=False)
-    mtm = load_token_map(out / "modes/engram_token_map.json")
-    want = generate(tiny_engine(mcfg, mparams, mtm, buckets=ONE_BUCKET))
-    eng = tiny_engine(mcfg, mparams, mtm, make_mesh(4), buckets=ONE_BUCKET)
-    before = eng.cache.window                                  # the fresh cache, donated to the first step
-    report["modes"] = {"want": want, "tokens": generate(eng), "device_feedback": eng.runner.device_feedback,
-                       **split(eng, before)}
-    lap("modes")
 
     # ---- loading: each device's experts read alone, values equal, bytes as the plan ----------
     reads = []
@@ -201,8 +190,10 @@ def main(out: Path) -> dict:
                       "restored_split": codes.sharding.is_equivalent_to(NamedSharding(mesh, P(AXIS)), codes.ndim)}
     lap("load")
 
-    # ---- the demo model from its checkpoint, mesh of 8 vs one device, DSpark speculation on ----
-    # (its trained draft stages accept about half the drafts, so verifies accept 0..5 of them)
+    # ---- the demo model from its checkpoint, mesh of 4 vs one device, DSpark speculation on ----
+    # (its trained draft stages accept about half the drafts, so verifies accept 0..5 of them).
+    # The demo covers every attention mode, candidates and Engram on two layers (it replaced a
+    # `modes` section on 4 devices that ran those paths again: ~44 s of the child)
     # compile_cache_dir "": keep the suite's compilation cache (engine_common), not the user's;
     # decode_sizes (): one bucket, one compile per engine (both engines pad the same steps alike)
     kw = dict(numerics="fp32", max_batch=4, chunk=32, max_context=128, speculative=True, compile_cache_dir="",
@@ -217,19 +208,21 @@ def main(out: Path) -> dict:
         return toks, {"verifies": stats.verifies, "proposed": stats.drafts_proposed, "accepted": stats.drafts_accepted}
     want, want_spec = speculate(Engine.from_checkpoint(ROOT / "models/demo", **kw))
     lap("demo/1")
-    eng = Engine.from_checkpoint(ROOT / "models/demo", mesh=make_mesh(8), **kw)
+    eng = Engine.from_checkpoint(ROOT / "models/demo", mesh=make_mesh(4), **kw)
+    before = eng.cache.window                                  # the fresh cache, donated to the first step
     got, spec = speculate(eng)
     held = {dev: 0 for dev in eng.runner.mesh.devices.flat}        # every params leaf's shards
     for leaf in jax.tree.leaves(eng.params):
         for shard in leaf.addressable_shards:
             held[shard.device] += shard.data.nbytes
     experts = load_mod.resolve_experts("auto")
-    plan = (sum(memory_plan.param_bytes(memory_plan.param_leaves(eng.cfg), experts, "dp", 8).values())
+    plan = (sum(memory_plan.param_bytes(memory_plan.param_leaves(eng.cfg), experts, "dp", 4).values())
             + memory_plan.engram_table_bytes(eng.cfg))
     demo = {"tokens": got, "want": want, "spec": spec, "want_spec": want_spec, "speculative": eng.speculative,
-            "device_bytes": sorted(set(held.values())), "plan_bytes": plan}
+            "device_feedback": eng.runner.device_feedback, "device_bytes": sorted(set(held.values())),
+            "plan_bytes": plan, **split(eng, before)}
     report["demo"] = demo
-    lap("demo/8")
+    lap("demo/4")
     return report
 
 

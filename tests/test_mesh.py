@@ -125,27 +125,19 @@ def test_sharded_tiny_gives_the_one_device_tokens_and_logits(report, n):
     assert r["logits_max_abs"] <= ATOL
 
 
-def test_sharded_modes_gives_the_one_device_tokens(report):
-    """`modes` (the released mode pattern in miniature: window, ratio-2 and ratio-1 compressed
-    attention with reuse and re-indexing, candidates) on 4 devices, decode tokens fed back on the
-    device."""
-    assert report["modes"]["tokens"] == report["modes"]["want"]
-    assert report["modes"]["device_feedback"] is True
-
-
 def test_host_engram_hand_off_on_a_mesh(report):
     """Engram tables kept on the host (as the released model's must be), on 2 devices: each step's
     decode tokens and their Engram rows are filled into every rank's batch on the host; the
-    one-device tokens and logits (`test_sharded_tiny_...[2]`). 8 devices (and `modes` on 4) gather on
+    one-device tokens and logits (`test_sharded_tiny_...[2]`). 8 devices (and the demo on 4) gather on
     the device."""
     meshes = report["tiny"]["meshes"]
     assert meshes["2"]["device_feedback"] is False and meshes["8"]["device_feedback"] is True
     assert meshes["2"]["tokens"] == report["tiny"]["want_tokens"]
 
 
-@pytest.mark.parametrize("model,n", [("tiny", "2"), ("modes", "4"), ("tiny", "8")])
+@pytest.mark.parametrize("model,n", [("tiny", "2"), ("demo", "4"), ("tiny", "8")])
 def test_cache_and_experts_stay_split_and_the_cache_donated(report, model, n):
-    r = report["tiny"]["meshes"][n] if model == "tiny" else report["modes"]
+    r = report["tiny"]["meshes"][n] if model == "tiny" else report["demo"]
     assert r["donated"] and r["cache_split"] and r["experts_split"]
 
 
@@ -164,16 +156,18 @@ def test_orbax_cache_saves_and_restores_sharded(report):
 
 
 def test_sharded_demo_model_speculates_to_the_one_device_tokens(report):
-    """DSpark on the mesh: the demo model's trained draft stages, three requests (each on the rank
-    with the most free pages) of 8, fp32; greedy tokens equal one device's, and the mesh really
-    verified and accepted drafts."""
+    """DSpark on a mesh of 4: the demo model (every attention mode, candidates, Engram on two
+    layers) with its trained draft stages, three requests (each on the rank with the most free
+    pages) of 8, fp32, decode tokens fed back on the device; greedy tokens equal one device's, and
+    the mesh really verified and accepted drafts."""
     demo = report["demo"]
     assert demo["speculative"] and demo["spec"]["verifies"] > 0 and demo["spec"]["accepted"] > 0, demo["spec"]
+    assert demo["device_feedback"] is True
     assert demo["tokens"] == demo["want"]
 
 
 def test_demo_bytes_per_device_as_planned(report):
-    """The demo model (two checkpoint shards) loaded onto 8 devices: every device holds the same
+    """The demo model (two checkpoint shards) loaded onto 4 devices: every device holds the same
     bytes, within 10 % of the memory plan's params + Engram tables (the issue's bound; the plan
     leaves out the hash constants the device Engram path also holds)."""
     held, plan = report["demo"]["device_bytes"], report["demo"]["plan_bytes"]
