@@ -195,10 +195,11 @@ def _convert_async(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str)
     def read_scales() -> np.ndarray:
         """The units' E8M0 scales as uint8, checked against MAX_SCALE_CODE."""
         names = [n.removesuffix(".weight") + ".scale" for n in unit.names]
-        codes = quant.as_u8(read(names))
+        codes = read(names).view(np.uint8)
+        # on the host, where the bytes are: a device check would be one more XLA program per shape
         if (codes > MAX_SCALE_CODE[spec.dtype]).any():
             _refuse_scales(ckpt, names, MAX_SCALE_CODE[spec.dtype])
-        return codes
+        return quant.as_u8(codes)
 
     # a jax array before any jitted call: a numpy argument of a jitted call outlives it until the
     # garbage collector runs (measured: the stacked read stays held into the next unit's read)
@@ -259,22 +260,35 @@ def nest(flat: Mapping[str, Any]) -> dict:
     return listify(tree)
 
 
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    """[len(leaves)] bool: whether each leaf holds only finite values."""
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
+
+
 def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[str, TensorSpec],
                   flat: Mapping[str, Any]) -> None:
     """Refuse a device leaf holding NaN or Inf, naming the stored tensor it came from.
 
     A published checkpoint never holds one: not in a BF16 or F32 tensor, not as an E4M3 NaN code
     (0x7F / 0xFF). The check runs on the device over the leaves the load has just made (one
-    reduction each, one host sync for all), so it costs no second pass over the files. Routed
+    program per placement, one host sync each), so it costs no second pass over the files. Routed
     experts held as FP4 / FP8 codes need none: every E2M1 code is finite, and their scales were
     checked against MAX_SCALE_CODE when read."""
-    flags = {path: jnp.isfinite(leaf).all() for path, leaf in flat.items() if isinstance(leaf, jax.Array)}
-    if not flags:
+    leaves = {path: leaf for path, leaf in flat.items() if isinstance(leaf, jax.Array)}
+    if not leaves:
         return
-    ok = np.asarray(jax.device_get(list(flags.values())))     # leaves on one device or on a mesh
-    if ok.all():
+    # one program per placement (the leaves on one device, the experts split over a mesh): a
+    # reduction per leaf launched alone would be one XLA compile per shape
+    groups: dict[Any, list[str]] = {}
+    for path, leaf in leaves.items():
+        groups.setdefault(leaf.sharding, []).append(path)
+    flags = {}
+    for paths in groups.values():
+        flags.update(zip(paths, np.asarray(_all_finite([leaves[p] for p in paths]))))
+    if all(flags.values()):
         return
-    unit = units[list(flags)[int(np.argmin(ok))]]
+    unit = units[next(p for p, ok in flags.items() if not ok)]
     spec = schema[unit.names[0]]
     # the one bad unit: convert its tensors one by one to name the first that is not finite
     bad = next((n for n in unit.names
