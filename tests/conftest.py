@@ -7,9 +7,10 @@ alone at the end (test_mesh.py alone is ~6 minutes of one worker), so the files 
 balance, never a test.
 """
 
-LONGEST_FIRST = ("test_mesh.py", "test_check_reference_farm.py", "test_speculative.py", "test_runtime.py",
-                 "test_engine_golden.py", "test_step_replay.py", "test_layer_runs.py", "test_check_reference.py",
-                 "test_demo_model.py", "test_kernels_moe.py", "test_generate_cli.py", "test_generate.py")
+LONGEST_FIRST = ("test_check_reference_farm.py", "test_mesh.py", "test_speculative.py", "test_kernels_moe.py",
+                 "test_runtime.py", "test_step_replay.py", "test_engine_golden.py", "test_serving.py",
+                 "test_layer_runs.py", "test_demo_model.py", "test_bench_step.py", "test_check_reference.py",
+                 "test_generate_cli.py", "test_generate.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
