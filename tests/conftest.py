@@ -2,7 +2,7 @@
 
 `make test` runs two xdist workers that take whole files (`--dist loadfile`) in collection order,
 each worker the next file as it frees up. Alphabetically the longest files can start last and run
-alone at the end (test_mesh.py alone is ~6 minutes of one worker), so the files measured longest
+alone at the end (test_mesh.py alone is ~3 minutes of one worker), so the files measured longest
 (clean-clone runs, `--durations`) go first; the rest keep their order. A stale list costs only
 balance, never a test.
 """

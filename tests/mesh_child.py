@@ -191,17 +191,19 @@ def main(out: Path) -> dict:
     lap("load")
 
     # ---- the demo model from its checkpoint, mesh of 4 vs one device, DSpark speculation on ----
-    # (its trained draft stages accept about half the drafts, so verifies accept 0..5 of them).
-    # The demo covers every attention mode, candidates and Engram on two layers (it replaced a
-    # `modes` section on 4 devices that ran those paths again: ~44 s of the child)
+    # The demo has every attention mode, candidates and Engram on two layers, so this also covers
+    # what a `modes` section on 4 devices did (~44 s of the child); on 4 its 4 draft-stage experts
+    # split one a device, as the released model's do over 8 (on 8 they stayed whole, replicated).
+    # Its prompts fit one chunk and its window: chunked prefill and window wraps on a mesh are
+    # tiny/2's and tiny/8's.
     # compile_cache_dir "": keep the suite's compilation cache (engine_common), not the user's;
     # decode_sizes (): one bucket, one compile per engine (both engines pad the same steps alike)
     kw = dict(numerics="fp32", max_batch=4, chunk=32, max_context=128, speculative=True, compile_cache_dir="",
               decode_sizes=())
     texts = ["The module provides", "If you do much work on computers,", "The Python standard library"]
 
-    # 8 new tokens a request: the mesh still verifies and accepts drafts (16 gave 23 verifies and
-    # 21 accepted drafts); a step on 8 CPU devices is slow on the suite's 2 cores
+    # 8 new tokens a request: the mesh still verifies and accepts drafts (on 4 devices: 12
+    # verifies, 6 drafts accepted); a step on several CPU devices is slow on the suite's 2 cores
     def speculate(eng):
         stats = Stats()
         toks = [r.tokens for r in eng.generate(texts, max_new_tokens=8, ignore_eos=True, stats=stats)]

@@ -1,5 +1,5 @@
-"""Cache path == full forward, fp32 numerics (test_step_equivalence_modes.py: the modes config,
-tiny's layout with every mode and two more layers, so tiny no longer runs it too).
+"""Cache path == full forward, fp32 numerics (test_step_equivalence_modes.py: the modes config;
+tiny, the same attention modes in the same order less two layers, no longer runs it too).
 
 One 40-token prompt; the engine generates 32 greedy tokens (prefill in chunks of 16 through
 `generate`); then the full forward runs once over the 72 tokens. Every other arm feeds the same 72

@@ -2,8 +2,10 @@
 
 The modes checkpoint is written by scripts.make_checkpoint from v41_jax/configs: every layer mode
 runs (WINDOW, FULL at ratios 1 and 2, REINDEX, REUSE; candidate producer and consumers; Engram
-before FULL, REUSE and WINDOW blocks; three draft stages). Not tiny: its layout is modes' with
-two layers fewer, and it asserted the same things again (~40 s of the suite's CPU).
+before a WINDOW and a REUSE block; three draft stages). Not tiny: it has the same modes in the
+same order less two layers, and asserted the same things again (~40 s of the suite's CPU); the
+forward applies Engram alike before every mode, and Engram before FULL blocks (tiny's, the
+demo model's) runs in tests/test_engine_golden.py and tests/test_demo_model.py.
 """
 
 from pathlib import Path

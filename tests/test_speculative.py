@@ -37,8 +37,9 @@ FARM_F03 = Path(__file__).parent / "fixtures/dsv41_farm/f03_h6_ix8_dspark3_b5_en
 @pytest.fixture(scope="module", params=["modes", "farm_f03"])
 def model(request, tmp_path_factory):
     """modes (block 4) and the fixture farm's official-reference checkpoint with the released
-    block of 5 (acceptance lengths 0..5). Not tiny: modes is tiny's layout with every attention
-    mode and two more layers, so tiny ran the same paths again (~75 s of the suite's CPU)."""
+    block of 5 (acceptance lengths 0..5). Not tiny: it has modes' attention modes in the same
+    order (modes adds a window and a ratio-2 reuse layer, where its Engram sits; tiny's window is
+    8, modes' 16), and the speculative paths do not depend on either (~75 s of the suite's CPU)."""
     if request.param == "farm_f03":
         cfg, params = load_params(FARM_F03, progress=False)
         token_map = load_token_map(FARM_F03 / "engram_token_map.json")
@@ -223,9 +224,10 @@ def _states(engine: Engine, req: Request) -> dict:
 
 def test_cache_state_after_partial_acceptances_equals_plain(model):
     """After verifies accepting every length 0..block, every slot region the next step reads holds
-    what a plain run holds at the same committed position, bit for bit."""
+    what a plain run holds at the same committed position, bit for bit. The prompt (21 tokens)
+    wraps both configs' window ring (16) during the chunked prefill."""
     cfg, params, token_map, engine = model
-    req = Request(np.random.default_rng(3).integers(3, cfg.vocab_size, 13).tolist(), 40, ignore_eos=True,
+    req = Request(np.random.default_rng(3).integers(3, cfg.vocab_size, 21).tolist(), 40, ignore_eos=True,
                   request_id="s")
     engine.reset()
     plain = _states(engine, replace(req, speculative=False))

@@ -170,7 +170,7 @@ MAX_SCALE_CODE = {"F8_E4M3": _max_scale_code(float(ml_dtypes.finfo(ml_dtypes.flo
 
 def _refuse_scales(ckpt: Checkpoint, names: list[str], top: int) -> NoReturn:
     """Name the first scale tensor holding a code above `top` (found again tensor by tensor)."""
-    bad = next(n for n in names if (quant.as_u8(ckpt.get(n)) > top).any())
+    bad = next(n for n in names if (np.asarray(ckpt.get(n)).view(np.uint8) > top).any())
     codes = np.asarray(ckpt.get(bad)).view(np.uint8)
     if (codes == 255).any():
         rule = f"{int((codes == 255).sum())} E8M0 scale bytes are 255, the NaN code (a corrupt scale)"
@@ -272,7 +272,7 @@ def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[s
 
     A published checkpoint never holds one: not in a BF16 or F32 tensor, not as an E4M3 NaN code
     (0x7F / 0xFF). The check runs on the device over the leaves the load has just made (one
-    program per placement, one host sync each), so it costs no second pass over the files. Routed
+    program per placement, then one wait), so it costs no second pass over the files. Routed
     experts held as FP4 / FP8 codes need none: every E2M1 code is finite, and their scales were
     checked against MAX_SCALE_CODE when read."""
     leaves = {path: leaf for path, leaf in flat.items() if isinstance(leaf, jax.Array)}
@@ -283,12 +283,11 @@ def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[s
     groups: dict[Any, list[str]] = {}
     for path, leaf in leaves.items():
         groups.setdefault(leaf.sharding, []).append(path)
-    flags = {}
-    for paths in groups.values():
-        flags.update(zip(paths, np.asarray(_all_finite([leaves[p] for p in paths]))))
+    launched = [(paths, _all_finite([leaves[p] for p in paths])) for paths in groups.values()]
+    flags = {p: ok for paths, out in launched for p, ok in zip(paths, np.asarray(out))}
     if all(flags.values()):
         return
-    unit = units[next(p for p, ok in flags.items() if not ok)]
+    unit = units[next(p for p in leaves if not flags[p])]            # the first in checkpoint order
     spec = schema[unit.names[0]]
     # the one bad unit: convert its tensors one by one to name the first that is not finite
     bad = next((n for n in unit.names
