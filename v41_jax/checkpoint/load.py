@@ -170,8 +170,9 @@ MAX_SCALE_CODE = {"F8_E4M3": _max_scale_code(float(ml_dtypes.finfo(ml_dtypes.flo
 
 def _refuse_scales(ckpt: Checkpoint, names: list[str], top: int) -> NoReturn:
     """Name the first scale tensor holding a code above `top` (found again tensor by tensor)."""
-    bad = next(n for n in names if (np.asarray(ckpt.get(n)).view(np.uint8) > top).any())
-    codes = np.asarray(ckpt.get(bad)).view(np.uint8)
+    codes_of = lambda n: np.asarray(ckpt.get(n)).view(np.uint8)
+    bad = next(n for n in names if (codes_of(n) > top).any())
+    codes = codes_of(bad)
     if (codes == 255).any():
         rule = f"{int((codes == 255).sum())} E8M0 scale bytes are 255, the NaN code (a corrupt scale)"
     else:
