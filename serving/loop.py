@@ -405,6 +405,8 @@ class EngineLoop:
 
     def _fail_open(self, why: str) -> None:
         for op in self._held():
+            if op.in_engine:
+                self.engine.abort(op.rid)               # still waiting or running: ended, so forgettable
             self._finish_unadmitted(op, "error", why)
 
     def _publish(self) -> None:

@@ -520,3 +520,34 @@ def test_mutation_overtaking_is_caught(monkeypatch):
     monkeypatch.setattr(Scheduler, "_admit", admit_skipping)
     with pytest.raises(AssertionError, match="FCFS|overtook"):
         test_fcfs_big_head_not_overtaken()
+
+
+def test_next_tokens_follow_rows_after_an_aborted_verify():
+    """Regression: with host feedback, each emitting span's next token is read at its own first
+    logits row; a verify span before it takes 1 + verify rows, so span index != row. An aborted
+    speculative request leaves the step in flight with its verify span ahead of a prefill that
+    emits; the engine feeds that prefill's request what the scheduler emits for it."""
+    blk = 3
+    s = Scheduler(num_pages=64, slots=4, max_requests=4, max_tokens=32, prefill_chunk=8,
+                  page_tokens=8, max_context=64, check=lambda r: None, eos_id=None,
+                  spec_block=blk, pipelined=False)
+
+    def result(plan, base):
+        rows = plan.rows
+        assert plan.first_rows() == list(np.cumsum([0] + [1 + sp.verify for sp in plan.spans])[:-1])
+        return StepResult(plan.step_id, np.arange(base, base + rows, dtype=np.int32),
+                          np.asarray([sp.seq.committed for sp in plan.spans]), None,
+                          np.asarray([sp.verify for sp in plan.spans]),        # every draft accepted
+                          np.full((len(plan.spans), blk), 7))
+
+    s.add(Request([1, 2, 3], 20, request_id="X"))
+    first = s.schedule()
+    s.update(result(first, 100))                            # X prefilled, its drafts read
+    s.add(Request([4, 5, 6, 7, 8], 20, request_id="C", speculative=False))
+    plan = s.schedule()
+    assert [(sp.rid, sp.verify > 0, sp.emits) for sp in plan.spans] == [("X", True, True), ("C", False, True)]
+    s.abort("X")                                            # a stop string, a disconnect
+    res = result(plan, 200)
+    fed = plan.next_tokens(res)
+    emitted = {e.rid: e.tokens for e in s.update(res) if isinstance(e, TokenEvent)}
+    assert fed["C"] == emitted["C"][-1] == 200 + 1 + blk    # C's row comes after X's 1 + 3

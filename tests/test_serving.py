@@ -550,6 +550,33 @@ def test_repeated_faults_stop_serving(small, monkeypatch):
         server.shutdown(10)
 
 
+def test_failing_with_requests_still_waiting_ends_every_one(small, monkeypatch):
+    """Regression: the failure that stops serving comes while requests still wait in the
+    scheduler (more than the slots); each open request gets its error FinishEvent and the loop
+    thread lives on (it had died in `forget` of a waiting request, stranding the rest)."""
+    from serving.loop import MAX_FAILED_STEPS, EngineLoop
+    from v41_jax.runtime.request import Request
+    from v41_jax.runtime.scheduler import FinishEvent
+
+    def broken(*args, **kw):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(small.runner, "dispatch", broken)
+    loop = EngineLoop(small, warmup=False)
+    n = (MAX_FAILED_STEPS + 1) * SETTINGS.slots
+    streams = [loop.submit(Request([5, 6, 7], 3, request_id=f"w{i}")) for i in range(n)]
+    loop.start()
+    try:
+        deadline = time.perf_counter() + 30
+        ends = [list(s.events(alive=lambda: time.perf_counter() < deadline))[-1:] for s in streams]
+        assert all(isinstance(e[0], FinishEvent) for e in ends), "a request never got its FinishEvent"
+        assert all(e[0].result.finish_reason == "error" and "device lost" in e[0].result.error for e in ends)
+        assert loop.state == State.FAILED and loop._thread.is_alive()
+        assert loop.call(lambda e: e.scheduler.running) == []          # the thread still answers
+    finally:
+        loop.drain(10)
+
+
 # ---- DSpark: an engine that speculates (the test geometry plus the draft slack) ------------------------
 SPEC = {"spec": {"prompt_ids": [40, 41, 42, 43, 44], "max_new_tokens": 20, "ignore_eos": True},
         "plain": {"prompt_ids": [40, 41, 42, 43, 44], "max_new_tokens": 20, "ignore_eos": True, "speculative": False}}

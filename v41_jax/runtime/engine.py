@@ -351,7 +351,7 @@ class Engine:
             feedback = {}
             if self._flight is not None:
                 res = self.runner.collect(self._flight)
-                feedback = {sp.rid: int(res.tokens[b]) for b, sp in enumerate(self._flight_plan.spans) if sp.emits}
+                feedback = self._flight_plan.next_tokens(res)
             flight = self._launch(prepared, feedback)
         events = early + (self.scheduler.update(res) if res is not None else self.scheduler.drain())
         self._flight, self._flight_plan = flight, plan

@@ -214,8 +214,7 @@ class Runner:
         if steady is not None:
             return steady
         spans, pending = self.plan_spans(plan)
-        bucket = self.buckets.pick(len(spans), sum(s.length for s in plan.spans),
-                                   sum(1 + s.verify for s in plan.spans))
+        bucket = self.buckets.pick(len(spans), sum(s.length for s in plan.spans), plan.rows)
         built = build_step(self.geom, self.cfg, bucket, spans)
         reqs = np.asarray([b for b, _ in pending], np.int32)
         fresh = np.zeros(self.geom.settings.slots, bool)

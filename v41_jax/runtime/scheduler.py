@@ -114,6 +114,20 @@ class StepPlan:
     step_id: int
     spans: tuple[PlannedSpan, ...]
 
+    def first_rows(self) -> list[int]:
+        """Each span's first logits row (a span has one row, a verify span 1 + verify)."""
+        return np.cumsum([0] + [1 + sp.verify for sp in self.spans])[:-1].tolist()
+
+    @property
+    def rows(self) -> int:
+        return sum(1 + sp.verify for sp in self.spans)
+
+    def next_tokens(self, res: "StepResult") -> dict:
+        """rid -> the token each emitting span ends on (after a verify, its last accepted row's):
+        what the request's next decode reads. Row b is not span b once a verify span precedes it."""
+        return {sp.rid: int(res.tokens[first + (int(res.accepted[b]) if sp.verify else 0)])
+                for b, (sp, first) in enumerate(zip(self.spans, self.first_rows())) if sp.emits}
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -338,9 +352,8 @@ class Scheduler:
         """Apply one step's results (steps in order) -> the events since the last call."""
         plan = self.in_flight.pop(res.step_id)
         now = time.perf_counter()
-        row = 0                                      # each span's first logits row
-        for b, sp in enumerate(plan.spans):
-            seq, first, row = sp.seq, row, row + 1 + sp.verify
+        for b, (sp, first) in enumerate(zip(plan.spans, plan.first_rows())):
+            seq = sp.seq
             if seq.done:
                 continue                             # aborted or finished: a dead row
             found = int(res.found[b])
