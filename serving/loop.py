@@ -104,19 +104,25 @@ class Stream:
 
     def events(self, alive: Callable[[], bool] | None = None, poll_s: float = 0.1) -> Iterator[Event]:
         """The request's events up to and including its FinishEvent. `alive` (e.g. "the client is
-        still connected") is asked every poll_s while nothing comes; once it says False the
-        request is cancelled and the iteration ends without a FinishEvent."""
+        still connected") is asked every poll_s, whether events come or not (a whole-response
+        handler writes nothing until the end, so only this notices a client gone mid-decode);
+        once it says False the request is cancelled and the iteration ends without a FinishEvent."""
+        asked = time.perf_counter()
         while True:
             try:
                 ev = self._op.events.get(timeout=poll_s)
             except queue.Empty:
-                if alive is not None and not alive():
+                ev = None
+            if isinstance(ev, FinishEvent):
+                yield ev
+                return
+            if alive is not None and (ev is None or time.perf_counter() - asked >= poll_s):
+                asked = time.perf_counter()
+                if not alive():
                     self.cancel("client disconnected")
                     return
-                continue
-            yield ev
-            if isinstance(ev, FinishEvent):
-                return
+            if ev is not None:
+                yield ev
 
     def cancel(self, note: str = "cancelled") -> None:
         """Abort this request (not a later one that reuses its id: a gRPC call's end callback

@@ -386,6 +386,88 @@ def test_cancel_mid_prefill_and_mid_decode_frees_everything(served):
         assert _phase(served, p) is None
 
 
+def test_whole_response_client_gone_mid_decode_is_aborted(served):
+    """A non-streaming HTTP request writes nothing until it ends, and its tokens come faster than
+    the handler's poll: the client closing its socket mid-decode still aborts it (it had run on
+    to its token budget)."""
+    aborts0 = _count(served, "abort")
+    prompt = [6] + LONG[1:20]
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("POST", "/v1/completions",
+                 body=json.dumps(http_body({"prompt_ids": prompt, "max_new_tokens": 60, "ignore_eos": True})),
+                 headers={"Content-Type": "application/json"})
+    wait_for(lambda: _phase(served, prompt) == "decode")
+    conn.sock.shutdown(2)
+    conn.close()
+    wait_for(lambda: _count(served, "abort") - aborts0 == 1)
+    assert _phase(served, prompt) is None
+    assert_idle_and_empty(served.server)
+
+
+def test_stream_asks_alive_while_events_keep_coming():
+    """`Stream.events` asks `alive` every poll_s even when an event arrives within each poll (a
+    decode faster than the poll): a gone client is noticed and its request cancelled."""
+    import queue
+
+    from serving.loop import Stream, _Open
+    from v41_jax.runtime.request import Request, Result
+    from v41_jax.runtime.scheduler import FinishEvent, TokenEvent
+
+    class Loop:
+        aborted = []
+
+        def abort(self, rid, note, op):
+            self.aborted.append((rid, note))
+
+    op = _Open("r", Request([1, 2], 500, request_id="r"), queue.SimpleQueue(), 0.0, None)
+    stop = threading.Event()
+
+    def feed():                                          # an event every 5 ms for 2 s, then the end
+        end = time.perf_counter() + 2.0
+        while not stop.is_set() and time.perf_counter() < end:
+            op.events.put(TokenEvent("r", (3,)))
+            time.sleep(0.005)
+        op.events.put(FinishEvent("r", Result("r", 2, finish_reason="length")))
+
+    threading.Thread(target=feed, daemon=True).start()
+    gone_at = time.perf_counter() + 0.2
+    t0 = time.perf_counter()
+    try:
+        got = sum(1 for _ in Stream(Loop(), op).events(alive=lambda: time.perf_counter() < gone_at, poll_s=0.05))
+    finally:
+        stop.set()
+    assert Loop.aborted == [("r", "client disconnected")]
+    assert got > 0 and time.perf_counter() - t0 < 0.2 + 0.05 + 0.5     # noticed within a poll (+ scheduling slack)
+
+
+def test_connected_check_works_past_descriptor_1024():
+    """The HTTP handler's "client still there?" check on a socket numbered past 1024 (select()
+    refuses those, and every such request had been cancelled as disconnected): open while the
+    peer is, closed once the peer closes."""
+    import os
+    import resource
+    import socket
+    import types
+
+    from serving.http_server import _Handler
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= 1500:
+        pytest.skip("the descriptor limit is below 1500 here")
+    a, b = socket.socketpair()
+    high = socket.socket(fileno=os.dup2(a.fileno(), 1500))
+    a.close()
+    try:
+        handler = types.SimpleNamespace(connection=high)
+        assert high.fileno() >= 1024 and _Handler._connected(handler)
+        b.sendall(b"x")                                      # readable, data pending: still there
+        assert _Handler._connected(handler)
+        assert high.recv(1) == b"x"
+        b.close()
+        assert not _Handler._connected(handler)
+    finally:
+        high.close()
+
+
 def test_a_late_cancel_never_hits_a_reused_id(served):
     """A stream's cancel after its request ended (a gRPC call's end callback) leaves a newer request
     under the same id alone."""
