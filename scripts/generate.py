@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     ap.add_argument("--max-batch", type=_positive("--max-batch"), default=DEFAULT_MAX_BATCH, help="requests per step")
     ap.add_argument("--chunk", type=_positive("--chunk"), default=64, help="prefill rows per step")
-    ap.add_argument("--buckets", help="explicit step shapes TxRxO,... (tokens x requests x logits rows)")
+    ap.add_argument("--buckets", help="explicit step shapes TxRxO,... (tokens x requests x logits rows; "
+                    "one must hold the most of each)")
     ap.add_argument("--decode-sizes", help="request counts that get a decode step shape of their own, e.g. "
                     "1,2,4 (default: the powers of two up to --max-batch on a GPU, --max-batch alone on a CPU)")
     ap.add_argument("--one-bucket", action="store_true",

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = ap.add_argument_group("engine (as v41-generate)")
     e.add_argument("--max-batch", type=_positive("--max-batch"), help="requests per step")
     e.add_argument("--chunk", type=_positive("--chunk"), help="prefill rows per step")
-    e.add_argument("--buckets", help="explicit step shapes TxRxO,...")
+    e.add_argument("--buckets", help="explicit step shapes TxRxO,... (one must hold the most of each)")
     e.add_argument("--decode-sizes", help="request counts with a decode step shape of their own, e.g. 1,2,4 "
                    "(default: powers of two up to --max-batch on a GPU)")
     e.add_argument("--page-tokens", type=_positive("--page-tokens"))

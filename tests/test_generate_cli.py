@@ -172,6 +172,8 @@ def test_usage_errors_before_the_checkpoint_loads(model, tmp_path, capsys, load_
         (["--checkpoint", tmp_path / "no_ckpt", "--prompts", prompts], "no_ckpt"),
         (base + ["--buckets", "80x4"], "--buckets"),
         (base + ["--buckets", "0x4x4"], "--buckets"),
+        (base + ["--buckets", "64x1x1,8x4x8"], "no bucket holds the largest step the scheduler plans (64 tokens, "
+                                               "4 requests, 8 logits rows); add 64x4x8"),
         (base + ["--top-p", "2"], "--top-p"),
         (base + ["--one-bucket"], "--one-bucket"),               # ENGINE_FLAGS give --buckets
         (base + ["--decode-sizes", "1,2"], "--decode-sizes"),     # likewise

@@ -99,9 +99,15 @@ def parse_buckets(spec: str) -> BucketSet:
         buckets = BucketSet(tuple(Bucket(*map(int, b.split("x"))) for b in spec.split(",")))
         if min(min(b.tokens, b.requests, b.logits) for b in buckets.buckets) < 1:
             raise ValueError
-        return buckets
     except (TypeError, ValueError):
         raise ValueError(f"buckets: {spec!r} is not TxRxO[,TxRxO...] with positive integers") from None
+    # the scheduler fills a step up to the most tokens, requests and logits rows of any bucket at
+    # once (a prompt's chunk beside every decode), so one bucket must hold all three
+    t, r, o = buckets.max_tokens, buckets.max_requests, buckets.max_logits
+    if not any(b.tokens >= t and b.requests >= r and b.logits >= o for b in buckets.buckets):
+        raise ValueError(f"buckets: {spec!r}: no bucket holds the largest step the scheduler plans "
+                         f"({t} tokens, {r} requests, {o} logits rows); add {t}x{r}x{o}")
+    return buckets
 
 
 @dataclass
@@ -242,7 +248,7 @@ class Engine:
                                    page_tokens=s.page_tokens, max_context=geom.max_context,
                                    check=self.check_request, eos_id=self.eos_id,
                                    spec_block=self.cfg.dspark_block_size if self.speculative else 0,
-                                   max_logits=max(b.logits for b in self.buckets.buckets),
+                                   max_logits=self.buckets.max_logits,
                                    ranks=self.runner.ranks, pipelined=self.runner.device_feedback)
         self._flight: InFlight | None = None
         self._flight_plan: StepPlan | None = None

@@ -366,6 +366,10 @@ class BucketSet:
     def max_requests(self) -> int:
         return max(b.requests for b in self.buckets)
 
+    @property
+    def max_logits(self) -> int:
+        return max(b.logits for b in self.buckets)
+
     def pick(self, n_requests: int, n_tokens: int, n_logits: int) -> Bucket:
         for b in self.buckets:
             if b.requests >= n_requests and b.tokens >= n_tokens and b.logits >= n_logits:
