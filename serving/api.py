@@ -113,15 +113,20 @@ class TextStream:
     """A request's text as its tokens come: each push returns the new text that is final. Text is
     held back while it ends in an incomplete character (U+FFFD from a split UTF-8 sequence) or in
     what may be the start of a stop string. On a stop string `stopped` turns true and the text ends
-    before it (the request is then aborted by the caller). Without a tokenizer all text is ""."""
+    before it (the request is then aborted by the caller); `taken` says how many of the last
+    push's ids belong to the reply: all, or on a stop those up to the one that completed the stop
+    string (the reply's token ids and counts end there, as its text does). Without a tokenizer
+    all text is ""."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
         self.ids: list[int] = []
         self.sent = 0                 # characters of the decoded text already returned
         self.stopped = False
+        self.taken = 0
 
     def push(self, ids: Sequence[int]) -> str:
+        self.taken = 0 if self.stopped else len(ids)
         if self.tokenizer is None or self.stopped:
             return ""
         self.ids += ids
@@ -132,6 +137,7 @@ class TextStream:
             hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 self.stopped = True
+                self.taken = self._completing(len(ids), start)
                 out, self.sent = text[self.sent: min(hits)], min(hits)
                 return out
         end = len(text)
@@ -141,6 +147,15 @@ class TextStream:
         end = max(self.sent, end - hold)
         out, self.sent = text[self.sent: end], end
         return out
+
+    def _completing(self, new: int, start: int) -> int:
+        """Of the `new` ids just pushed, how many it takes for a stop string to appear."""
+        base = len(self.ids) - new
+        for n in range(1, new):
+            text = self.tokenizer.decode(self.ids[:base + n])
+            if any(text.find(s, start) >= 0 for s in self.stop):
+                return n
+        return new
 
     def flush(self) -> str:
         """The held-back rest, once the request has finished."""

@@ -86,10 +86,10 @@ class GenerationServicer(v41_pb2_grpc.GenerationServicer):
             if text.stopped:
                 continue                                # aborted: its FinishEvent is on the way
             chunk = text.push(ev.tokens)
-            total += len(ev.tokens)
+            total += text.taken
             yield v41_pb2.GenerateResponse(request_id=rid, chunk=v41_pb2.Chunk(
-                token_ids=ev.tokens, text=chunk, logprobs=ev.logprobs or (), prompt_tokens=stream.prompt_len,
-                completion_tokens=total))
+                token_ids=ev.tokens[:text.taken], text=chunk, logprobs=(ev.logprobs or ())[:text.taken],
+                prompt_tokens=stream.prompt_len, completion_tokens=total))
             if text.stopped:
                 stream.cancel("stop string")
 

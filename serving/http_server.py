@@ -391,10 +391,10 @@ class _Handler(BaseHTTPRequestHandler):
             if isinstance(ev, FinishEvent):
                 finish = ev.result
             elif not text.stopped:
-                ids += ev.tokens
-                if lps is not None:
-                    lps += ev.logprobs
                 parts.append(text.push(ev.tokens))
+                ids += ev.tokens[:text.taken]
+                if lps is not None:
+                    lps += ev.logprobs[:text.taken]
                 if text.stopped:
                     stream.cancel("stop string")
         if finish is None:                                 # the client left
@@ -462,8 +462,8 @@ class _Handler(BaseHTTPRequestHandler):
             if text.stopped:
                 continue
             delta = text.push(ev.tokens)
-            n += len(ev.tokens)
-            send(chunk(delta, ev.tokens, lps=ev.logprobs))
+            n += text.taken
+            send(chunk(delta, ev.tokens[:text.taken], lps=ev.logprobs and ev.logprobs[:text.taken]))
             if text.stopped:
                 stream.cancel("stop string")
         self.close_connection = True                       # the client left mid-stream

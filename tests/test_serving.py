@@ -316,16 +316,38 @@ def test_malformed_requests_refused_naming_the_field(served):
     assert_idle_and_empty(served.server)
 
 
+def test_stop_string_inside_a_multi_token_event():
+    """A speculative step delivers several tokens at once: the reply's tokens end with the one that
+    completed the stop string, its text before the stop string, and later pushes take nothing."""
+    from serving.api import TextStream
+
+    class Words:                                        # token t reads "w<t>", space separated
+        @staticmethod
+        def decode(ids):
+            return " ".join(f"w{t}" for t in ids)
+
+    text = TextStream(Words(), stop=["w7"])
+    assert text.push([5]) == "w5" and text.taken == 1
+    assert text.push([6, 7, 8, 9]) == " w6 " and text.stopped and text.taken == 2
+    assert text.push([10]) == "" and text.taken == 0 and text.flush() == ""
+    whole = TextStream(Words(), stop=["w5 w6"])         # the stop string spans two pushes
+    assert whole.push([4, 5]) == "w4 " and whole.taken == 2
+    assert whole.push([6, 7]) == "" and whole.stopped and whole.taken == 1
+
+
 def test_stop_strings(served):
     want = served.tokens("greedy")
     full = served.tokenizer.decode(want)
     stop = f"w{want[4]}"
     cut = full.find(stop)
+    # the reply's tokens end with the one that completed the stop string (later ones of its event too)
+    kept = want[:next(n for n in range(1, len(want) + 1) if stop in served.tokenizer.decode(want[:n]))]
     tokens, final, text = grpc_generate(served.stub, dict(COMPARED["greedy"], stop=[stop]))
-    assert final.finish_reason == v41_pb2.STOP and text == full[:cut] and tokens == want[:len(tokens)]
+    assert final.finish_reason == v41_pb2.STOP and text == full[:cut] and tokens == kept
+    assert final.completion_tokens == len(kept)
     toks, reason, text = http_generate(served.port, dict(COMPARED["greedy"], stop=stop), stream=True)
-    assert (reason, text) == ("stop", full[:cut]) and toks == want[:len(toks)]
-    assert http_generate(served.port, dict(COMPARED["greedy"], stop=[stop]), stream=False)[1:] == ("stop", full[:cut])
+    assert (reason, text, toks) == ("stop", full[:cut], kept)
+    assert http_generate(served.port, dict(COMPARED["greedy"], stop=[stop]), stream=False) == (kept, "stop", full[:cut])
     assert_idle_and_empty(served.server)
 
 
