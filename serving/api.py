@@ -62,7 +62,8 @@ class Api:
         self.limits = limits.resolved(self.max_context)
         self.model_name = model_name
         self._fits = engine.check_request
-        self._defaults = RequestDefaults(max_new_tokens=self.limits.default_max_new_tokens)
+        # a request without a seed samples with a fresh one (the offline CLI's default is 0: reproducible)
+        self._defaults = RequestDefaults(max_new_tokens=self.limits.default_max_new_tokens, seed=None)
 
     def build(self, fields: Mapping[str, Any], rid, names: Mapping[str, str] | None = None) -> Job:
         names = names or {}

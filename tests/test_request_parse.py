@@ -80,6 +80,18 @@ def test_defaults_fill_absent_fields():
     assert ok({"prompt_ids": [1], "top_k": 0}, defaults=d).sampling.top_k == 0
 
 
+def test_no_seed_anywhere_draws_a_fresh_one():
+    """The server's defaults name no seed: each request that names none gets its own (two sampled
+    requests for one prompt differ); a request's own seed, or a default one, is kept."""
+    d = RequestDefaults(temperature=1.0, seed=None)
+    seeds = {ok({"prompt_ids": [1]}, defaults=d).sampling.seed for _ in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2 ** 32 for s in seeds)      # equal pairs: p ~ 28 / 2**32
+    assert ok({"prompt_ids": [1], "seed": 5}, defaults=d).sampling.seed == 5
+    assert ok({"prompt_ids": [1]}).sampling.seed == 0                     # the CLI's default
+    with pytest.raises(RequestError, match="seed"):
+        ok({"prompt_ids": [1], "seed": None}, defaults=d)                  # null is not "absent"
+
+
 def test_defaults_checked():
     for kw, field in [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": math.nan}, "temperature"),
                       ({"top_p": 0.0}, "top_p"), ({"seed": -1}, "seed"), ({"top_k": True}, "top_k"),

@@ -14,7 +14,7 @@ A request is a JSON object with the fields
     temperature     finite number >= 0 (0 = greedy)
     top_k           integer in [0, 2**31) (0 = off)
     top_p           number in (0, 1]
-    seed            integer in [0, 2**32)
+    seed            integer in [0, 2**32) (default: RequestDefaults.seed; the server's None draws one)
     stop_ids        list of token ids (may be empty)
     ignore_eos      boolean
     logprobs        boolean: return each sampled token's log-probability
@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
 
@@ -172,7 +173,7 @@ class RequestDefaults:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = 0            # None: each request that names none gets a fresh random one
     stop_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
@@ -183,7 +184,7 @@ class RequestDefaults:
         set_("temperature", _temperature(self.temperature))
         set_("top_k", _top_k(self.top_k))
         set_("top_p", _top_p(self.top_p))
-        set_("seed", _seed(self.seed))
+        set_("seed", None if self.seed is None else _seed(self.seed))
         set_("stop_ids", tuple(_ids("stop_ids", self.stop_ids, None)))
         set_("ignore_eos", _ignore_eos(self.ignore_eos))
         set_("logprobs", _bool("logprobs", self.logprobs))
@@ -263,8 +264,11 @@ def parse_request(obj: Any, *, vocab_size: int, defaults: RequestDefaults = Requ
             stop = _ids("stop_ids", obj["stop_ids"], vocab_size)
         else:
             stop = _ids("stop_ids", defaults.stop_ids, vocab_size, what="the default ")
+        # no seed from the request nor the defaults: a fresh one, so that two sampled requests
+        # differ (OpenAI's behaviour; the sampler keys its noise on (seed, position) alone)
+        seed = _seed(get("seed")) if "seed" in obj or defaults.seed is not None else secrets.randbits(32)
         sampling = SamplingParams(temperature=_temperature(get("temperature")), top_k=_top_k(get("top_k")),
-                                  top_p=_top_p(get("top_p")), seed=_seed(get("seed")))
+                                  top_p=_top_p(get("top_p")), seed=seed)
         return Request(prompt, _max_new_tokens(get("max_new_tokens")), sampling, tuple(stop),
                        _ignore_eos(get("ignore_eos")), rid, _bool("logprobs", get("logprobs")),
                        _bool("speculative", obj["speculative"]) if "speculative" in obj else None)
