@@ -137,9 +137,14 @@ class TextStream:
             start = max(0, self.sent - reach + 1)
             hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
+                # the reply ends with the first token at which a stop string appears, and its text
+                # before the earliest stop string in that token's text (another stop string that
+                # completes only with later tokens of this push does not count)
                 self.stopped = True
                 self.taken = self._completing(len(ids), start)
-                out, self.sent = text[self.sent: min(hits)], min(hits)
+                text = self.tokenizer.decode(self.ids[:len(self.ids) - len(ids) + self.taken])
+                cut = min(i for i in (text.find(s, start) for s in self.stop) if i >= 0)
+                out, self.sent = text[self.sent: cut], cut
                 return out
         end = len(text)
         while end > self.sent and text[end - 1] == "\ufffd":

@@ -411,9 +411,16 @@ class EngineLoop:
 
     def _fail_open(self, why: str) -> None:
         for op in self._held():
-            if op.in_engine:
-                self.engine.abort(op.rid)               # still waiting or running: ended, so forgettable
-            self._finish_unadmitted(op, "error", why)
+            try:
+                if op.in_engine:
+                    self.engine.abort(op.rid)           # still waiting or running: ended, so forgettable
+                self._finish_unadmitted(op, "error", why)
+            except Exception:                           # noqa: BLE001 - one request must not strand the rest
+                log.exception("failing request %r", op.rid)
+                with self._lock:
+                    self._open.pop(op.rid, None)
+                op.events.put(FinishEvent(op.rid, Result(op.rid, len(op.req.prompt), finish_reason="error",
+                                                         error=why)))
 
     def _publish(self) -> None:
         e = self.engine

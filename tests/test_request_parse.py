@@ -88,8 +88,8 @@ def test_no_seed_anywhere_draws_a_fresh_one():
     assert len(seeds) == 8 and all(0 <= s < 2 ** 32 for s in seeds)      # equal pairs: p ~ 28 / 2**32
     assert ok({"prompt_ids": [1], "seed": 5}, defaults=d).sampling.seed == 5
     assert ok({"prompt_ids": [1]}).sampling.seed == 0                     # the CLI's default
-    with pytest.raises(RequestError, match="seed"):
-        ok({"prompt_ids": [1], "seed": None}, defaults=d)                  # null is not "absent"
+    assert ok({"prompt_ids": [1], "seed": None}, defaults=d).sampling.seed not in seeds   # null = absent
+    assert ok({"prompt_ids": [1], "seed": None}).sampling.seed == 0
 
 
 def test_defaults_checked():

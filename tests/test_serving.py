@@ -330,6 +330,8 @@ def test_stop_string_inside_a_multi_token_event():
     assert text.push([5]) == "w5" and text.taken == 1
     assert text.push([6, 7, 8, 9]) == " w6 " and text.stopped and text.taken == 2
     assert text.push([10]) == "" and text.taken == 0 and text.flush() == ""
+    two = TextStream(Words(), stop=["w1 w2 w3", "w2"])   # "w2" completes first: its text, its tokens
+    assert two.push([1, 2, 3]) == "w1 " and two.taken == 2
     whole = TextStream(Words(), stop=["w5 w6"])         # the stop string spans two pushes
     assert whole.push([4, 5]) == "w4 " and whole.taken == 2
     assert whole.push([6, 7]) == "" and whole.stopped and whole.taken == 1
@@ -466,7 +468,7 @@ def test_connected_check_works_past_descriptor_1024():
     """The HTTP handler's "client still there?" check on a socket numbered past 1024 (select()
     refuses those, and every such request had been cancelled as disconnected): open while the
     peer is, closed once the peer closes."""
-    import os
+    import fcntl
     import resource
     import socket
     import types
@@ -476,7 +478,7 @@ def test_connected_check_works_past_descriptor_1024():
     if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= 1500:
         pytest.skip("the descriptor limit is below 1500 here")
     a, b = socket.socketpair()
-    high = socket.socket(fileno=os.dup2(a.fileno(), 1500))
+    high = socket.socket(fileno=fcntl.fcntl(a.fileno(), fcntl.F_DUPFD, 1024))   # the lowest free fd >= 1024
     a.close()
     try:
         handler = types.SimpleNamespace(connection=high)
@@ -732,6 +734,24 @@ def test_speculative_requests_and_cancel_mid_verify(spec_served):
     wait_for(lambda: _verifying(sv, prompt))
     call.cancel()
     wait_for(lambda: _count(sv, "abort") - aborts0 == 1)
+    assert_idle_and_empty(sv.server)
+
+
+def test_stop_string_mid_event_on_a_speculating_server(spec_served):
+    """Speculative steps may deliver several tokens an event: for a stop string at a few tokens,
+    the reply's token ids (gRPC and HTTP) end with the token that completed it and its text before
+    it. (The tiny model accepts few drafts, so an event rarely goes on past the stop: the slicing
+    itself is `TextStream.taken`'s, tested above.)"""
+    sv = spec_served
+    want = sv.tokens("spec")
+    full = sv.tokenizer.decode(want)
+    for k in (2, 5, 8):
+        stop = f"w{want[k]}"
+        kept = want[:next(n for n in range(1, len(want) + 1) if stop in sv.tokenizer.decode(want[:n]))]
+        tokens, final, text = grpc_generate(sv.stub, dict(SPEC["spec"], stop=[stop]))
+        assert (tokens, final.completion_tokens, text) == (kept, len(kept), full[:full.find(stop)]), k
+        assert http_generate(sv.port, dict(SPEC["spec"], stop=[stop]), stream=False) == \
+            (kept, "stop", full[:full.find(stop)]), k
     assert_idle_and_empty(sv.server)
 
 

@@ -266,7 +266,9 @@ def parse_request(obj: Any, *, vocab_size: int, defaults: RequestDefaults = Requ
             stop = _ids("stop_ids", defaults.stop_ids, vocab_size, what="the default ")
         # no seed from the request nor the defaults: a fresh one, so that two sampled requests
         # differ (OpenAI's behaviour; the sampler keys its noise on (seed, position) alone)
-        seed = _seed(get("seed")) if "seed" in obj or defaults.seed is not None else secrets.randbits(32)
+        given = obj.get("seed") is not None                  # null is absent (OpenAI's clients send it)
+        seed = _seed(obj["seed"] if given else defaults.seed) if given or defaults.seed is not None \
+            else secrets.randbits(32)
         sampling = SamplingParams(temperature=_temperature(get("temperature")), top_k=_top_k(get("top_k")),
                                   top_p=_top_p(get("top_p")), seed=seed)
         return Request(prompt, _max_new_tokens(get("max_new_tokens")), sampling, tuple(stop),
