@@ -135,15 +135,13 @@ class TextStream:
         if self.stop:
             reach = max(map(len, self.stop))
             start = max(0, self.sent - reach + 1)
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
+            if self._first_stop(text, start) is not None:
                 # the reply ends with the first token at which a stop string appears, and its text
                 # before the earliest stop string in that token's text (another stop string that
                 # completes only with later tokens of this push does not count)
                 self.stopped = True
-                self.taken = self._completing(len(ids), start)
-                text = self.tokenizer.decode(self.ids[:len(self.ids) - len(ids) + self.taken])
-                cut = min(i for i in (text.find(s, start) for s in self.stop) if i >= 0)
+                self.taken, text = self._completing(len(ids), start)
+                cut = self._first_stop(text, start)
                 out, self.sent = text[self.sent: cut], cut
                 return out
         end = len(text)
@@ -154,14 +152,19 @@ class TextStream:
         out, self.sent = text[self.sent: end], end
         return out
 
-    def _completing(self, new: int, start: int) -> int:
-        """Of the `new` ids just pushed, how many it takes for a stop string to appear."""
+    def _first_stop(self, text: str, start: int) -> int | None:
+        """Where the earliest stop string in text (from `start`) begins, or None."""
+        return min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=None)
+
+    def _completing(self, new: int, start: int) -> tuple[int, str]:
+        """Of the `new` ids just pushed, how many it takes for a stop string to appear, and the
+        text they decode to."""
         base = len(self.ids) - new
-        for n in range(1, new):
+        for n in range(1, new + 1):
             text = self.tokenizer.decode(self.ids[:base + n])
-            if any(text.find(s, start) >= 0 for s in self.stop):
-                return n
-        return new
+            if self._first_stop(text, start) is not None:
+                return n, text
+        raise AssertionError("no stop string in the text that had one")
 
     def flush(self) -> str:
         """The held-back rest, once the request has finished."""

@@ -417,10 +417,8 @@ class EngineLoop:
                 self._finish_unadmitted(op, "error", why)
             except Exception:                           # noqa: BLE001 - one request must not strand the rest
                 log.exception("failing request %r", op.rid)
-                with self._lock:
-                    self._open.pop(op.rid, None)
-                op.events.put(FinishEvent(op.rid, Result(op.rid, len(op.req.prompt), finish_reason="error",
-                                                         error=why)))
+                op.in_engine = False                    # deliver its end without the engine
+                self._finish_unadmitted(op, "error", why)
 
     def _publish(self) -> None:
         e = self.engine

@@ -266,9 +266,9 @@ def parse_request(obj: Any, *, vocab_size: int, defaults: RequestDefaults = Requ
             stop = _ids("stop_ids", defaults.stop_ids, vocab_size, what="the default ")
         # no seed from the request nor the defaults: a fresh one, so that two sampled requests
         # differ (OpenAI's behaviour; the sampler keys its noise on (seed, position) alone)
-        given = obj.get("seed") is not None                  # null is absent (OpenAI's clients send it)
-        seed = _seed(obj["seed"] if given else defaults.seed) if given or defaults.seed is not None \
-            else secrets.randbits(32)
+        seed = obj.get("seed")                               # null is absent (OpenAI's clients send it)
+        seed = defaults.seed if seed is None else seed
+        seed = secrets.randbits(32) if seed is None else _seed(seed)
         sampling = SamplingParams(temperature=_temperature(get("temperature")), top_k=_top_k(get("top_k")),
                                   top_p=_top_p(get("top_p")), seed=seed)
         return Request(prompt, _max_new_tokens(get("max_new_tokens")), sampling, tuple(stop),
