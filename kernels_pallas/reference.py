@@ -18,7 +18,8 @@ Lightning indexer (docs/MODEL.md §3.7; kernel: `kernels_pallas.indexer`)
       sum_h w_h * ReLU(q_h . k) in the score dtype (bf16 in the reference: the dot, the weighting
       and the head sum each round once); -inf at rows j >= visible.
   ascending(ids, keep) -> int32   kept ids sorted ascending, -1 after them
-  select_topk(scores, visible, k) -> int32 [B, T, min(k, N)]     ascending row ids, -1 past visible
+  select_topk(scores, visible, k, finite_only) -> int32 [B, T, min(k, N)]   ascending row ids, -1 past
+      visible (and, finite_only, for -inf / NaN picks)
 
 Routed experts (docs/MODEL.md §3.10; kernels: `kernels_pallas.moe`, `kernels_pallas.moe_mgpu`)
   swiglu(gate, up, limit, weight=None) -> fp32   the SwiGLU activation of fp32 GEMM outputs
@@ -156,11 +157,13 @@ def ascending(ids: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.where(ids == big, -1, ids).astype(jnp.int32)
 
 
-def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
+def select_topk(scores: jax.Array, visible: jax.Array, k: int, finite_only: bool = False) -> jax.Array:
     """The k best rows, re-sorted by position. As in the reference, validity is by position
-    (id < visible) only: when fewer than k rows score finite, -inf fillers below `visible` stay."""
-    _, ids = top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
-    return ascending(ids, ids < visible[..., None])
+    (id < visible) only: when fewer than k rows score finite, -inf fillers below `visible` stay.
+    finite_only: picks scoring -inf or NaN are dropped too (the candidate source's blocks)."""
+    values, ids = top_k(scores.astype(jnp.float32), min(k, scores.shape[-1]))
+    keep = ids < visible[..., None]
+    return ascending(ids, keep & (values > -jnp.inf) if finite_only else keep)
 
 
 # ---- routed experts -----------------------------------------------------------------------------

@@ -309,8 +309,9 @@ def _traced(run, calls: int):
 def kernel_profile(run, calls: int, top: int = 12, sources: dict[str, str] | None = None) -> dict:
     """Device time by kernel over `calls` calls of `run()` (launch and wait), from a jax.profiler
     trace: the total per call, the `top` kernels by time (per call: ms, launches, share), every
-    Pallas kernel's time per call, and the device timeline of a call (`device_timeline`: its span,
-    and the idle gaps between kernels that the kernel time leaves out). With `sources` (the
+    Pallas kernel's time per call, the 4 * `top` largest kernel instances, and the device timeline
+    of a call (`device_timeline`: its span, and the idle gaps between kernels that the kernel time
+    leaves out). With `sources` (the
     compiled module's `kernel_sources`), also the time by the model function that traced each
     kernel (`time_by_source`)."""
     profile = _traced(run, calls)
@@ -329,6 +330,10 @@ def kernel_profile(run, calls: int, top: int = 12, sources: dict[str, str] | Non
            "timeline": device_timeline(spans, calls)}
     if sources is not None:
         out["by_source"] = time_by_source(instances, sources, calls, top)
+    # the largest launches one by one (a kind's total hides which instruction is slow)
+    biggest = sorted(instances.items(), key=lambda kv: -kv[1][0])[:4 * top]
+    out["instances"] = [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
+                         "source": (sources or {}).get(re.sub(r"[.\-]", "_", n), "")} for n, (t, c) in biggest]
     return out
 
 

@@ -1,6 +1,6 @@
 """Benchmark the Pallas kernels against their XLA paths at real V4.1 widths (bench_slice config).
 
-    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,moe,sinkhorn,rmsnorm,hc-expand,mhc-mix]
+    python scripts/bench_kernels.py --out bench.json [--sections peak,head,attn,indexer,select,moe,sinkhorn,rmsnorm,hc-expand,mhc-mix]
                                     [--budget SECONDS] [--smoke]
 
 Every case: after warm-up, five rounds of `--reps` calls queued back to back with one
@@ -373,6 +373,44 @@ def bench_indexer(b: Bench, cfg: dict):
 
 # ---- LM head ------------------------------------------------------------------------------------
 
+def bench_select(b: Bench, cfg: dict):
+    """The indexer's selection alone at decode row counts: one stage, two stages (first-stage
+    chunk 2048 / 4096 / 8192), the default (`two_stage_chunk`) and XLA's top_k + sort; the
+    candidate source's block selection (k = candidate_topk_blocks, finite picks only) likewise.
+    Every variant's ids are checked equal to XLA's."""
+    k = cfg["index_topk"]
+    key = jax.random.PRNGKey(7)
+    rows_set, widths = ((1, 4), (2048,)) if b.smoke else ((1, 8, 32, 64), (8192, 16384, 32768))
+    chunks = (512,) if b.smoke else (2048, 4096, 8192)
+    shapes = [(r, n, k, False) for n in widths for r in rows_set]
+    kb = cfg["candidate_topk_blocks"]
+    shapes += [(r, n // cfg["candidate_block_size"], kb, True) for n in widths[-1:] for r in rows_set]
+    layers = 2 if b.smoke else 16       # independent selections a call: µs kernels, not dispatch
+    for rows, n, kk, finite in shapes:
+        key, k1, k2 = jax.random.split(key, 3)
+        scores = tuple(jax.random.normal(k1, (layers, rows, n), jnp.float32))
+        vis = tuple(jax.random.randint(k2, (layers, rows), n // 2, n + 1))
+
+        def runner(**kw):
+            return jax.jit(lambda ss, vv: tuple(ksel.select_ascending(s_, v_, kk, finite_only=finite, **kw)
+                                                for s_, v_ in zip(ss, vv)))
+        xla = runner(backend="xla")
+        want = xla(scores, vis)
+        name = f"select/{'blocks' if finite else 'rows'}/{rows}x{n}/k{kk}"
+        meta = dict(kernel="select", rows=rows, columns=n, k=kk, finite_only=finite)
+        variants = [("xla", xla)]
+        for label, chunk in [("auto", None), ("one-stage", 0)] + [(f"chunk{c}", c) for c in chunks]:
+            if chunk and (n % chunk or chunk < kk or chunk >= n):
+                continue
+            variants.append((label, runner(backend="pallas", chunk=chunk)))
+        for label, fn in variants:
+            t = b.case(f"{name}/{label}", fn, (scores, vis), layers=layers, flops=0.0, bytes_=rows * n * 4,
+                       variant=label, **meta)
+            if t:
+                b.results["cases"][-1]["equal_xla"] = all(
+                    bool(jnp.array_equal(g, w)) for g, w in zip(fn(scores, vis), want))
+
+
 def bench_head(b: Bench, cfg: dict):
     """The LM head (`linear.lin_f32`, bf16 normed rows) with the weight held in fp32 (an fp32 GEMM:
     before) and in bf16 (one bf16 GEMM accumulating in fp32: the same products), interleaved per
@@ -604,6 +642,12 @@ def bench_hc_expand(b: Bench, cfg: dict):
 DECODE_SWEEP = [("auto", {}), ("bn64", dict(block_n=64)), ("bn32", dict(block_n=32)),
                 ("bn64w8", dict(block_n=64, num_warps=8)), ("bn64s3", dict(block_n=64, num_stages=3)),
                 ("bn64bk64", dict(block_n=64, block_k=64))]
+# launch parameters of the decode GEMVs tried at 1-2 tokens (`--sections moe-sweep-gemv`, FP8 rows;
+# the K step must divide F = 2304 = 9 x 256)
+GEMV_SWEEP = [("gemv", {}), ("gemv-bn64", dict(block_n=64)), ("gemv-bn16", dict(block_n=16)),
+              ("gemv-bk128", dict(block_k=128)), ("gemv-w4", dict(num_warps=4)),
+              ("gemv-s4", dict(num_stages=4)), ("gemv-s2", dict(num_stages=2)),
+              ("gemv-bn64w4", dict(block_n=64, num_warps=4)), ("gemv-bn16w4", dict(block_n=16, num_warps=4))]
 
 
 def fp4_weight(key, shape) -> Fp4Weight:
@@ -613,7 +657,8 @@ def fp4_weight(key, shape) -> Fp4Weight:
 
 
 def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False,
-              helds: tuple[str, ...] = ("bf16", "fp8", "fp4"), decode_sweep: bool = False):
+              helds: tuple[str, ...] = ("bf16", "fp8", "fp4"), decode_sweep: bool = False,
+              gemv_sweep: bool = False):
     d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     limit = cfg["swiglu_limit"]
     if b.smoke:
@@ -715,6 +760,10 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         b.case(f"moe/T{t}/gemv_down_only", lambda: dn(pes, a_s, w2), (), layers=layers,
                flops=2.0 * t * k * d * f, bytes_=t * k * d * f * 2, **meta)
 
+    if gemv_sweep:         # decode at 1-2 tokens: one weight stream per (token, expert) pair
+        for t in ((1,) if b.smoke else (1, 2)):
+            shape_case(t, [(label, dict(impl="gemv", **kw)) for label, kw in GEMV_SWEEP], others=False)
+        return
     if decode_sweep:       # batched decode: the grouped GEMM streams the weights of ~all experts
         grouped = lambda kw: dict(impl="pallas", **kw)
         for t in ((16,) if b.smoke else (16, 32, 64, 128)):
@@ -791,11 +840,12 @@ def main(argv=None):
         cfg["n_routed_experts"] = args.experts
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
-    funcs = {"peak": bench_peak, "head": bench_head, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
+    funcs = {"peak": bench_peak, "head": bench_head, "select": bench_select, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
              "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm, "hc-expand": bench_hc_expand, "mhc-mix": bench_mhc_mix, "gemm-out": bench_gemm_out,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True),
-             "moe-sweep-decode": functools.partial(bench_moe, decode_sweep=True, helds=("fp8", "bf16")), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
+             "moe-sweep-decode": functools.partial(bench_moe, decode_sweep=True, helds=("fp8", "bf16")),
+             "moe-sweep-gemv": functools.partial(bench_moe, gemv_sweep=True, helds=("fp8",)), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
     for name in args.sections.split(","):
         if b.left() < 0:
             print(f"skip {name}: budget", flush=True)

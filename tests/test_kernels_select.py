@@ -1,8 +1,8 @@
 """The indexer's selection without a sort (`kernels_pallas.select`) against the reference's
 `select_topk` (top_k, then the picks re-sorted by position): equal ids, exactly, with NaNs of
 both signs, infinities, signed zeros, subnormals and heavy ties among the scores, `visible`
-cutting the picks (below 0 and past n too), k past the row length; and lowered for ROCm and CUDA
-at the 32K / 128K-context decode widths."""
+cutting the picks (below 0 and past n too), k past the row length, in one stage and in two; and
+lowered for ROCm and CUDA at the 32K / 128K-context decode widths."""
 
 from __future__ import annotations
 
@@ -30,9 +30,42 @@ def test_picks_equal_the_references(rows, n, k):
         x = np.where(rng.random((rows, n)) < 0.3, rng.choice(SPECIAL, (rows, n)),
                      rng.integers(-4, 5, (rows, n)).astype(np.float32))       # few values: many ties
         vis = rng.integers(-1, n + 3, (rows,)).astype(np.int32)                  # past both ends too
-        got = select.select_ascending(jnp.asarray(x), jnp.asarray(vis), k, backend="pallas")
-        want = ref.select_topk(jnp.asarray(x), jnp.asarray(vis), min(k, n))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {seed}")
+        for finite_only in (False, True):       # True: the candidate source's rule (no -inf, NaN)
+            got = select.select_ascending(jnp.asarray(x), jnp.asarray(vis), k, backend="pallas",
+                                          finite_only=finite_only)
+            want = ref.select_topk(jnp.asarray(x), jnp.asarray(vis), min(k, n), finite_only)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("rows,n,k,chunk", [(2, 64, 8, 16), (3, 256, 16, 64), (1, 2048, 512, 512),
+                                            (2, 4096, 300, 1024)])
+def test_two_stages_pick_the_references_ids(rows, n, k, chunk):
+    """The k best of each chunk, then the k best of those: the same ids, the ties (many: few
+    distinct values) to the lower column across chunks too."""
+    rng, seed = fresh_rng()
+    for _ in range(2):
+        x = np.where(rng.random((rows, n)) < 0.3, rng.choice(SPECIAL, (rows, n)),
+                     rng.integers(-2, 3, (rows, n)).astype(np.float32))
+        vis = rng.integers(-1, n + 3, (rows,)).astype(np.int32)
+        for finite_only in (False, True):
+            got = select.select_ascending(jnp.asarray(x), jnp.asarray(vis), k, backend="pallas", chunk=chunk,
+                                          finite_only=finite_only)
+            want = ref.select_topk(jnp.asarray(x), jnp.asarray(vis), k, finite_only)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {seed}")
+
+
+def test_two_stages_are_taken_for_few_long_rows_only():
+    k = 512
+    assert select.two_stage_chunk(1, 32768, k) == select.CHUNK
+    assert select.two_stage_chunk(8, 16384, k) == select.CHUNK
+    assert select.two_stage_chunk(8192, 32768, k) == 0                 # many rows fill the GPU
+    assert select.two_stage_chunk(64, 32768, k) == select.CHUNK
+    assert select.two_stage_chunk(1, (select.MIN_CHUNKS - 1) * select.CHUNK, k) == 0   # too few chunks
+    assert select.two_stage_chunk(1, 3 * select.CHUNK + 8, k) == 0     # chunks must tile the row
+    assert select.two_stage_chunk(1, 32768, select.CHUNK) == 0         # the second stage no smaller
+    with pytest.raises(ValueError, match="chunk 1000 must divide"):
+        select.select_ascending(jnp.zeros((1, 4096)), jnp.zeros((1,), jnp.int32), 8, backend="pallas",
+                                chunk=1000)
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
@@ -43,6 +76,17 @@ def test_lowers_to_one_triton_call(platform, n):
     e = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=allow)(
         jax.ShapeDtypeStruct((192, n), jnp.float32), jax.ShapeDtypeStruct((192,), jnp.int32))
     assert e.mlir_module().count(f"custom_call @{TRITON_CUSTOM_CALL}") == 1
+
+
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+def test_two_stages_lower_to_two_triton_calls(platform):
+    def f(s, v):
+        ids, vals = select._chunks_pallas(s, k=512, chunk=select.CHUNK, num_warps=8, interpret=False)
+        return select._select_pallas(vals, v, ids, k=512, num_warps=8, interpret=False)
+    allow = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]
+    e = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=allow)(
+        jax.ShapeDtypeStruct((2, 32768), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
+    assert e.mlir_module().count(f"custom_call @{TRITON_CUSTOM_CALL}") == 2
 
 
 def test_the_models_selection_runs_the_kernel_under_its_switch():
@@ -61,3 +105,21 @@ def test_the_models_selection_runs_the_kernel_under_its_switch():
                            np.asarray(select_topk(x, vis, 16)))
     assert "select_ascending" in calls["pallas"][0] and "select_ascending" not in calls["xla"][0]
     np.testing.assert_array_equal(calls["pallas"][1], calls["xla"][1], err_msg=f"seed {seed}")
+
+
+def test_candidate_blocks_take_the_kernel_under_its_switch():
+    """The candidate source's blocks (best row per block, the newest pinned, -inf blocks dropped)
+    through the kernel equal the reference's top_k + sort, with -inf rows past `visible`."""
+    from kernels_pallas import backend
+    from v41_jax.model.indexer import candidate_blocks
+
+    rng, seed = fresh_rng()
+    x = rng.integers(-3, 4, (2, 3, 512)).astype(np.float32)
+    vis = rng.integers(0, 513, (2, 3)).astype(np.int32)
+    x = jnp.asarray(np.where(np.arange(512) < vis[..., None], x, -np.inf))
+    got = {}
+    for name in ("xla", "pallas"):
+        with backend.use_backend(name, kernel="select"):
+            got[name] = np.asarray(candidate_blocks(x, jnp.asarray(vis), 24, 8))
+    assert (got["xla"] == -1).any()                    # some rows see fewer than 24 blocks
+    np.testing.assert_array_equal(got["pallas"], got["xla"], err_msg=f"seed {seed}")

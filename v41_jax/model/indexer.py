@@ -12,9 +12,9 @@ API (B batch, T queries, N key rows, Hi/Di indexer heads/width)
   index_query(p, cfg, c_q, positions, numerics) -> [B, T, Hi, Di]
       Lin8(c_q, wq_b) -> RoPE at p -> fp4 QDQ (group 32, ue8m0).
   index_weights(p, cfg, h, numerics) -> [B, T, Hi]     LinBF(h, weights_proj) * Di^-0.5 * Hi^-0.5
-  index_scores, ascending   the indexer scores and an ascending sort: the kernels' jnp references,
+  index_scores              the indexer scores: the kernels' jnp reference,
       defined (and documented) in `kernels_pallas.reference`; re-exported here.
-  select_topk(scores, visible, k) -> int32 [..., min(k, N)]   the k best rows, ascending, -1 past
+  select_topk(scores, visible, k, finite_only) -> int32 [..., min(k, N)]   the k best rows, ascending, -1 past
       visible. The rule and the XLA path: `kernels_pallas.reference.select_topk`; the Pallas
       backend selects without a sort (`kernels_pallas.select`, same ids).
   candidate_blocks(scores, visible, topk_blocks, block_size) -> int32 [B, T, min(topk_blocks, nb)]
@@ -28,19 +28,19 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import select as kernel_select
-from kernels_pallas.reference import ascending, index_scores
+from kernels_pallas.reference import index_scores
 from v41_jax.config import ModelConfig
 from v41_jax.model.linear import lin8, lin_bf
 from v41_jax.model.norm import rms_norm
-from v41_jax.model.numerics import Numerics, top_k
+from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.quant import FP4_GROUP, fp4_qdq_ue8m0
 
 INDEX_FP4_GROUP = FP4_GROUP  # index keys and queries: fp4 with one ue8m0 scale per 32 lanes
 
 
-def select_topk(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
-    return kernel_select.select_ascending(scores, visible, k)
+def select_topk(scores: jax.Array, visible: jax.Array, k: int, finite_only: bool = False) -> jax.Array:
+    return kernel_select.select_ascending(scores, visible, k, finite_only=finite_only)
 
 
 def visible_rows(positions: jax.Array, ratio: int) -> jax.Array:
@@ -82,8 +82,7 @@ def candidate_blocks(scores: jax.Array, visible: jax.Array, topk_blocks: int, bl
     # the newest block is only partly filled: pin it so an older full block cannot outscore it
     newest = (visible[..., None] - 1) // block_size
     block_score = jnp.where(jnp.arange(n_blocks) == newest, jnp.inf, block_score)
-    values, ids = top_k(block_score, min(topk_blocks, n_blocks))
-    return ascending(ids, values > -jnp.inf)
+    return select_topk(block_score, jnp.int32(n_blocks), topk_blocks, finite_only=True)
 
 
 def candidate_mask(blocks: jax.Array, n_rows: int, block_size: int) -> jax.Array:
