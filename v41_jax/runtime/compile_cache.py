@@ -68,6 +68,14 @@ CUDA_OPTIONS = {
     # with XLA's defaults and 4.1 ms with these, its launch returning in 0.5-0.9 ms, not 6.0 ms.
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
     "xla_gpu_graph_min_graph_size": 1,
+    # graphs whose kernels with no dependence between them (a sublayer's independent
+    # projections, norms and bookkeeping) run side by side instead of one after another. H100,
+    # bench slice, b=1 8K back to back: 2.16 / 2.14 ms against 2.37-2.54 with XLA's default
+    # (LHS), one machine, one process each (BENCHMARKS.md 2026-12-06 q; set there through the
+    # older XLA_FLAGS spelling --xla_gpu_graph_enable_concurrent_region=true, which the flag
+    # parser maps to this mode and which as a compile option sets a field XLA no longer reads).
+    # PDL (xla_gpu_enable_pdl) and unrolled loops (xla_gpu_command_buffer_unroll_loops): no change.
+    "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
     # XLA's own sort kernels, not CUB's radix sort: a CUB sort cannot be captured in a command
     # buffer, so the sampler's `lax.cond` around its vocabulary sort (runtime/sampling.py) ran on
     # the host, which waited for the predicate mid-step, split the step into three graphs, and
@@ -78,14 +86,21 @@ CUDA_OPTIONS = {
     "xla_gpu_enable_cub_radix_sort": False,
 }
 
+# older XLA_FLAGS names of an option above: a user's flag under either name wins
+SPELLINGS = {"xla_gpu_command_buffer_scheduling_mode": ("xla_gpu_graph_enable_concurrent_region",)}
+
+
+def cuda_options(xla_flags: str) -> dict:
+    """CUDA_OPTIONS less those that `xla_flags` names under any spelling."""
+    return {k: v for k, v in CUDA_OPTIONS.items() if not any(n in xla_flags for n in (k, *SPELLINGS.get(k, ())))}
+
 
 def compiler_options() -> dict:
     """XLA options the step's executables are compiled with on this backend."""
     backend = jax.extend.backend.get_backend()
     if backend.platform != "gpu" or "cuda" not in backend.platform_version.lower():
         return {}
-    flags = os.environ.get("XLA_FLAGS", "")
-    return {k: v for k, v in CUDA_OPTIONS.items() if k not in flags}
+    return cuda_options(os.environ.get("XLA_FLAGS", ""))
 
 
 def _source_digest() -> str:
