@@ -4,7 +4,7 @@ and an HBM roofline ratio, on random weights generated on the device.
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
         [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope|hc_expand | --compare-numerics FIELD | --compare-scan] [--layers N] [--routed-experts E]
+        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope|hc_expand | --compare-numerics FIELD | --compare-scan | --compare-option KEY=VALUE] [--layers N] [--routed-experts E]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -62,7 +62,11 @@ variant) the same way. `--compare-scan` pairs the unrolled layer stack with the 
 the same params stacked per run of identical layers, `v41_jax/model/layer_runs.py`) the same way,
 and first runs each from a copy of one cache: `differing_outputs` lists the outputs (logits,
 cache fields) whose bytes differ between the variants, and, as a control, between two runs of the
-unrolled one.
+unrolled one. `--compare-option KEY=VALUE` pairs the engine's XLA compile options
+(`compile_cache.compiler_options`) with the same options and KEY set to VALUE (e.g.
+`xla_gpu_command_buffer_scheduling_mode=LHS`): one lowering, two executables, timed interleaved in
+one process (an XLA_FLAGS comparison needs a process per variant, and processes on one machine
+differed by 0.17 ms at batch 1, BENCHMARKS.md 2026-12-06 q), outputs compared as --compare-scan's.
 
 Smaller models of a config's layer pattern: `--layers N` keeps its first N layers (the cut of
 `scripts/bench_compile.py`), `--routed-experts E` holds E routed experts per layer (so a cut of the
@@ -367,7 +371,7 @@ class Case:
     tokens: int                # token rows
     bucket: Bucket
     variant: str | None = None  # --compare-kernel: that kernel's backend; --compare-numerics: off | on;
-                                # --compare-scan: unrolled | scanned
+                                # --compare-scan: unrolled | scanned; --compare-option: engine | VALUE
     device_batch: object = None
     host_build_ms: float = 0.0
     lowered: object = None
@@ -411,6 +415,17 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _option(text: str) -> tuple[str, object]:
+    """KEY=VALUE -> (KEY, VALUE as bool, int or str, as XLA's option parser takes them)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.startswith("xla_"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an XLA option as KEY=VALUE, e.g. "
+                                         "xla_gpu_command_buffer_scheduling_mode=LHS")
+    lowered = value.lower()
+    return key, (lowered == "true" if lowered in ("true", "false") else
+                 int(value) if value.lstrip("-").isdigit() else value)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
@@ -443,6 +458,9 @@ def parse_args(argv=None):
                     help="run every case with this kernel on xla and on pallas, then time each pair interleaved")
     ap.add_argument("--compare-numerics", choices=POLICY_SWITCHES, default=None,
                     help="run every case with this Numerics field off and on, then time each pair interleaved")
+    ap.add_argument("--compare-option", type=_option, default=None, metavar="KEY=VALUE",
+                    help="run every case with the engine's XLA options and with KEY set to VALUE; "
+                         "timed interleaved, outputs compared")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also trace N steps per case and record the device time by kernel")
     ap.add_argument("--host-events", type=int, default=0, metavar="N",
@@ -499,8 +517,9 @@ def main(argv=None) -> int:
     clock = Clock()
     args = parse_args(argv)
     cfg = ModelConfig.from_file(args.config)
-    if sum(map(bool, (args.compare_scan, args.compare_kernel, args.compare_numerics))) > 1:
-        raise SystemExit("--compare-scan, --compare-kernel, --compare-numerics: one comparison per run")
+    if sum(map(bool, (args.compare_scan, args.compare_kernel, args.compare_numerics, args.compare_option))) > 1:
+        raise SystemExit("--compare-scan, --compare-kernel, --compare-numerics, --compare-option: "
+                         "one comparison per run")
     if args.layers:
         cfg = cut(cfg, args.layers)
     if args.routed_experts:
@@ -596,7 +615,9 @@ def main(argv=None) -> int:
               for n in prefills]
     compared, variants = (("scan", SCAN_VARIANTS) if args.compare_scan else
                           (args.compare_kernel, kernel_backend.CHOICES) if args.compare_kernel else
-                          (args.compare_numerics, SWITCH_VARIANTS) if args.compare_numerics else (None, ()))
+                          (args.compare_numerics, SWITCH_VARIANTS) if args.compare_numerics else
+                          (args.compare_option[0], ("engine", str(args.compare_option[1])))
+                          if args.compare_option else (None, ()))
     if compared:
         cases = [Case(f"{c.name} [{compared}={v}]", c.kind, c.batch, c.tokens, c.bucket, v)
                  for c in cases for v in variants]
@@ -622,13 +643,18 @@ def main(argv=None) -> int:
     def tokens(n):
         return rng.integers(3, cfg.vocab_size - 1, n).astype(np.int32)
 
+    inputs: dict[tuple, tuple] = {}     # the variants of a case share its input tokens (outputs compared)
     for c in cases:
         t0 = time.perf_counter()
+        shape = (c.kind, c.batch, c.tokens)
+        if shape not in inputs:
+            n = 1 if c.kind == "decode" else c.tokens
+            inputs[shape] = tuple(tokens(n) for _ in range(c.batch))
         if c.kind == "decode":
-            spans = [engine.make_span(f"d{i}", i, args.context - 1, tokens(1), decode_pages[i], cursors[i])
-                     for i in range(c.batch)]
+            spans = [engine.make_span(f"d{i}", i, args.context - 1, t, decode_pages[i], cursors[i])
+                     for i, t in enumerate(inputs[shape])]
         else:
-            spans = [engine.make_span("p0", 0, 0, tokens(c.tokens), prefill_pages, cursors[0])]
+            spans = [engine.make_span("p0", 0, 0, inputs[shape][0], prefill_pages, cursors[0])]
         built = build_step(geom, cfg, c.bucket, spans)
         c.host_build_ms = (time.perf_counter() - t0) * 1e3
         c.device_batch = engine.runner.send(c.bucket, built.batch)      # packed, as the engine sends it
@@ -640,7 +666,10 @@ def main(argv=None) -> int:
         with sem:
             t1 = time.perf_counter()
             try:
-                c.compiled = c.lowered.compile(compiler_options=compile_cache.compiler_options())   # as the engine
+                options = compile_cache.compiler_options()                                   # as the engine
+                if args.compare_option and c.variant != "engine":
+                    options = {**options, args.compare_option[0]: args.compare_option[1]}
+                c.compiled = c.lowered.compile(compiler_options=options)
                 c.compile_s = time.perf_counter() - t1
             except Exception as err:  # noqa: BLE001 - one failing case must not end the run
                 c.error = f"compile: {type(err).__name__}: {str(err)[:400]}"
@@ -785,8 +814,9 @@ def main(argv=None) -> int:
                 row["model_flops_of_in_run_gemm_peak"] = row["model_tflops"] / run_peak
         res.save()
 
-    # ---- --compare-kernel: each pair timed again, interleaved (the machine drifts between cases) ----
+    # ---- --compare-*: each pair timed again, interleaved (the machine drifts between cases) ----
     pairs: dict[str, dict] = {}
+    checked = args.compare_scan or args.compare_option          # outputs compared too
     for c in cases:
         if c.variant and c.name in rows:
             pairs.setdefault(c.name.rsplit(" [", 1)[0], {})[c.variant] = rows[c.name][1]
@@ -796,7 +826,7 @@ def main(argv=None) -> int:
         ts = {v: [] for v in fns}
         first, second = variants
         try:
-            if args.compare_scan:   # each from a copy of one cache: the first twice (the control), the second
+            if checked:   # each from a copy of one cache: the first twice (the control), the second
                 start = jax.tree.map(jnp.copy, state["cache"])
                 outs = [fns[v](jax.tree.map(jnp.copy, start)) for v in (first, first, second)]
                 equal = {"control": differing(outs[0], outs[1]), "variants": differing(outs[0], outs[2])}
@@ -812,13 +842,13 @@ def main(argv=None) -> int:
                             (round(float(q), 4) for q in np.percentile(np.asarray(t) * 1e3, [0, 25, 50, 75, 100]))),
                         calls=len(t)) for v, t in ts.items()}
         comp[f"{second}_minus_{first}_ms"] = round(comp[second]["median_ms"] - comp[first]["median_ms"], 4)
-        if args.compare_scan:
+        if checked:
             comp["differing_outputs"] = equal   # the control: the first variant against itself
         res.data.setdefault("comparisons", {})[base] = dict(compared=compared, **comp)
         res.save()
         clock.log(f"{base}, {compared} interleaved: {first} {comp[first]['median_ms']:.3f} ms, {second} "
                   f"{comp[second]['median_ms']:.3f} ms ({comp[f'{second}_minus_{first}_ms']:+.3f})"
-                  + (f"; outputs differing {equal}" if args.compare_scan else ""))
+                  + (f"; outputs differing {equal}" if checked else ""))
 
     # ---- where the device time goes (after every compile: autotuning would show up) ----
     for name, (row, fn) in rows.items() if args.profile else ():

@@ -285,3 +285,22 @@ def test_compare_numerics_offers_the_policys_switches_one_comparison_a_run(tmp_p
     with pytest.raises(SystemExit, match="one comparison per run"):
         bs.main(["--config", TINY, "--out", out, "--compare-numerics", "exact_rms", "--compare-kernel", "rope"])
     assert not Path(out).exists()
+
+
+def test_compare_option_times_two_executables_of_one_lowering_on_the_same_inputs(tmp_path):
+    """`--compare-option KEY=VALUE`: each case compiled with the engine's options and with KEY set
+    to VALUE, timed interleaved; both variants fed the same tokens, so their outputs are compared
+    byte for byte (on the CPU a GPU-only option changes nothing: no output may differ, the
+    control's nor the variants'). A malformed option stops at the command line."""
+    out = tmp_path / "r.json"
+    assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
+                    "--iters", "2", "--case-s", "0.2", "--compare-option",
+                    "xla_gpu_command_buffer_scheduling_mode=LHS"]) == 0
+    comp = json.loads(out.read_text())["comparisons"]["decode b=1 ctx=32"]
+    assert comp["compared"] == "xla_gpu_command_buffer_scheduling_mode"
+    assert comp["engine"]["calls"] > 0 and comp["LHS"]["calls"] > 0
+    assert comp["differing_outputs"] == {"control": {}, "variants": {}}
+    assert bs._option("xla_a=true") == ("xla_a", True) and bs._option("xla_b=-3") == ("xla_b", -3)
+    for bad in ("xla_gpu_command_buffer_scheduling_mode", "scheduling=LHS"):
+        with pytest.raises(SystemExit):
+            bs.parse_args(["--config", TINY, "--out", str(out), "--compare-option", bad])
