@@ -4,9 +4,11 @@ each chunk of a row, then the k best of those: `two_stage_chunk`).
 
 XLA path: `kernels_pallas.reference.select_topk` (top_k, then a sort of the picks by position).
 
-  select_ascending(scores [R, n] fp32, visible [R] int32, k) -> ids [R, min(k, n)] int32
+  select_ascending(scores [R, n] fp32, visible [R] int32, k, chunk=None, finite_only=False)
+      -> ids [R, min(k, n)] int32
       = reference.select_topk: the k best columns (IEEE total order after -0.0 -> +0.0, ties to
-      the lower column: `numerics.top_k`), those below `visible` ascending, -1 after.
+      the lower column: `numerics.top_k`), those below `visible` (and, finite_only, scoring above
+      -inf) ascending, -1 after; chunk: the first stage's columns (`two_stage_chunk`).
 
 Why: at long context the selection is XLA sorts of every candidate column in several passes per
 row (32K decode on the H200: 0.67 ms of sorts a step at b=64, BENCHMARKS.md 2026-12-04 c). Here a
@@ -34,7 +36,7 @@ from v41_jax.numerics import total_order
 MAX_COLUMNS = 32768   # a row in one program's registers (16 warps past 16,384: 64 fp32 a thread)
 CHUNK = 4096          # first-stage columns a program (`two_stage_chunk`)
 TWO_STAGE_PROGRAMS = 512   # first-stage programs at most (64 rows x 8 chunks, the widest measured)
-MIN_CHUNKS = 4        # fewer: one stage (1-64 x 8,192 columns: 0.016 ms either way)
+MIN_CHUNKS = 4        # fewer: one stage (8,192 columns, 1-64 rows: 0.015-0.017 ms one stage, 0.017-0.019 two)
 _SIGN = -(1 << 31)     # int32 with the sign bit alone
 
 
@@ -171,7 +173,8 @@ def select_ascending(scores: jax.Array, visible: jax.Array, k: int, *, backend: 
     """`reference.select_topk(scores, visible, k, finite_only)` for scores [..., n], visible [...]
     (or broadcast to them).
 
-    chunk: columns a first-stage program takes (0: one stage; None: `two_stage_chunk`). Two stages
+    chunk: columns a first-stage program takes (0: one stage; None: `two_stage_chunk`; unused on
+    the XLA path and past MAX_COLUMNS, where the reference's sort runs). Two stages
     pick the same ids: every column of the k best of a row is among the k best of its chunk (a
     column beaten by k others of its chunk is beaten by them in the row, in the same order of
     value then column), and the second stage sees the candidates in column order, so its ties
@@ -184,9 +187,9 @@ def select_ascending(scores: jax.Array, visible: jax.Array, k: int, *, backend: 
     s = scores.astype(jnp.float32).reshape(-1, n)
     vis = jnp.broadcast_to(visible, lead).reshape(-1).astype(jnp.int32)
     chunk = two_stage_chunk(s.shape[0], n, k) if chunk is None else chunk
-    if chunk and (n % chunk or chunk < k):
-        raise ValueError(f"select_ascending: chunk {chunk} must divide the row's {n} columns and "
-                         f"hold k = {k}")
+    if chunk and (n % chunk or chunk < k or chunk & (chunk - 1)):
+        raise ValueError(f"select_ascending: chunk {chunk} must be a power of two (a Triton block) "
+                         f"dividing the row's {n} columns and holding k = {k}")
     interpret = _backend.interpret()
     ids = None
     if chunk:

@@ -334,6 +334,9 @@ def kernel_profile(run, calls: int, top: int = 12, sources: dict[str, str] | Non
     biggest = sorted(instances.items(), key=lambda kv: -kv[1][0])[:4 * top]
     out["instances"] = [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
                          "source": (sources or {}).get(re.sub(r"[.\-]", "_", n), "")} for n, (t, c) in biggest]
+    rest = [tc for _, tc in sorted(instances.items(), key=lambda kv: -kv[1][0])[4 * top:]]
+    out["instances_left_out"] = {"count": len(rest), "ms_per_call": per_call(sum(t for t, _ in rest)),
+                                 "launches_per_call": sum(c for _, c in rest) / calls}
     return out
 
 

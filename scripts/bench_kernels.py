@@ -371,8 +371,6 @@ def bench_indexer(b: Bench, cfg: dict):
                    sweep=[("best", best), ("best-t1", {**best, "tiles": 1})] + extra)
 
 
-# ---- LM head ------------------------------------------------------------------------------------
-
 def bench_select(b: Bench, cfg: dict):
     """The indexer's selection alone at decode row counts: one stage, two stages (first-stage
     chunk 2048 / 4096 / 8192), the default (`two_stage_chunk`) and XLA's top_k + sort; the
@@ -410,6 +408,8 @@ def bench_select(b: Bench, cfg: dict):
                 b.results["cases"][-1]["equal_xla"] = all(
                     bool(jnp.array_equal(g, w)) for g, w in zip(fn(scores, vis), want))
 
+
+# ---- LM head ------------------------------------------------------------------------------------
 
 def bench_head(b: Bench, cfg: dict):
     """The LM head (`linear.lin_f32`, bf16 normed rows) with the weight held in fp32 (an fp32 GEMM:

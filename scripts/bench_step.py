@@ -564,6 +564,7 @@ def main(argv=None) -> int:
             "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": sys.version.split()[0],
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(), "experts_held": args.experts,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_options": compile_cache.compiler_options(),
             "args": vars(args), "estimates": est,
             "geometry": {"page_tokens": page, "num_pages": settings.num_pages, "slots": settings.slots,
                          "max_context": max_context, **formats,

@@ -99,8 +99,8 @@ def _stale_index_keys(orig):
 MUTANTS = {
     # a fake-quant site left out: the window KV rows skip their fp8 (ue8m0 / 32) QDQ
     "window_kv_fp8_skipped": lambda: _patched((attention, "fp8_act_qdq", _no_window_fp8)),
-    # every top-k (index and candidate blocks: the reference's select_topk; MoE gate) breaks
-    # exact ties toward the higher index
+    # every top-k (index and candidate blocks: the reference's select_topk, the XLA path the CPU
+    # takes; MoE gate) breaks exact ties toward the higher index
     "ties_to_higher_index": lambda: _patched((kref, "top_k", _top_k_higher_index),
                                              (moe, "top_k", _top_k_higher_index)),
     # the attention sublayer takes the other RoPE table (window <-> compressed/YaRN)

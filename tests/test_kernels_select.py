@@ -61,11 +61,13 @@ def test_two_stages_are_taken_for_few_long_rows_only():
     assert select.two_stage_chunk(8192, 32768, k) == 0                 # many rows fill the GPU
     assert select.two_stage_chunk(64, 32768, k) == select.CHUNK
     assert select.two_stage_chunk(1, (select.MIN_CHUNKS - 1) * select.CHUNK, k) == 0   # too few chunks
-    assert select.two_stage_chunk(1, 3 * select.CHUNK + 8, k) == 0     # chunks must tile the row
+    assert select.two_stage_chunk(1, 8 * select.CHUNK + 8, k) == 0     # chunks must tile the row
+    assert select.two_stage_chunk(select.TWO_STAGE_PROGRAMS // 8 + 1, 8 * select.CHUNK, k) == 0   # programs
     assert select.two_stage_chunk(1, 32768, select.CHUNK) == 0         # the second stage no smaller
-    with pytest.raises(ValueError, match="chunk 1000 must divide"):
-        select.select_ascending(jnp.zeros((1, 4096)), jnp.zeros((1,), jnp.int32), 8, backend="pallas",
-                                chunk=1000)
+    for bad in (1000, 3072):                                              # not dividing; not a power of 2
+        with pytest.raises(ValueError, match=f"chunk {bad} must be a power of two"):
+            select.select_ascending(jnp.zeros((1, 12288)), jnp.zeros((1,), jnp.int32), 8, backend="pallas",
+                                    chunk=bad)
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
@@ -108,18 +110,22 @@ def test_the_models_selection_runs_the_kernel_under_its_switch():
 
 
 def test_candidate_blocks_take_the_kernel_under_its_switch():
-    """The candidate source's blocks (best row per block, the newest pinned, -inf blocks dropped)
-    through the kernel equal the reference's top_k + sort, with -inf rows past `visible`."""
+    """The candidate source's blocks (best row per block, the newest pinned, -inf and NaN blocks
+    dropped) through the kernel when kernel "select" is on Pallas, equal to the reference's
+    top_k + sort, with -inf rows past `visible` and some NaN rows."""
     from kernels_pallas import backend
     from v41_jax.model.indexer import candidate_blocks
 
     rng, seed = fresh_rng()
     x = rng.integers(-3, 4, (2, 3, 512)).astype(np.float32)
+    x[rng.random(x.shape) < 0.01] = np.nan
     vis = rng.integers(0, 513, (2, 3)).astype(np.int32)
     x = jnp.asarray(np.where(np.arange(512) < vis[..., None], x, -np.inf))
-    got = {}
+    got, jaxprs = {}, {}
     for name in ("xla", "pallas"):
         with backend.use_backend(name, kernel="select"):
+            jaxprs[name] = str(jax.make_jaxpr(lambda s, v: candidate_blocks(s, v, 24, 8))(x, jnp.asarray(vis)))
             got[name] = np.asarray(candidate_blocks(x, jnp.asarray(vis), 24, 8))
+    assert "select_ascending" in jaxprs["pallas"] and "select_ascending" not in jaxprs["xla"]
     assert (got["xla"] == -1).any()                    # some rows see fewer than 24 blocks
     np.testing.assert_array_equal(got["pallas"], got["xla"], err_msg=f"seed {seed}")
