@@ -75,6 +75,8 @@ CUDA_OPTIONS = {
     # older XLA_FLAGS spelling --xla_gpu_graph_enable_concurrent_region=true, which the flag
     # parser maps to this mode and which as a compile option sets a field XLA no longer reads).
     # PDL (xla_gpu_enable_pdl) and unrolled loops (xla_gpu_command_buffer_unroll_loops): no change.
+    # The order left is XLA's buffer read/write conflicts plus its control dependencies (kept in
+    # this mode since openxla/xla#27412); outputs against XLA's default: BENCHMARKS.md "Prepared r".
     "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
     # XLA's own sort kernels, not CUB's radix sort: a CUB sort cannot be captured in a command
     # buffer, so the sampler's `lax.cond` around its vocabulary sort (runtime/sampling.py) ran on
