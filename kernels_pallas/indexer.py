@@ -42,6 +42,7 @@ sort, as the reference's `select_topk`; over a full scan the Pallas backend sele
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ from kernels_pallas import backend as _backend
 from kernels_pallas import reference as ref
 from kernels_pallas._codecs import fp4_values
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
-from kernels_pallas.select import MAX_COLUMNS, select_ascending
+from kernels_pallas.select import kernel_selects, select_ascending
 from v41_jax.numerics import HIGHEST, Numerics, top_k
 from v41_jax.quant import FP4_GROUP, packed_fp4_lanes, unpack_fp4_ue8m0_rows
 
@@ -337,15 +338,15 @@ def index_topk_paged(q, w, key_pages, block_table, visible, k: int, *, numerics:
     """Selected row ids [B, S, min(k, N)] ascending, -1 padded (a FULL or REINDEX layer's pick).
     Returns (ids, scores); a candidate source (FULL layer 20) feeds the scores to
     `v41_jax.model.indexer.candidate_blocks`. The XLA backend selects with the reference's
-    `select_topk`; the Pallas backend without a sort over a full scan (`kernels_pallas.select`, up
-    to its MAX_COLUMNS) and otherwise with `topk_ids(tile=topk_tile)` (same picks)."""
+    `select_topk`; the Pallas backend without a sort over a full scan (`kernels_pallas.select`,
+    where `kernel_selects`) and otherwise with `topk_ids(tile=topk_tile)` (same picks)."""
     scores = index_scores_paged(q, w, key_pages, block_table, visible, numerics=numerics,
                                 candidates=candidates, block_size=block_size, backend=backend,
                                 **kernel_kw)
     xla = _backend.resolve(backend) == "xla"
     if candidates is None:
-        # past the kernel's row width, the two-stage top-k (select_ascending would take one sort)
-        wide = not xla and scores.shape[-1] > MAX_COLUMNS
+        # rows the kernel cannot take: the two-stage top-k (select_ascending would take one sort)
+        wide = not xla and not kernel_selects(math.prod(scores.shape[:-1]), scores.shape[-1], k)
         ids = (select_topk(scores, visible, k, topk_tile) if wide
                else select_ascending(scores, visible, k, backend=backend))
         return ids, scores

@@ -1,6 +1,7 @@
 """The indexer's selection without a sort: the k best columns of each row, re-sorted by position,
-as one Pallas program (Triton lowering) per row, or with few rows in two stages (the k best of
-each chunk of a row, then the k best of those: `two_stage_chunk`).
+as one Pallas program (Triton lowering) per row, or, with few rows or rows past one program's
+MAX_COLUMNS, in two stages (the k best of each chunk of a row, then the k best of those:
+`two_stage_chunk`).
 
 XLA path: `kernels_pallas.reference.select_topk` (top_k, then a sort of the picks by position).
 
@@ -23,6 +24,7 @@ the reference's set exactly; the output order is by position, as the reference's
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -160,11 +162,21 @@ def two_stage_chunk(rows: int, n: int, k: int) -> int:
     stage stays within TWO_STAGE_PROGRAMS programs and leaves the second at most half the columns.
     H100, bench_kernels --sections select, k = 512, ms a selection one stage / two: 1 x 32,768
     0.055 / 0.020, 64 x 32,768 0.061 / 0.039, 1 x 16,384 0.025 / 0.018, 64 x 16,384 0.029 / 0.024
-    (BENCHMARKS.md 2026-12-06 p)."""
+    (BENCHMARKS.md 2026-12-06 p). Rows past MAX_COLUMNS, which one program cannot hold, take two
+    stages at any row count whenever the candidates fit one (n / CHUNK * k <= MAX_COLUMNS: up to
+    262,144 columns at k = 512, a 1M context at ratio 4); else 0 (`kernel_selects` false)."""
     chunks = n // CHUNK
-    ok = (n % CHUNK == 0 and chunks >= MIN_CHUNKS and CHUNK >= 2 * k
-          and rows * chunks <= TWO_STAGE_PROGRAMS)
-    return CHUNK if ok else 0
+    if n % CHUNK or CHUNK < 2 * k:
+        return 0
+    if n > MAX_COLUMNS:
+        return CHUNK if chunks * k <= MAX_COLUMNS else 0
+    return CHUNK if chunks >= MIN_CHUNKS and rows * chunks <= TWO_STAGE_PROGRAMS else 0
+
+
+def kernel_selects(rows: int, n: int, k: int) -> bool:
+    """Whether `select_ascending`'s Pallas backend takes rows of n columns (the rest: the
+    reference's sort)."""
+    return n <= MAX_COLUMNS or two_stage_chunk(rows, n, min(k, n)) > 0
 
 
 def select_ascending(scores: jax.Array, visible: jax.Array, k: int, *, backend: str | None = None,
@@ -174,22 +186,25 @@ def select_ascending(scores: jax.Array, visible: jax.Array, k: int, *, backend: 
     (or broadcast to them).
 
     chunk: columns a first-stage program takes (0: one stage; None: `two_stage_chunk`; unused on
-    the XLA path and past MAX_COLUMNS, where the reference's sort runs). Two stages
-    pick the same ids: every column of the k best of a row is among the k best of its chunk (a
-    column beaten by k others of its chunk is beaten by them in the row, in the same order of
+    the XLA path, and rows that neither one stage nor two can hold take the reference's sort). Two
+    stages pick the same ids: every column of the k best of a row is among the k best of its chunk
+    (a column beaten by k others of its chunk is beaten by them in the row, in the same order of
     value then column), and the second stage sees the candidates in column order, so its ties
     also go to the lower column. num_warps: the last stage's (default `_warps`)."""
     n = scores.shape[-1]
     k = min(k, n)
-    if _backend.resolve(backend, kernel="select") == "xla" or n > MAX_COLUMNS:
-        return ref.select_topk(scores, visible, k, finite_only)
     lead = scores.shape[:-1]
+    rows = math.prod(lead)
+    if chunk is None:
+        chunk = two_stage_chunk(rows, n, k)
+    if _backend.resolve(backend, kernel="select") == "xla" or (n > MAX_COLUMNS and not chunk):
+        return ref.select_topk(scores, visible, k, finite_only)
+    if chunk and (n % chunk or chunk < k or chunk & (chunk - 1) or n // chunk * k > MAX_COLUMNS):
+        raise ValueError(f"select_ascending: chunk {chunk} must be a power of two (a Triton block) "
+                         f"dividing the row's {n} columns, holding k = {k}, and leaving the second "
+                         f"stage at most {MAX_COLUMNS} candidates")
     s = scores.astype(jnp.float32).reshape(-1, n)
     vis = jnp.broadcast_to(visible, lead).reshape(-1).astype(jnp.int32)
-    chunk = two_stage_chunk(s.shape[0], n, k) if chunk is None else chunk
-    if chunk and (n % chunk or chunk < k or chunk & (chunk - 1)):
-        raise ValueError(f"select_ascending: chunk {chunk} must be a power of two (a Triton block) "
-                         f"dividing the row's {n} columns and holding k = {k}")
     interpret = _backend.interpret()
     ids = None
     if chunk:

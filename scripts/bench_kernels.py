@@ -383,6 +383,8 @@ def bench_select(b: Bench, cfg: dict):
     shapes = [(r, n, k, False) for n in widths for r in rows_set]
     kb = cfg["candidate_topk_blocks"]
     shapes += [(r, n // cfg["candidate_block_size"], kb, True) for n in widths[-1:] for r in rows_set]
+    # past one program's width (contexts past 128K at ratio 4): two stages or XLA's sort
+    shapes += [] if b.smoke else [(r, n, k, False) for n in (131072, 262144) for r in (1, 8, 64)]
     layers = 2 if b.smoke else 16       # independent selections a call: µs kernels, not dispatch
     for rows, n, kk, finite in shapes:
         key, k1, k2 = jax.random.split(key, 3)
@@ -398,7 +400,8 @@ def bench_select(b: Bench, cfg: dict):
         meta = dict(kernel="select", rows=rows, columns=n, k=kk, finite_only=finite)
         variants = [("xla", xla)]
         for label, chunk in [("auto", None), ("one-stage", 0)] + [(f"chunk{c}", c) for c in chunks]:
-            if chunk and (n % chunk or chunk < kk or chunk >= n):
+            if (chunk == 0 and n > ksel.MAX_COLUMNS) or chunk and (
+                    n % chunk or chunk < kk or chunk >= n or n // chunk * kk > ksel.MAX_COLUMNS):
                 continue
             variants.append((label, runner(backend="pallas", chunk=chunk)))
         for label, fn in variants:
