@@ -310,16 +310,17 @@ def bench_indexer(b: Bench, cfg: dict):
             return jax.jit(lambda ss, vv: tuple(ksel.select_ascending(s_, v_, k, backend="pallas",
                                                                       num_warps=warps)
                                                 for s_, v_ in zip(ss, vv)))
-        for warps in (4, 8, 16) if n_cols <= ksel.MAX_COLUMNS else ():   # wider: not the kernel
+        kernel = ksel.kernel_selects(bsz * s, n_cols, k)                 # else: XLA's sort, not the kernel
+        for warps in (4, 8, 16) if kernel else ():
             b.case(f"index/{kind}/select_ascending[w={warps}]", select_runner(warps), (scores, vis),
                    layers=layers, flops=0.0, bytes_=bsz * s * n_cols * 2,
                    variant=f"select_ascending w={warps} (no sort)", **meta)
-        if n_cols <= ksel.MAX_COLUMNS:
+        if kernel:
             sel = select_runner(None)
             b.results.setdefault("select_ascending_equals_select_topk", {})[f"{kind}/{bsz}x{s}/{ctx}"] = bool(all(
                 jnp.array_equal(a_, c_) for a_, c_ in zip(sel(scores, vis), topk_runner(None)(scores, vis))))
-        # up to the select kernel's width a full scan's tile is unused (`index_topk_paged`)
-        for tile in (None, 8192) if (reindex or n_cols > ksel.MAX_COLUMNS) else (None,):
+        # where the select kernel takes the rows a full scan's tile is unused (`index_topk_paged`)
+        for tile in (None, 8192) if (reindex or not kernel) else (None,):
             if tile and tile >= n_cols:
                 continue
             b.case(f"index/{kind}/pallas-scores+topk[tile={tile}]",
