@@ -55,7 +55,8 @@ Compare one kernel (`--compare-kernel NAME`, a name of `kernels_pallas.backend.K
 case runs twice, NAME on its XLA path and on its Pallas kernel (`backend.use_backend(..., kernel=
 NAME)` around the lowering of a step function of its own; every other kernel as `--kernels`). After
 the timing above, each pair is timed again interleaved (5 rounds, each variant `--iters` / 5 calls
-in turn): `comparisons` in the JSON, per variant the median and spread of those calls.
+in turn, then as many back to back): `comparisons` in the JSON, per variant the median and spread
+of those calls and each round's back-to-back ms, and the medians' differences.
 `--compare-numerics FIELD` pairs the policy with one of its boolean fields off and on (e.g.
 `exact_rms`: the RMS statistic's kernel against one XLA reduction; a step function of its own per
 variant) the same way. `--compare-scan` pairs the unrolled layer stack with the scanned one (`Engine(scan_layers=True)`:
@@ -825,6 +826,7 @@ def main(argv=None) -> int:
         if len(fns) < 2 or args.total_s - clock() < 2 * args.case_s + 10:
             continue
         ts = {v: [] for v in fns}
+        b2b = {v: [] for v in fns}            # back to back (the decode target's measure), per round
         first, second = variants
         try:
             if checked:   # each from a copy of one cache: the first twice (the control), the second
@@ -835,14 +837,19 @@ def main(argv=None) -> int:
             for _ in range(5):
                 for v, fn in fns.items():
                     ts[v] += time_calls(fn, state, max(1, args.iters // 5), args.case_s / 5)
+                    b2b[v].append(1e3 * back_to_back_s(
+                        lambda fn=fn: state.update(zip(("logits", "cache"), fn(state["cache"]))),
+                        lambda: (state["logits"], state["cache"]), max(1, args.iters // 5)))
         except Exception as err:  # noqa: BLE001
             res.data.setdefault("comparisons", {})[base] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
             refill()
             continue
         comp = {v: dict(zip(("min_ms", "p25_ms", "median_ms", "p75_ms", "max_ms"),
                             (round(float(q), 4) for q in np.percentile(np.asarray(t) * 1e3, [0, 25, 50, 75, 100]))),
-                        calls=len(t)) for v, t in ts.items()}
+                        calls=len(t), back_to_back_ms=[round(x, 4) for x in b2b[v]]) for v, t in ts.items()}
         comp[f"{second}_minus_{first}_ms"] = round(comp[second]["median_ms"] - comp[first]["median_ms"], 4)
+        comp[f"{second}_minus_{first}_back_to_back_ms"] = round(
+            float(np.median(b2b[second]) - np.median(b2b[first])), 4)
         if checked:
             comp["differing_outputs"] = equal   # the control: the first variant against itself
         res.data.setdefault("comparisons", {})[base] = dict(compared=compared, **comp)

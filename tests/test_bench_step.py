@@ -303,6 +303,8 @@ def test_compare_option_times_two_executables_of_one_lowering_on_the_same_inputs
     comp = json.loads(out.read_text())["comparisons"]["decode b=1 ctx=32"]
     assert comp["compared"] == "xla_gpu_command_buffer_scheduling_mode"
     assert comp["engine"]["calls"] > 0 and comp["LHS"]["calls"] > 0
+    assert len(comp["LHS"]["back_to_back_ms"]) == 5 and min(comp["engine"]["back_to_back_ms"]) > 0
+    assert "LHS_minus_engine_back_to_back_ms" in comp
     assert comp["differing_outputs"] == {"control": {}, "variants": {}}
     assert bs._option("xla_a=true") == ("xla_a", True) and bs._option("xla_b=-3") == ("xla_b", -3)
     for bad in ("xla_gpu_command_buffer_scheduling_mode", "scheduling=LHS"):
