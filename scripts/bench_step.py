@@ -4,7 +4,7 @@ and an HBM roofline ratio, on random weights generated on the device.
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
         [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope|hc_expand | --compare-numerics FIELD | --compare-scan | --compare-option KEY=VALUE] [--layers N] [--routed-experts E]
+        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope|hc_expand | --compare-numerics FIELD | --compare-scan | --compare-option KEY=VALUE] [--option KEY=VALUE ...] [--layers N] [--routed-experts E]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -62,8 +62,10 @@ of those calls and each round's back-to-back ms, and the medians' differences.
 variant) the same way. `--compare-scan` pairs the unrolled layer stack with the scanned one (`Engine(scan_layers=True)`:
 the same params stacked per run of identical layers, `v41_jax/model/layer_runs.py`) the same way,
 and first runs each from a copy of one cache: `differing_outputs` lists the outputs (logits,
-cache fields) whose bytes differ between the variants, and, as a control, between two runs of the
-unrolled one. `--compare-option KEY=VALUE` pairs the engine's XLA compile options
+cache fields) whose bytes differ between the variants and, as controls, between two runs of each
+(per output: the elements, and for floats the largest difference and magnitude among them).
+`--option KEY=VALUE` (repeatable) sets an XLA compile option over the engine's for every case.
+`--compare-option KEY=VALUE` pairs the engine's XLA compile options
 (`compile_cache.compiler_options`) with the same options and KEY set to VALUE (e.g.
 `xla_gpu_command_buffer_scheduling_mode=LHS`): one lowering, two executables, timed interleaved in
 one process (an XLA_FLAGS comparison needs a process per variant, and processes on one machine
@@ -412,6 +414,11 @@ def _jaxlib_version():
         return None
 
 
+def base_options(args) -> dict:
+    """The XLA compile options every case takes: the engine's, then each --option over them."""
+    return {**compile_cache.compiler_options(), **dict(args.option)}
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -459,6 +466,8 @@ def parse_args(argv=None):
                     help="run every case with this kernel on xla and on pallas, then time each pair interleaved")
     ap.add_argument("--compare-numerics", choices=POLICY_SWITCHES, default=None,
                     help="run every case with this Numerics field off and on, then time each pair interleaved")
+    ap.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                    help="XLA compile option over the engine's, for every case (repeatable)")
     ap.add_argument("--compare-option", type=_option, default=None, metavar="KEY=VALUE",
                     help="run every case with the engine's XLA options and with KEY set to VALUE; "
                          "timed interleaved, outputs compared")
@@ -565,7 +574,7 @@ def main(argv=None) -> int:
             "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": sys.version.split()[0],
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(), "experts_held": args.experts,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_options": compile_cache.compiler_options(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_options": base_options(args),
             "args": vars(args), "estimates": est,
             "geometry": {"page_tokens": page, "num_pages": settings.num_pages, "slots": settings.slots,
                          "max_context": max_context, **formats,
@@ -668,7 +677,7 @@ def main(argv=None) -> int:
         with sem:
             t1 = time.perf_counter()
             try:
-                options = compile_cache.compiler_options()                                   # as the engine
+                options = base_options(args)                            # as the engine, with --option
                 if args.compare_option and c.variant != "engine":
                     options = {**options, args.compare_option[0]: args.compare_option[1]}
                 c.compiled = c.lowered.compile(compiler_options=options)
@@ -830,10 +839,11 @@ def main(argv=None) -> int:
         b2b = {v: [] for v in fns}            # back to back (the decode target's measure), per round
         first, second = variants
         try:
-            if checked:   # each from a copy of one cache: the first twice (the control), the second
+            if checked:   # each twice from a copy of one cache (the controls: each against itself)
                 start = jax.tree.map(jnp.copy, state["cache"])
-                outs = [fns[v](jax.tree.map(jnp.copy, start)) for v in (first, first, second)]
-                equal = {"control": differing(outs[0], outs[1]), "variants": differing(outs[0], outs[2])}
+                outs = [fns[v](jax.tree.map(jnp.copy, start)) for v in (first, first, second, second)]
+                equal = {"control": differing(outs[0], outs[1]), "control_second": differing(outs[2], outs[3]),
+                         "variants": differing(outs[0], outs[2])}
                 del start, outs
             for _ in range(5):
                 for v, fn in fns.items():
@@ -850,7 +860,7 @@ def main(argv=None) -> int:
         comp[f"{second}_minus_{first}_back_to_back_ms"] = round(
             float(np.median(b2b[second]) - np.median(b2b[first])), 4)
         if checked:
-            comp["differing_outputs"] = equal   # the control: the first variant against itself
+            comp["differing_outputs"] = equal
         res.data.setdefault("comparisons", {})[base] = dict(compared=compared, **comp)
         res.save()
         clock.log(f"{base}, {compared} interleaved: {first} {comp[first]['median_ms']:.3f} ms, {second} "
@@ -895,16 +905,26 @@ def main(argv=None) -> int:
     return 0
 
 
-def differing(a, b) -> dict[str, int]:
-    """The leaves of two pytrees (same structure) that differ -> how many elements differ, by path;
-    NaN equals NaN whatever its payload (the random cache holds NaN bit patterns)."""
+def differing(a, b) -> dict[str, dict]:
+    """The leaves of two pytrees (same structure) that differ -> by path, how many elements differ
+    and, for floating leaves, the largest |a - b| among those finite in both and the largest |a|
+    there (a rounding difference reads a few ulps of it; a race or a wrong kernel, far more); NaN
+    equals NaN whatever its payload (the random cache holds NaN bit patterns)."""
     out = {}
     for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
         x, y = np.asarray(x), np.asarray(y)
-        same = (x == y) | ((x != x) & (y != y)) if np.issubdtype(x.dtype, np.inexact) or x.dtype.kind == "V" \
-            else x == y
-        if not same.all():
-            out[jax.tree_util.keystr(p)] = int((~same).sum())
+        floating = np.issubdtype(x.dtype, np.inexact) or x.dtype.kind == "V"     # ml_dtypes' kind is V
+        same = (x == y) | ((x != x) & (y != y)) if floating else x == y
+        if same.all():
+            continue
+        row = {"elements": int((~same).sum())}
+        if floating:
+            xf, yf = x.astype(np.float32), y.astype(np.float32)
+            both = ~same & np.isfinite(xf) & np.isfinite(yf)
+            row["max_abs_diff"] = float(np.abs(xf - yf)[both].max(initial=0.0))
+            row["max_abs"] = float(np.abs(xf)[both].max(initial=0.0))
+            row["one_finite"] = int((~same & (np.isfinite(xf) != np.isfinite(yf))).sum())
+        out[jax.tree_util.keystr(p)] = row
     return out
 
 

@@ -305,8 +305,25 @@ def test_compare_option_times_two_executables_of_one_lowering_on_the_same_inputs
     assert comp["engine"]["calls"] > 0 and comp["LHS"]["calls"] > 0
     assert len(comp["LHS"]["back_to_back_ms"]) == 5 and min(comp["engine"]["back_to_back_ms"]) > 0
     assert "LHS_minus_engine_back_to_back_ms" in comp
-    assert comp["differing_outputs"] == {"control": {}, "variants": {}}
+    assert comp["differing_outputs"] == {"control": {}, "control_second": {}, "variants": {}}
     assert bs._option("xla_a=true") == ("xla_a", True) and bs._option("xla_b=-3") == ("xla_b", -3)
     for bad in ("xla_gpu_command_buffer_scheduling_mode", "scheduling=LHS"):
         with pytest.raises(SystemExit):
             bs.parse_args(["--config", TINY, "--out", str(out), "--compare-option", bad])
+
+
+def test_differing_counts_and_sizes_what_differs_and_option_sets_every_case(tmp_path):
+    """`differing`: per leaf the elements that differ (NaN == NaN, any payload), for floats the
+    largest difference among those finite in both, the largest magnitude there and how many are
+    finite on one side only; integer leaves by count. `--option` reaches every case's compile
+    options, recorded in the JSON."""
+    f8 = jnp.asarray([1.0, 2.0, jnp.nan, 4.0], jnp.float8_e4m3fn)
+    a = {"x": jnp.asarray([1.0, jnp.nan, 3.0, 5.0]), "f8": f8, "i": jnp.asarray([1, 2, 3])}
+    b = {"x": jnp.asarray([1.0, jnp.nan, 3.5, jnp.inf]), "f8": f8, "i": jnp.asarray([1, 0, 3])}
+    assert bs.differing(a, b) == {"['x']": {"elements": 2, "max_abs_diff": 0.5, "max_abs": 3.0, "one_finite": 1},
+                                  "['i']": {"elements": 1}}
+    assert bs.differing(a, a) == {}
+    out = tmp_path / "o.json"
+    assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
+                    "--iters", "2", "--case-s", "0.2", "--option", "xla_gpu_command_buffer_scheduling_mode=LHS"]) == 0
+    assert json.loads(out.read_text())["compile_options"]["xla_gpu_command_buffer_scheduling_mode"] == "LHS"
