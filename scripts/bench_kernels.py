@@ -178,13 +178,18 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                     ("h64w8s3", dict(head_block=64, num_warps=8, num_stages=3)),
                     # each chunk's ids loaded one loop step ahead of its gather, or not
                     ("h16w4-plain", dict(head_block=16, num_warps=4, prefetch_ids=False)),
-                    ("h64w8s2-prefetch", dict(head_block=64, num_warps=8, num_stages=2, prefetch_ids=True))]
+                    ("h64w8s2-prefetch", dict(head_block=64, num_warps=8, num_stages=2, prefetch_ids=True)),
+                    # 16 warps: the [64, 512] fp32 accumulator at 64 registers a thread, not 128 (the
+                    # 8-warp program spills); one program an SM, each row read once per token
+                    ("h64w16", dict(head_block=64, num_warps=16)),
+                    ("h64w16s3", dict(head_block=64, num_warps=16, num_stages=3))]
         # more splits for the wide programs: every head of a token in one program reads its rows
         # once, and 4 splits give 32 tokens 128 programs (2 splits left half of the GPU idle)
         variants += [(f"{name}-split{n}", dict(kw, num_splits=n)) for n in (4, 8)
                      for name, kw in (("h16w4", dict(head_block=16, num_warps=4)),
                                       ("h32w4", dict(head_block=32, num_warps=4)),
-                                      ("h64w8", dict(head_block=64, num_warps=8)))]
+                                      ("h64w8", dict(head_block=64, num_warps=8)),
+                                      ("h64w16", dict(head_block=64, num_warps=16)))]
         for kind, t, wkind in (("decode", 32, "ring"), ("decode", 64, "ring"), ("decode", 128, "ring"),
                                ("verify", 192, "ring"), ("prefill", 4096, "extend")):
             if b.left() < 0:

@@ -627,7 +627,7 @@ def main(argv=None) -> int:
     compared, variants = (("scan", SCAN_VARIANTS) if args.compare_scan else
                           (args.compare_kernel, kernel_backend.CHOICES) if args.compare_kernel else
                           (args.compare_numerics, SWITCH_VARIANTS) if args.compare_numerics else
-                          (args.compare_option[0], ("engine", str(args.compare_option[1])))
+                          (args.compare_option[0], ("engine", str(args.compare_option[1]) or "''"))
                           if args.compare_option else (None, ()))
     if compared:
         cases = [Case(f"{c.name} [{compared}={v}]", c.kind, c.batch, c.tokens, c.bucket, v)

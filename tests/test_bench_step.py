@@ -327,3 +327,8 @@ def test_differing_counts_and_sizes_what_differs_and_option_sets_every_case(tmp_
     assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
                     "--iters", "2", "--case-s", "0.2", "--option", "xla_gpu_command_buffer_scheduling_mode=LHS"]) == 0
     assert json.loads(out.read_text())["compile_options"]["xla_gpu_command_buffer_scheduling_mode"] == "LHS"
+    # an empty value (e.g. command buffers off) is a variant of its own, compared like any other
+    assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
+                    "--iters", "2", "--case-s", "0.2", "--compare-option", "xla_gpu_enable_command_buffer="]) == 0
+    comp = json.loads(out.read_text())["comparisons"]["decode b=1 ctx=32"]
+    assert comp["engine"]["calls"] > 0 and comp["''"]["calls"] > 0 and "''_minus_engine_ms" in comp
