@@ -70,13 +70,14 @@ CUDA_OPTIONS = {
     "xla_gpu_graph_min_graph_size": 1,
     # graphs whose kernels with no dependence between them (a sublayer's independent
     # projections, norms and bookkeeping) run side by side instead of one after another. H100,
-    # bench slice, b=1 8K back to back: 2.16 / 2.14 ms against 2.37-2.54 with XLA's default
-    # (LHS), one machine, one process each (BENCHMARKS.md 2026-12-06 q; set there through the
-    # older XLA_FLAGS spelling --xla_gpu_graph_enable_concurrent_region=true, which the flag
-    # parser maps to this mode and which as a compile option sets a field XLA no longer reads).
-    # PDL (xla_gpu_enable_pdl) and unrolled loops (xla_gpu_command_buffer_unroll_loops): no change.
-    # The order left is XLA's buffer read/write conflicts plus its control dependencies (kept in
-    # this mode since openxla/xla#27412); outputs against XLA's default: BENCHMARKS.md "Prepared r".
+    # bench slice, decode back to back, this option against XLA's default (LHS), one lowering,
+    # interleaved in one process: 0.26 / 0.44 / 0.44 / 0.48 ms faster at b = 1 / 8 / 32 / 64 (8K),
+    # 0.41 / 0.61 / 0.61 at b = 1 / 8 / 32 (32K); prefill within +-1.4 ms of 63 / 121 (BENCHMARKS.md
+    # 2026-12-06 r). The order left is XLA's buffer read/write conflicts plus its control
+    # dependencies (kept in this mode since openxla/xla#27412). With autotuning off the two modes'
+    # outputs are equal byte for byte (b = 8, 32); with it on they differed at b >= 8, so those
+    # differences are the autotuner's choices for each compile, not the order. PDL
+    # (xla_gpu_enable_pdl) and unrolled loops (xla_gpu_command_buffer_unroll_loops): no change (q).
     "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
     # XLA's own sort kernels, not CUB's radix sort: a CUB sort cannot be captured in a command
     # buffer, so the sampler's `lax.cond` around its vocabulary sort (runtime/sampling.py) ran on
