@@ -163,13 +163,22 @@ def two_stage_chunk(rows: int, n: int, k: int) -> int:
     H100, bench_kernels --sections select, k = 512, ms a selection one stage / two: 1 x 32,768
     0.055 / 0.020, 64 x 32,768 0.061 / 0.039, 1 x 16,384 0.025 / 0.018, 64 x 16,384 0.029 / 0.024
     (BENCHMARKS.md 2026-12-06 p). Rows past MAX_COLUMNS, which one program cannot hold, take two
-    stages at any row count whenever the candidates fit one (n / CHUNK * k <= MAX_COLUMNS: up to
-    262,144 columns at k = 512, a 1M context at ratio 4); else 0 (`kernel_selects` false)."""
+    stages at any row count whenever the candidates fit one (n / chunk * k <= MAX_COLUMNS): in
+    chunks of 2 x CHUNK while those stay within TWO_STAGE_PROGRAMS programs (few rows: the second
+    stage, one program over the candidates, is the longer one, and halving them gained more than
+    the wider first stage cost: 1 / 8 x 131,072 0.038 / 0.044 -> 0.031 / 0.032 ms, 1 x 262,144
+    0.071 -> 0.043; 64 x 131,072 0.128 -> 0.139, so 64 rows keep CHUNK; H100, BENCHMARKS.md
+    2026-12-06 s), else in chunks of CHUNK; up to 524,288 columns at k = 512 (a 2M context at
+    ratio 4) with few rows, 262,144 with many; else 0 (`kernel_selects` false)."""
+    if n > MAX_COLUMNS:
+        wide = 2 * CHUNK
+        if (n % wide == 0 and rows * (n // wide) <= TWO_STAGE_PROGRAMS and n // wide * k <= MAX_COLUMNS
+                and wide >= 2 * k):
+            return wide
+        return CHUNK if n % CHUNK == 0 and n // CHUNK * k <= MAX_COLUMNS and CHUNK >= 2 * k else 0
     chunks = n // CHUNK
     if n % CHUNK or CHUNK < 2 * k:
         return 0
-    if n > MAX_COLUMNS:
-        return CHUNK if chunks * k <= MAX_COLUMNS else 0
     return CHUNK if chunks >= MIN_CHUNKS and rows * chunks <= TWO_STAGE_PROGRAMS else 0
 
 

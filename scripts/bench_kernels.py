@@ -390,7 +390,7 @@ def bench_select(b: Bench, cfg: dict):
     kb = cfg["candidate_topk_blocks"]
     shapes += [(r, n // cfg["candidate_block_size"], kb, True) for n in widths[-1:] for r in rows_set]
     # past one program's width (contexts past 128K at ratio 4): two stages or XLA's sort
-    shapes += [] if b.smoke else [(r, n, k, False) for n in (131072, 262144) for r in (1, 8, 64)]
+    shapes += [] if b.smoke else [(r, n, k, False) for n in (131072, 262144, 524288) for r in (1, 8, 64)]
     layers = 2 if b.smoke else 16       # independent selections a call: µs kernels, not dispatch
     for rows, n, kk, finite in shapes:
         key, k1, k2 = jax.random.split(key, 3)

@@ -68,20 +68,28 @@ def test_two_stages_are_taken_for_few_long_rows_only():
         with pytest.raises(ValueError, match=f"chunk {bad} must be a power of two"):
             select.select_ascending(jnp.zeros((1, 12288)), jnp.zeros((1,), jnp.int32), 8, backend="pallas",
                                     chunk=bad)
-    # rows one program cannot hold: two stages at any row count while the candidates fit one
+    # rows one program cannot hold: two stages at any row count while the candidates fit one, in
+    # chunks of 2 x CHUNK while those stay within TWO_STAGE_PROGRAMS programs
     wide = 8 * select.MAX_COLUMNS                                         # 262,144: a 1M context at ratio 4
-    assert select.two_stage_chunk(1, wide, k) == select.two_stage_chunk(4096, wide, k) == select.CHUNK
-    assert select.two_stage_chunk(1, wide + select.CHUNK, k) == 0         # 65 x 512 candidates
+    assert select.two_stage_chunk(1, wide, k) == select.two_stage_chunk(16, wide, k) == 2 * select.CHUNK
+    assert select.two_stage_chunk(17, wide, k) == select.two_stage_chunk(4096, wide, k) == select.CHUNK
+    assert select.two_stage_chunk(1, wide + select.CHUNK, k) == 0         # 65 x 512 candidates, 8,192 not dividing
+    assert select.two_stage_chunk(8, 2 * wide, k) == 2 * select.CHUNK     # 64 x 512 candidates, 512 programs
+    assert select.two_stage_chunk(9, 2 * wide, k) == 0                    # 128 x 512 candidates
     assert select.kernel_selects(1, wide, k) and not select.kernel_selects(1, wide + select.CHUNK, k)
     assert select.kernel_selects(8192, select.MAX_COLUMNS, k)             # one stage
 
 
-def test_rows_past_one_programs_width_take_two_stages(monkeypatch):
+@pytest.mark.parametrize("programs,chunk", [(512, 512), (8, 256)])
+def test_rows_past_one_programs_width_take_two_stages(monkeypatch, programs, chunk):
     """With one program's width cut to 1,024 columns (and chunks of 256), rows of 4,096 columns
-    run both kernels (not the reference's sort) and pick the reference's ids; 8,192 columns at
-    k = 64 would leave 2,048 candidates, which no program holds: the reference's sort."""
+    run both kernels (not the reference's sort) and pick the reference's ids, in chunks of 512
+    while 3 rows x 8 of them fit the programs' limit, else of 256; 16,384 columns at k = 64 would
+    leave 2,048 candidates, which no program holds: the reference's sort."""
     monkeypatch.setattr(select, "MAX_COLUMNS", 1024)
     monkeypatch.setattr(select, "CHUNK", 256)
+    monkeypatch.setattr(select, "TWO_STAGE_PROGRAMS", programs)
+    assert select.two_stage_chunk(3, 4096, 64) == chunk
     rng, seed = fresh_rng()
     x = np.where(rng.random((3, 4096)) < 0.3, rng.choice(SPECIAL, (3, 4096)),
                  rng.integers(-2, 3, (3, 4096)).astype(np.float32))
@@ -91,8 +99,8 @@ def test_rows_past_one_programs_width_take_two_stages(monkeypatch):
     np.testing.assert_array_equal(np.asarray(run(jnp.asarray(x), jnp.asarray(vis))),
                                   np.asarray(ref.select_topk(jnp.asarray(x), jnp.asarray(vis), 64)),
                                   err_msg=f"seed {seed}")
-    assert not select.kernel_selects(1, 8192, 64)
-    assert "select_ascending" not in str(jax.make_jaxpr(run)(jnp.zeros((1, 8192)), jnp.zeros((1,), jnp.int32)))
+    assert not select.kernel_selects(1, 16384, 64)
+    assert "select_ascending" not in str(jax.make_jaxpr(run)(jnp.zeros((1, 16384)), jnp.zeros((1,), jnp.int32)))
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
