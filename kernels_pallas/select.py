@@ -168,14 +168,13 @@ def two_stage_chunk(rows: int, n: int, k: int) -> int:
     stage, one program over the candidates, is the longer one, and halving them gained more than
     the wider first stage cost: 1 / 8 x 131,072 0.038 / 0.044 -> 0.031 / 0.032 ms, 1 x 262,144
     0.071 -> 0.043; 64 x 131,072 0.128 -> 0.139, so 64 rows keep CHUNK; H100, BENCHMARKS.md
-    2026-12-06 s), else in chunks of CHUNK; up to 524,288 columns at k = 512 (a 2M context at
-    ratio 4) with few rows, 262,144 with many; else 0 (`kernel_selects` false)."""
+    2026-12-06 s, v), else in chunks of CHUNK, else (candidates of CHUNK chunks past one program)
+    of 2 x CHUNK again (64 x 524,288: 0.53 ms against 4.18 for XLA's top_k + sort, v): up to
+    524,288 columns at k = 512, a 2M context at ratio 4; else 0 (`kernel_selects` false)."""
     if n > MAX_COLUMNS:
-        wide = 2 * CHUNK
-        if (n % wide == 0 and rows * (n // wide) <= TWO_STAGE_PROGRAMS and n // wide * k <= MAX_COLUMNS
-                and wide >= 2 * k):
-            return wide
-        return CHUNK if n % CHUNK == 0 and n // CHUNK * k <= MAX_COLUMNS and CHUNK >= 2 * k else 0
+        fits = [c for c in (CHUNK, 2 * CHUNK) if n % c == 0 and n // c * k <= MAX_COLUMNS and c >= 2 * k]
+        few = [c for c in fits[::-1] if rows * (n // c) <= TWO_STAGE_PROGRAMS]
+        return (few or fits or [0])[0]
     chunks = n // CHUNK
     if n % CHUNK or CHUNK < 2 * k:
         return 0

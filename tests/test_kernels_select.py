@@ -74,8 +74,9 @@ def test_two_stages_are_taken_for_few_long_rows_only():
     assert select.two_stage_chunk(1, wide, k) == select.two_stage_chunk(16, wide, k) == 2 * select.CHUNK
     assert select.two_stage_chunk(17, wide, k) == select.two_stage_chunk(4096, wide, k) == select.CHUNK
     assert select.two_stage_chunk(1, wide + select.CHUNK, k) == 0         # 65 x 512 candidates, 8,192 not dividing
-    assert select.two_stage_chunk(8, 2 * wide, k) == 2 * select.CHUNK     # 64 x 512 candidates, 512 programs
-    assert select.two_stage_chunk(9, 2 * wide, k) == 0                    # 128 x 512 candidates
+    assert select.two_stage_chunk(64, wide // 2, k) == select.CHUNK       # many rows: the smaller chunk
+    assert select.two_stage_chunk(4096, 2 * wide, k) == 2 * select.CHUNK  # 128 x 512 candidates at CHUNK
+    assert select.two_stage_chunk(1, 4 * wide, k) == 0                    # 128 x 512 candidates at 2 x CHUNK
     assert select.kernel_selects(1, wide, k) and not select.kernel_selects(1, wide + select.CHUNK, k)
     assert select.kernel_selects(8192, select.MAX_COLUMNS, k)             # one stage
 
