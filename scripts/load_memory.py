@@ -94,7 +94,6 @@ def main(argv=None) -> dict:
             raise SystemExit(f"making the checkpoint failed ({child.exitcode})")
 
     import jax
-    import numpy as np
 
     from v41_jax.checkpoint import load as load_mod
     from v41_jax.checkpoint.safetensors_io import Checkpoint

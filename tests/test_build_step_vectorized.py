@@ -19,7 +19,6 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -198,8 +198,6 @@ def test_two_stage_decides_rank_keys_and_keeps_the_tie_rule():
     draws, asked for once) decides those keys, and its numbers are in their stats. Where the
     conditioning took no draws (a device inside the nudges' noise: XLA:CPU) stage 1 stands alone, and
     a row breaking an exact tie toward the higher index fails whatever stage 2 says."""
-    import numpy as np
-
     from v41_jax.tools.check_reference import two_stage
 
     # the first 19 draws (stage 1) reach 1.5 k on the index layer, all 99 reach 2.5 k (one draw, 2.0 the

@@ -406,7 +406,7 @@ def run_seed(cfg: Config, seed: int) -> Harness:
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"p{c.num_pages}s{c.slots}r{c.max_requests}")
 def test_random_traffic_seeded(cfg):
-    stages, waits, finishes, steps = Counter(), 0, Counter(), 0
+    stages, finishes, steps = Counter(), Counter(), 0
     for seed in range(120):
         h = run_seed(cfg, seed)
         stages += h.stages

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 _WORD_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32))
