@@ -530,6 +530,8 @@ def main(argv=None) -> int:
     if sum(map(bool, (args.compare_scan, args.compare_kernel, args.compare_numerics, args.compare_option))) > 1:
         raise SystemExit("--compare-scan, --compare-kernel, --compare-numerics, --compare-option: "
                          "one comparison per run")
+    if args.compare_option and str(args.compare_option[1]) == "engine":
+        raise SystemExit("--compare-option: 'engine' names the engine's own options; give another value")
     if args.layers:
         cfg = cut(cfg, args.layers)
     if args.routed_experts:
@@ -841,10 +843,13 @@ def main(argv=None) -> int:
         try:
             if checked:   # each twice from a copy of one cache (the controls: each against itself)
                 start = jax.tree.map(jnp.copy, state["cache"])
-                outs = [fns[v](jax.tree.map(jnp.copy, start)) for v in (first, first, second, second)]
-                equal = {"control": differing(outs[0], outs[1]), "control_second": differing(outs[2], outs[3]),
-                         "variants": differing(outs[0], outs[2])}
-                del start, outs
+                run = lambda v: fns[v](jax.tree.map(jnp.copy, start))
+                ref_out, equal = run(first), {}      # at most the start, it and one more output held
+                equal["control"] = differing(ref_out, run(first))
+                other = run(second)
+                equal["control_second"] = differing(other, run(second))
+                equal["variants"] = differing(ref_out, other)
+                del start, ref_out, other
             for _ in range(5):
                 for v, fn in fns.items():
                     ts[v] += time_calls(fn, state, max(1, args.iters // 5), args.case_s / 5)
@@ -907,23 +912,25 @@ def main(argv=None) -> int:
 
 def differing(a, b) -> dict[str, dict]:
     """The leaves of two pytrees (same structure) that differ -> by path, how many elements differ
-    and, for floating leaves, the largest |a - b| among those finite in both and the largest |a|
-    there (a rounding difference reads a few ulps of it; a race or a wrong kernel, far more); NaN
-    equals NaN whatever its payload (the random cache holds NaN bit patterns)."""
+    and, for floating leaves, the largest |a - b| among those finite in both, the largest |a| there
+    (a rounding difference reads a few ulps of it; a race or a wrong kernel, far more) and how many
+    differ where either side is NaN or infinite; NaN equals NaN whatever its payload (the random
+    cache holds NaN bit patterns)."""
     out = {}
     for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
         x, y = np.asarray(x), np.asarray(y)
-        floating = np.issubdtype(x.dtype, np.inexact) or x.dtype.kind == "V"     # ml_dtypes' kind is V
+        floating = jnp.issubdtype(x.dtype, jnp.inexact)       # ml_dtypes' floats too (not numpy's view)
         same = (x == y) | ((x != x) & (y != y)) if floating else x == y
         if same.all():
             continue
         row = {"elements": int((~same).sum())}
         if floating:
-            xf, yf = x.astype(np.float32), y.astype(np.float32)
-            both = ~same & np.isfinite(xf) & np.isfinite(yf)
-            row["max_abs_diff"] = float(np.abs(xf - yf)[both].max(initial=0.0))
-            row["max_abs"] = float(np.abs(xf)[both].max(initial=0.0))
-            row["one_finite"] = int((~same & (np.isfinite(xf) != np.isfinite(yf))).sum())
+            wide = np.complex128 if jnp.issubdtype(x.dtype, jnp.complexfloating) else np.float64
+            xf, yf = x.astype(wide), y.astype(wide)
+            finite = np.isfinite(xf) & np.isfinite(yf)
+            row["max_abs_diff"] = float(np.abs(xf - yf)[~same & finite].max(initial=0.0))
+            row["max_abs"] = float(np.abs(xf)[~same & finite].max(initial=0.0))
+            row["nonfinite"] = int((~same & ~finite).sum())
         out[jax.tree_util.keystr(p)] = row
     return out
 

@@ -313,20 +313,40 @@ def test_compare_option_times_two_executables_of_one_lowering_on_the_same_inputs
 
 
 def test_differing_counts_and_sizes_what_differs_and_option_sets_every_case(tmp_path):
-    """`differing`: per leaf the elements that differ (NaN == NaN, any payload), for floats the
-    largest difference among those finite in both, the largest magnitude there and how many are
-    finite on one side only; integer leaves by count. `--option` reaches every case's compile
-    options, recorded in the JSON."""
-    f8 = jnp.asarray([1.0, 2.0, jnp.nan, 4.0], jnp.float8_e4m3fn)
-    a = {"x": jnp.asarray([1.0, jnp.nan, 3.0, 5.0]), "f8": f8, "i": jnp.asarray([1, 2, 3])}
-    b = {"x": jnp.asarray([1.0, jnp.nan, 3.5, jnp.inf]), "f8": f8, "i": jnp.asarray([1, 0, 3])}
-    assert bs.differing(a, b) == {"['x']": {"elements": 2, "max_abs_diff": 0.5, "max_abs": 3.0, "one_finite": 1},
-                                  "['i']": {"elements": 1}}
+    """`differing`: per leaf the elements that differ (NaN == NaN, any payload, in every float
+    dtype), for floats the largest difference among those finite in both (in float64: no
+    overflow), the largest magnitude there and how many differ where either side is NaN or
+    infinite; integer leaves (int4 too) by count. `--option` reaches every case's compile: an
+    invalid enum value fails each case's compile."""
+    e4 = jnp.asarray([1.0, 2.0, jnp.nan, 4.0], jnp.float8_e4m3fn)
+    e5 = jnp.asarray([1.0, jnp.nan], jnp.float8_e5m2)
+    i4 = jnp.asarray([1, 2], jnp.int4)
+    a = {"x": jnp.asarray([1.0, jnp.nan, 3.0, 5.0, 3e38, jnp.nan, jnp.inf]), "e4": e4, "e5": e5, "i4": i4,
+         "i": jnp.asarray([1, 2, 3])}
+    b = {"x": jnp.asarray([1.0, jnp.nan, 3.5, jnp.inf, -3e38, jnp.inf, -jnp.inf]),
+         "e4": jnp.asarray([1.0, 2.5, jnp.nan, 4.0], jnp.float8_e4m3fn), "e5": e5,
+         "i4": jnp.asarray([1, 3], jnp.int4), "i": jnp.asarray([1, 0, 3])}
+    got = bs.differing(a, b)
+    assert got.keys() == {"['x']", "['e4']", "['i4']", "['i']"}
+    x = got["['x']"]
+    assert x["elements"] == 5 and x["nonfinite"] == 3 and x["max_abs"] == pytest.approx(3e38, rel=1e-6)
+    assert x["max_abs_diff"] == pytest.approx(6e38, rel=1e-6)
+    assert got["['e4']"] == {"elements": 1, "max_abs_diff": 0.5, "max_abs": 2.0, "nonfinite": 0}
+    assert got["['i4']"] == got["['i']"] == {"elements": 1}
     assert bs.differing(a, a) == {}
     out = tmp_path / "o.json"
-    assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
+    assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1,2", "--prefill=", "--context", "32",
                     "--iters", "2", "--case-s", "0.2", "--option", "xla_gpu_command_buffer_scheduling_mode=LHS"]) == 0
-    assert json.loads(out.read_text())["compile_options"]["xla_gpu_command_buffer_scheduling_mode"] == "LHS"
+    res = json.loads(out.read_text())
+    assert res["compile_options"]["xla_gpu_command_buffer_scheduling_mode"] == "LHS"
+    assert all("error" not in c for c in res["cases"])
+    bs.main(["--config", TINY, "--out", str(out), "--batches", "1,2", "--prefill=", "--context", "32",
+             "--iters", "2", "--case-s", "0.2", "--option", "xla_gpu_command_buffer_scheduling_mode=BOGUS"])
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 2 and all(c.get("error", "").startswith("compile:") and "BOGUS" in c["error"]
+                                   for c in cases)
+    with pytest.raises(SystemExit):
+        bs.main(["--config", TINY, "--out", str(out), "--compare-option", "xla_gpu_command_buffer_scheduling_mode=engine"])
     # an empty value (e.g. command buffers off) is a variant of its own, compared like any other
     assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
                     "--iters", "2", "--case-s", "0.2", "--compare-option", "xla_gpu_enable_command_buffer="]) == 0
