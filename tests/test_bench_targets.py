@@ -1,0 +1,65 @@
+"""scripts/bench_targets.py: the verdict read back from each benchmark's JSON (written here in
+the benchmarks' own formats), and one stage run for real on the tiny config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts import bench_step
+from scripts import bench_targets as bt
+
+
+def _write(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data))
+
+
+def test_verdict_reads_each_benchmarks_json_and_says_what_is_missing(tmp_path):
+    dev = {"device": "NVIDIA H200"}
+    _write(tmp_path / "decode_8192.json", dict(dev, cases=[
+        {"name": "decode b=1 ctx=8192", "back_to_back_ms": 2.0, "ideal_ms": 1.6},       # 1.25: met
+        {"name": "decode b=8 ctx=8192", "back_to_back_ms": 5.4, "ideal_ms": 4.0},       # 1.35: not
+        {"name": "decode b=32 ctx=8192", "error": "compile: out of memory"}]))          # not measured
+    _write(tmp_path / "prefill.json", dict(dev, cases=[
+        {"name": "prefill 4096 (b=1, pos 0)", "model_flops_of_in_run_gemm_peak": 0.452},
+        {"name": "prefill 8192 (b=1, pos 0)", "model_flops_of_in_run_gemm_peak": 0.449}]))
+    _write(tmp_path / "profile.json", dict(dev, cases=[
+        {"name": "decode b=1 ctx=8192", "profile": {"timeline": {"span_ms": 2.0, "busy_ms": 1.9}}}]))
+    _write(tmp_path / "attn.json", dict(dev, cases=[{"name": "attn/decode32/pallas[auto]", "tflops": 86.3},
+                                                    {"name": "attn/decode64/pallas[auto]", "tflops": 210.0}]))
+    _write(tmp_path / "compile_1x1x1.json", dict(dev, rows=[{"lower_s": 2.1, "compile_s": 8.9}]))
+    _write(tmp_path / "compile_4096x1x1.json", dict(dev, rows=[{"lower_s": 2.2, "compile_s": 18.3}]))
+    rows = {(r["target"].split()[0], r["case"]): r for r in bt.verdict(tmp_path)}
+    assert len(rows) == 8 + 2 + 1 + 3 + 4
+    met = {k: r["met"] for k, r in rows.items()}
+    assert met[("decode", "b=1 ctx=8192")] is True and rows[("decode", "b=1 ctx=8192")]["measured"] == 1.25
+    assert met[("decode", "b=8 ctx=8192")] is False
+    assert met[("decode", "b=32 ctx=8192")] is None and met[("decode", "b=64 ctx=32768")] is None
+    assert met[("prefill", "4096 tokens")] is True and met[("prefill", "8192 tokens")] is False
+    assert met[("kernel", "b=1 ctx=8192")] is True and rows[("kernel", "b=1 ctx=8192")]["measured"] == 0.95
+    assert met[("sparse", "32 decode tokens")] is False and met[("sparse", "64 decode tokens")] is True
+    assert met[("sparse", "128 decode tokens")] is None
+    assert met[("compile", "1x1x1")] is True and met[("compile", "4096x1x1")] is False   # 20.5 s
+    assert met[("compile", "32x32x32")] is None
+    md = bt.table(bt.verdict(tmp_path))
+    assert "| decode back to back / ideal | b=8 ctx=8192 | 1.35 | <= 1.33 | **no** | NVIDIA H200 |" in md
+    assert md.count("not measured") == 6 + 1 + 2       # decode, attention, compile
+
+
+def test_commands_parse_and_a_stage_runs(tmp_path):
+    """Every bench_step command a full run would start parses; an unknown stage is refused; the
+    decode stage runs on the tiny config and its verdict rows carry numbers."""
+    for stage in ("decode", "prefill", "profile"):
+        for argv, path in bt.commands(stage, bt.SLICE, tmp_path, smoke=False):
+            args = bench_step.parse_args(argv[3:])
+            assert Path(args.out) == path
+    with pytest.raises(SystemExit):
+        bt.main(["--out-dir", str(tmp_path), "--only", "decode,speed"])
+    assert bt.main(["--out-dir", str(tmp_path), "--smoke", "--only", "decode"]) == 0
+    out = json.loads((tmp_path / "targets.json").read_text())
+    decode = [r for r in out["targets"] if r["target"].startswith("decode")]
+    assert len(decode) == 2 and all(r["measured"] > 0 and r["met"] in (True, False) for r in decode)
+    assert out["runs"]["decode_64.json"]["rc"] == 0
+    assert (tmp_path / "targets.md").read_text().startswith("| target |")
