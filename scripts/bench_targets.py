@@ -119,7 +119,9 @@ def verdict(out: Path, smoke: bool = False) -> list[dict]:
     share = tl["busy_ms"] / tl["span_ms"] if tl.get("span_ms") else None
     row("kernel time / step span", f"b=1 ctx={z['contexts'][0]}", share, KERNEL_SHARE, False, d.get("device"))
     d = _load(out / "attn.json") or {}
-    cases = {x["name"]: x for x in d.get("cases", [])}
+    cases = {}
+    for x in d.get("cases", []):       # the first of a name: bench_kernels times 32 tokens at 32K, then 128K
+        cases.setdefault(x["name"], x)
     for t in z["attn_tokens"]:
         x = cases.get(f"attn/decode{t}/pallas[auto]", {})
         row("sparse attention", f"{t} decode tokens", x.get("tflops"), ATTN_TFLOPS, False, d.get("device"), "TFLOP/s")
