@@ -71,7 +71,7 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         unused pages); two broadcast index arrays, not (ids, :): interpret mode cannot mix them."""
         return load(kv_ref.at[jnp.maximum(ids, 0)[:, None], lanes[None, :]], mask=(ids >= 0)[:, None], other=0)
 
-    def attend(idx_ref, kv_ref, carry, ids, rows=None):
+    def attend(kv_ref, carry, ids, rows=None):
         """One chunk: its ids [C] (and rows, when gathered ahead) folded into (run_max, denom, acc)."""
         run_max, denom, acc = carry                                    # [H], [H], [H, D] fp32
         valid = ids >= 0
@@ -106,17 +106,17 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
             def body_rows(c, cr):
                 ids_next = chunk_ids(idx_ref, c + 1, n)
                 rows_next = gather(kv_ref, ids_next)
-                return (*attend(idx_ref, kv_ref, cr[:3], cr[3], cr[4]), ids_next, rows_next)
+                return (*attend(kv_ref, cr[:3], cr[3], cr[4]), ids_next, rows_next)
             ids_lo = chunk_ids(idx_ref, lo, n)
             return jax.lax.fori_loop(lo, hi, body_rows, (*carry, ids_lo, gather(kv_ref, ids_lo)))[:3]
         if not prefetch_ids:
-            return jax.lax.fori_loop(lo, hi, lambda c, cr: attend(idx_ref, kv_ref, cr, chunk_ids(idx_ref, c, n)),
+            return jax.lax.fori_loop(lo, hi, lambda c, cr: attend(kv_ref, cr, chunk_ids(idx_ref, c, n)),
                                      carry)
 
         # the next chunk's ids loaded while this chunk's rows are gathered: the gather then does
         # not wait for an ids load issued in the same step
         def body(c, cr):
-            return (*attend(idx_ref, kv_ref, cr[:3], cr[3]), chunk_ids(idx_ref, c + 1, n))
+            return (*attend(kv_ref, cr[:3], cr[3]), chunk_ids(idx_ref, c + 1, n))
         return jax.lax.fori_loop(lo, hi, body, (*carry, chunk_ids(idx_ref, lo, n)))[:3]
 
     carry = (jnp.full((h,), NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
