@@ -154,6 +154,13 @@ def _warps(width: int) -> int:
     return 8 if width <= 16384 else 16
 
 
+def chunk_fits(n: int, k: int, chunk: int) -> bool:
+    """Whether first-stage programs of `chunk` columns can select k of a row of n: a power of two
+    (a Triton block) dividing the row, holding k, and leaving the second stage at most
+    MAX_COLUMNS candidates."""
+    return chunk > 0 and not chunk & (chunk - 1) and n % chunk == 0 and chunk >= k and n // chunk * k <= MAX_COLUMNS
+
+
 def two_stage_chunk(rows: int, n: int, k: int) -> int:
     """The first stage's columns a program, or 0 for one stage. A row's program costs about its
     columns per thread times 32 passes whatever the row count, so with few rows (decode at batch
@@ -172,13 +179,12 @@ def two_stage_chunk(rows: int, n: int, k: int) -> int:
     of 2 x CHUNK again (64 x 524,288: 0.53 ms against 4.18 for XLA's top_k + sort, v): up to
     524,288 columns at k = 512, a 2M context at ratio 4; else 0 (`kernel_selects` false)."""
     if n > MAX_COLUMNS:
-        fits = [c for c in (CHUNK, 2 * CHUNK) if n % c == 0 and n // c * k <= MAX_COLUMNS and c >= 2 * k]
+        fits = [c for c in (CHUNK, 2 * CHUNK) if chunk_fits(n, k, c) and c >= 2 * k]
         few = [c for c in fits[::-1] if rows * (n // c) <= TWO_STAGE_PROGRAMS]
         return (few or fits or [0])[0]
     chunks = n // CHUNK
-    if n % CHUNK or CHUNK < 2 * k:
-        return 0
-    return CHUNK if chunks >= MIN_CHUNKS and rows * chunks <= TWO_STAGE_PROGRAMS else 0
+    ok = chunk_fits(n, k, CHUNK) and CHUNK >= 2 * k and chunks >= MIN_CHUNKS and rows * chunks <= TWO_STAGE_PROGRAMS
+    return CHUNK if ok else 0
 
 
 def kernel_selects(rows: int, n: int, k: int) -> bool:
@@ -207,7 +213,7 @@ def select_ascending(scores: jax.Array, visible: jax.Array, k: int, *, backend: 
         chunk = two_stage_chunk(rows, n, k)
     if _backend.resolve(backend, kernel="select") == "xla" or (n > MAX_COLUMNS and not chunk):
         return ref.select_topk(scores, visible, k, finite_only)
-    if chunk and (n % chunk or chunk < k or chunk & (chunk - 1) or n // chunk * k > MAX_COLUMNS):
+    if chunk and not chunk_fits(n, k, chunk):
         raise ValueError(f"select_ascending: chunk {chunk} must be a power of two (a Triton block) "
                          f"dividing the row's {n} columns, holding k = {k}, and leaving the second "
                          f"stage at most {MAX_COLUMNS} candidates")

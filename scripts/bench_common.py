@@ -331,10 +331,10 @@ def kernel_profile(run, calls: int, top: int = 12, sources: dict[str, str] | Non
     if sources is not None:
         out["by_source"] = time_by_source(instances, sources, calls, top)
     # the largest launches one by one (a kind's total hides which instruction is slow)
-    biggest = sorted(instances.items(), key=lambda kv: -kv[1][0])[:4 * top]
+    ranked = sorted(instances.items(), key=lambda kv: -kv[1][0])
     out["instances"] = [{"name": n, "ms_per_call": per_call(t), "launches_per_call": c / calls,
-                         "source": (sources or {}).get(re.sub(r"[.\-]", "_", n), "")} for n, (t, c) in biggest]
-    rest = [tc for _, tc in sorted(instances.items(), key=lambda kv: -kv[1][0])[4 * top:]]
+                         "source": (sources or {}).get(re.sub(r"[.\-]", "_", n), "")} for n, (t, c) in ranked[:4 * top]]
+    rest = [tc for _, tc in ranked[4 * top:]]
     out["instances_left_out"] = {"count": len(rest), "ms_per_call": per_call(sum(t for t, _ in rest)),
                                  "launches_per_call": sum(c for _, c in rest) / calls}
     return out

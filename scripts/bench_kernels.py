@@ -412,8 +412,7 @@ def bench_select(b: Bench, cfg: dict):
         meta = dict(kernel="select", rows=rows, columns=n, k=kk, finite_only=finite)
         variants = [("xla", xla)]
         for label, chunk in [("auto", None), ("one-stage", 0)] + [(f"chunk{c}", c) for c in chunks]:
-            if (chunk == 0 and n > ksel.MAX_COLUMNS) or chunk and (
-                    n % chunk or chunk < kk or chunk >= n or n // chunk * kk > ksel.MAX_COLUMNS):
+            if (chunk == 0 and n > ksel.MAX_COLUMNS) or chunk and (chunk >= n or not ksel.chunk_fits(n, kk, chunk)):
                 continue
             variants.append((label, runner(backend="pallas", chunk=chunk)))
         for label, fn in variants:

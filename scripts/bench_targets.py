@@ -92,6 +92,15 @@ def _load(path: Path) -> dict | None:
         return None
 
 
+def _by_name(d: dict) -> dict[str, dict]:
+    """A benchmark JSON's case rows by name, the first of a name (bench_kernels times 32 attention
+    tokens at 32K, then again at 128K)."""
+    cases: dict[str, dict] = {}
+    for x in d.get("cases", []):
+        cases.setdefault(x["name"], x)
+    return cases
+
+
 def verdict(out: Path, smoke: bool = False) -> list[dict]:
     """One row per target case: what was measured, the limit, whether it is met (None: not measured)."""
     z, rows = sizes(smoke), []
@@ -103,13 +112,13 @@ def verdict(out: Path, smoke: bool = False) -> list[dict]:
 
     for c in z["contexts"]:
         d = _load(out / f"decode_{c}.json") or {}
-        cases = {x["name"]: x for x in d.get("cases", [])}
+        cases = _by_name(d)
         for b in z["batches"]:
             x = cases.get(f"decode b={b} ctx={c}", {})
             ratio = x["back_to_back_ms"] / x["ideal_ms"] if "back_to_back_ms" in x and x.get("ideal_ms") else None
             row("decode back to back / ideal", f"b={b} ctx={c}", ratio, DECODE_RATIO, True, d.get("device"))
     d = _load(out / "prefill.json") or {}
-    cases = {x["name"]: x for x in d.get("cases", [])}
+    cases = _by_name(d)
     for n in z["prefill"]:
         x = cases.get(f"prefill {n} (b=1, pos 0)", {})
         row("prefill model FLOPs / in-run GEMM peak", f"{n} tokens", x.get("model_flops_of_in_run_gemm_peak"),
@@ -119,9 +128,7 @@ def verdict(out: Path, smoke: bool = False) -> list[dict]:
     share = tl["busy_ms"] / tl["span_ms"] if tl.get("span_ms") else None
     row("kernel time / step span", f"b=1 ctx={z['contexts'][0]}", share, KERNEL_SHARE, False, d.get("device"))
     d = _load(out / "attn.json") or {}
-    cases = {}
-    for x in d.get("cases", []):       # the first of a name: bench_kernels times 32 tokens at 32K, then 128K
-        cases.setdefault(x["name"], x)
+    cases = _by_name(d)
     for t in z["attn_tokens"]:
         x = cases.get(f"attn/decode{t}/pallas[auto]", {})
         row("sparse attention", f"{t} decode tokens", x.get("tflops"), ATTN_TFLOPS, False, d.get("device"), "TFLOP/s")
