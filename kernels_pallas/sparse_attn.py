@@ -59,7 +59,7 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
-                 n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool, prefetch_rows: bool):
+                 n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
     q = q_ref[...]                                                     # [H, D]
     h, d = q.shape
@@ -71,11 +71,11 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         unused pages); two broadcast index arrays, not (ids, :): interpret mode cannot mix them."""
         return load(kv_ref.at[jnp.maximum(ids, 0)[:, None], lanes[None, :]], mask=(ids >= 0)[:, None], other=0)
 
-    def attend(kv_ref, carry, ids, rows=None):
-        """One chunk: its ids [C] (and rows, when gathered ahead) folded into (run_max, denom, acc)."""
+    def attend(kv_ref, carry, ids):
+        """One chunk: its ids [C] folded into (run_max, denom, acc)."""
         run_max, denom, acc = carry                                    # [H], [H], [H, D] fp32
         valid = ids >= 0
-        rows = (gather(kv_ref, ids) if rows is None else rows).astype(q.dtype)   # fp32 policy: -> fp32
+        rows = gather(kv_ref, ids).astype(q.dtype)   # fp32 policy: -> fp32
         logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                      preferred_element_type=jnp.float32)              # [H, C]
         logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
@@ -100,15 +100,6 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
     def walk(idx_ref, kv_ref, n, lo, hi, carry):
         if n == 0:
             return carry
-        if prefetch_rows:
-            # the next chunk's ids and rows loaded before this chunk's products: its gather is in
-            # flight while they run (Triton's pipeliner does not stage these indirect loads)
-            def body_rows(c, cr):
-                ids_next = chunk_ids(idx_ref, c + 1, n)
-                rows_next = gather(kv_ref, ids_next)
-                return (*attend(kv_ref, cr[:3], cr[3], cr[4]), ids_next, rows_next)
-            ids_lo = chunk_ids(idx_ref, lo, n)
-            return jax.lax.fori_loop(lo, hi, body_rows, (*carry, ids_lo, gather(kv_ref, ids_lo)))[:3]
         if not prefetch_ids:
             return jax.lax.fori_loop(lo, hi, lambda c, cr: attend(kv_ref, cr, chunk_ids(idx_ref, c, n)),
                                      carry)
@@ -156,8 +147,8 @@ def launch_config(tokens: int) -> dict:
     equal; at 128 tokens and past it slower, and the 64-head program has no shared memory left
     for it; the queries loaded per chunk instead of held: no faster anywhere; 2026-12-05)."""
     if tokens <= 64:
-        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, prefetch_rows=False)
-    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, prefetch_rows=False)
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True)
+    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -169,10 +160,9 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "head_block", "prefetch_ids",
-                                             "prefetch_rows"))
+                                             "num_stages", "interpret", "head_block", "prefetch_ids"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block, prefetch_ids, prefetch_rows):
+                        num_stages, interpret, head_block, prefetch_ids):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -206,8 +196,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
                      pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g)))
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
-                               bf16_probs=bf16_probs, prefetch_ids=prefetch_ids,
-                               prefetch_rows=prefetch_rows)
+                               bf16_probs=bf16_probs, prefetch_ids=prefetch_ids)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
@@ -248,7 +237,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                       numerics: Numerics, backend: str | None = None,
                       num_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, head_block: int | None = None,
-                      prefetch_ids: bool | None = None, prefetch_rows: bool | None = None) -> jax.Array:
+                      prefetch_ids: bool | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -257,9 +246,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).
     num_splits None = `default_splits`; head_block (heads per program, a power of two),
-    num_warps, num_stages (Triton launch parameters), prefetch_ids (each chunk's ids loaded one
-    loop step ahead of its gather) and prefetch_rows (its ids and rows loaded one loop step ahead
-    of its products, in registers) None = `launch_config`.
+    num_warps, num_stages (Triton launch parameters) and prefetch_ids (each chunk's ids loaded one
+    loop step ahead of its gather) None = `launch_config`.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
@@ -268,8 +256,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
     launch = launch_config(q2.shape[0])
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
-                                     ("num_stages", num_stages), ("prefetch_ids", prefetch_ids),
-                                     ("prefetch_rows", prefetch_rows))
+                                     ("num_stages", num_stages), ("prefetch_ids", prefetch_ids))
                    if v is not None})
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,

@@ -183,11 +183,6 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                     # 8-warp program spills); one program an SM, each row read once per token
                     ("h64w16", dict(head_block=64, num_warps=16)),
                     ("h64w16s3", dict(head_block=64, num_warps=16, num_stages=3)),
-                    # the next chunk's ids and rows in registers while this chunk's products run
-                    # (a [64, 512] bf16 tile: 128 registers a thread on 4 warps, 64 on 8)
-                    ("h16w4-rows", dict(head_block=16, num_warps=4, prefetch_rows=True)),
-                    ("h16w8-rows", dict(head_block=16, num_warps=8, prefetch_rows=True)),
-                    ("h32w8-rows", dict(head_block=32, num_warps=8, prefetch_rows=True)),
                     ("h16w8", dict(head_block=16, num_warps=8))]
         # more splits for the wide programs: every head of a token in one program reads its rows
         # once, and 4 splits give 32 tokens 128 programs (2 splits left half of the GPU idle)

@@ -62,21 +62,20 @@ def test_head_blocks():
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("ahead", ["prefetch_ids", "prefetch_rows"])
-def test_loads_a_step_ahead_change_nothing(splits, ahead):
-    """Each chunk's ids (`prefetch_ids`), or its ids and rows (`prefetch_rows`), loaded one loop
-    step ahead of its products: the same rows in the same products, so the output is the plain
-    kernel's bit for bit, sources of any chunk count (one-chunk sources too) and split bounds
-    included. (In interpret mode the traces differ in the loop's carry and where the loads sit;
-    compiled on a GPU, where the suite runs too, in the loads' schedule.)"""
+def test_ids_loaded_a_step_ahead_change_nothing(splits):
+    """Each chunk's ids loaded one loop step ahead of its gather (`prefetch_ids`): the same rows
+    in the same products, so the output is the plain kernel's bit for bit, sources of any chunk
+    count (one-chunk sources too) and split bounds included. (In interpret mode the traces differ
+    in the loop's carry and where the loads sit; compiled on a GPU, where the suite runs too, in
+    the loads' schedule.)"""
     rng, seed = fresh_rng()
     q, sink, sources = _case(rng, h=32, rows=(40, 150, 30), k=(20, 70, 64))
-    run = lambda **on: np.asarray(sparse_attn_paged(
+    run = lambda ahead: np.asarray(sparse_attn_paged(
         q, sink, sources, q.shape[-1] ** -0.5, numerics=REF, backend="pallas", num_splits=splits,
-        head_block=16, **{"prefetch_ids": False, "prefetch_rows": False, **on}), np.float32)
-    plain = run()
+        head_block=16, prefetch_ids=ahead), np.float32)
+    plain = run(False)
     assert np.isfinite(plain).all() and np.abs(plain).max() > 0, f"seed {seed}"
-    np.testing.assert_array_equal(run(**{ahead: True}), plain, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(run(True), plain, err_msg=f"seed {seed}")
 
 
 def test_fp32_policy():
