@@ -183,15 +183,7 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                     # 8-warp program spills); one program an SM, each row read once per token
                     ("h64w16", dict(head_block=64, num_warps=16)),
                     ("h64w16s3", dict(head_block=64, num_warps=16, num_stages=3)),
-                    ("h16w8", dict(head_block=16, num_warps=8)),
-                    # the output's columns in 2 or 4 programs: a [64, 512 / parts] fp32 accumulator
-                    # that needs no spills, each part computing the logits over all of D
-                    ("h64w8-v2", dict(head_block=64, num_warps=8, num_stages=2, prefetch_ids=False, value_parts=2)),
-                    ("h64w8-v2s3", dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=2)),
-                    ("h64w8-v4", dict(head_block=64, num_warps=8, num_stages=2, prefetch_ids=False, value_parts=4)),
-                    ("h64w4-v4", dict(head_block=64, num_warps=4, num_stages=2, prefetch_ids=False, value_parts=4)),
-                    ("h64w4-v2", dict(head_block=64, num_warps=4, num_stages=2, prefetch_ids=False, value_parts=2)),
-                    ("h32w4-v2", dict(head_block=32, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=2))]
+                    ("h16w8", dict(head_block=16, num_warps=8))]
         # more splits for the wide programs: every head of a token in one program reads its rows
         # once, and 4 splits give 32 tokens 128 programs (2 splits left half of the GPU idle)
         variants += [(f"{name}-split{n}", dict(kw, num_splits=n)) for n in (4, 8)
