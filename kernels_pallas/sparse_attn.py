@@ -145,7 +145,10 @@ def launch_config(tokens: int) -> dict:
     program with 3 stages (each row read once per token; the grid fills the GPU anyway). The
     small programs load each chunk's ids a loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32
     equal; at 128 tokens and past it slower, and the 64-head program has no shared memory left
-    for it; the queries loaded per chunk instead of held: no faster anywhere; 2026-12-05)."""
+    for it; the queries loaded per chunk instead of held: no faster anywhere; 2026-12-05).
+    Slower wherever tried (H100, BENCHMARKS.md 2026-12-06 t, w-z): 16 warps for 64 heads, the
+    next chunk's rows carried in registers, a gather per product, the output's columns in 2-4
+    programs, and the 3-stage 64-head program at 32 / 64 tokens."""
     if tokens <= 64:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True)
     return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False)
