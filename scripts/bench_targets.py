@@ -153,7 +153,8 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out-dir", required=True)
-    ap.add_argument("--only", default=",".join(STAGES), help=f"stages, comma separated: {', '.join(STAGES)}")
+    ap.add_argument("--only", default=",".join(STAGES), help=f"stages, comma separated: {', '.join(STAGES)}; empty: run none, only read "
+                    "the JSONs already in --out-dir (e.g. two calls' files copied together)")
     ap.add_argument("--config", default=None, help=f"default: {SLICE} ({TINY} with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="the tiny config at toy sizes (tests the plumbing)")
     args = ap.parse_args(argv)

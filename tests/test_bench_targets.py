@@ -65,3 +65,7 @@ def test_commands_parse_and_a_stage_runs(tmp_path):
     assert len(decode) == 2 and all(r["measured"] > 0 and r["met"] in (True, False) for r in decode)
     assert out["runs"]["decode_64.json"]["rc"] == 0
     assert (tmp_path / "targets.md").read_text().startswith("| target |")
+    # no stage: the folder's JSONs read again, nothing run
+    assert bt.main(["--out-dir", str(tmp_path), "--smoke", "--only", ""]) == 0
+    again = json.loads((tmp_path / "targets.json").read_text())
+    assert again["runs"] == {} and again["targets"] == out["targets"]
