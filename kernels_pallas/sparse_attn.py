@@ -59,25 +59,36 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
-                 n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool):
+                 n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool, value_parts: int):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
-    q = q_ref[...]                                                     # [H, D]
-    h, d = q.shape
+    h, d = q_ref.shape
     split = pl.program_id(2)
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
+    # value halves: this program's output columns (`own`) and the other half, each gathered as a
+    # tile of its own; the logits are own . own + other . other, equal in both programs of a
+    # token (fp32 addition commutes), so both compute the same softmax
+    dv = d // value_parts
+    own = pl.program_id(0) % value_parts * dv
+    starts = [own, dv - own] if value_parts == 2 else [0]
+    qs = ([q_ref[:, pl.ds(pl.multiple_of(st, dv), dv)] for st in starts] if value_parts == 2
+          else [q_ref[...]])                                           # [H, D / V] each
+    cols = [st + jax.lax.broadcasted_iota(jnp.int32, (dv,), 0) for st in starts]
+    q = qs[0]
 
-    def gather(kv_ref, ids):
-        """A chunk's rows [C, D]: masked, so skipped ids read nothing and give 0 rows (no NaN from
-        unused pages); two broadcast index arrays, not (ids, :): interpret mode cannot mix them."""
-        return load(kv_ref.at[jnp.maximum(ids, 0)[:, None], lanes[None, :]], mask=(ids >= 0)[:, None], other=0)
+    def gather(kv_ref, ids, cols):
+        """A chunk's rows [C, len(cols)]: masked, so skipped ids read nothing and give 0 rows (no
+        NaN from unused pages); two broadcast index arrays, not (ids, :): interpret mode cannot mix
+        them."""
+        return load(kv_ref.at[jnp.maximum(ids, 0)[:, None], cols[None, :]], mask=(ids >= 0)[:, None], other=0)
 
     def attend(kv_ref, carry, ids):
         """One chunk: its ids [C] folded into (run_max, denom, acc)."""
-        run_max, denom, acc = carry                                    # [H], [H], [H, D] fp32
+        run_max, denom, acc = carry                                    # [H], [H], [H, Dv] fp32
         valid = ids >= 0
-        rows = gather(kv_ref, ids).astype(q.dtype)   # fp32 policy: -> fp32
-        logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                                     preferred_element_type=jnp.float32)              # [H, C]
+        tiles = [gather(kv_ref, ids, c).astype(q.dtype) for c in cols]  # fp32 policy: -> fp32
+        logits = functools.reduce(jnp.add, [
+            jax.lax.dot_general(qh, t, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                preferred_element_type=jnp.float32) for qh, t in zip(qs, tiles)])   # [H, C]
+        rows = tiles[0]                                                # this program's value columns
         logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
         new_max = jnp.maximum(run_max, logits.max(axis=1))
         rescale = jnp.exp(run_max - new_max)
@@ -111,7 +122,7 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         return jax.lax.fori_loop(lo, hi, body, (*carry, chunk_ids(idx_ref, lo, n)))[:3]
 
     carry = (jnp.full((h,), NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
-             jnp.zeros((h, d), jnp.float32))
+             jnp.zeros((h, dv), jnp.float32))
     base = 0
     for idx_ref, kv_ref, n in zip(idx_refs, kv_refs, n_chunks):
         lo, hi = _split_bounds(split, n, base, per_split, n_splits)
@@ -150,8 +161,8 @@ def launch_config(tokens: int) -> dict:
     next chunk's rows carried in registers, a gather per product, the output's columns in 2-4
     programs, and the 3-stage 64-head program at 32 / 64 tokens."""
     if tokens <= 64:
-        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True)
-    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False)
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
+    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -163,9 +174,10 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
-                                             "num_stages", "interpret", "head_block", "prefetch_ids"))
+                                             "num_stages", "interpret", "head_block", "prefetch_ids",
+                                             "value_parts"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block, prefetch_ids):
+                        num_stages, interpret, head_block, prefetch_ids, value_parts):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -181,25 +193,32 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     hb = max(16, min(head_block or hp, hp))                            # heads per program (pow2)
     # grid (head block, token, split): a token's head blocks run side by side, so its rows come
     # from HBM once and from L2 after (measured as fast or faster at every shape, 2-8%)
-    grid = (hp // hb, t, n_splits)
+    # value parts: the output's columns cut in `vp` parts, one program each; every part computes
+    # the chunk's logits over all of D (the softmax is the whole row's), its fp32 accumulator is
+    # [hb, D / vp]. Axis 0 is (head block, part).
+    if value_parts not in (1, 2):
+        raise ValueError(f"value_parts {value_parts}: 1 or 2 (the logits' two halves commute)")
+    vp, dv = value_parts, d // value_parts
+    grid = (hp // hb * vp, t, n_splits)
     sq = SQUEEZED
-    in_specs = ([pl.BlockSpec((sq, hb, d), lambda g, i, s: (i, g, 0)),
-                 pl.BlockSpec((hb,), lambda g, i, s: (g,))]
+    in_specs = ([pl.BlockSpec((sq, hb, d), lambda g, i, s: (i, g // vp, 0)),
+                 pl.BlockSpec((hb,), lambda g, i, s: (g // vp,))]
                 + [pl.BlockSpec((sq, x.shape[1]), lambda g, i, s: (i, 0)) for x in idx]
                 + [pl.BlockSpec(r.shape, lambda *_: (0, 0)) for r in rows])
     if n_splits == 1:
         out_shape = jax.ShapeDtypeStruct((t, hp, d), q.dtype)
-        out_specs = pl.BlockSpec((sq, hb, d), lambda g, i, s: (i, g, 0))
+        out_specs = pl.BlockSpec((sq, hb, dv), lambda g, i, s: (i, g // vp, g % vp))
     else:
         out_shape = (jax.ShapeDtypeStruct((t, n_splits, hp, d), jnp.float32),
                      jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32))
-        out_specs = (pl.BlockSpec((sq, sq, hb, d), lambda g, i, s: (i, s, g, 0)),
-                     pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g)),
-                     pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g)))
+        # every part writes the same (max, denominator): equal values, any order
+        out_specs = (pl.BlockSpec((sq, sq, hb, dv), lambda g, i, s: (i, s, g // vp, g % vp)),
+                     pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g // vp)),
+                     pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g // vp)))
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
-                               bf16_probs=bf16_probs, prefetch_ids=prefetch_ids)
+                               bf16_probs=bf16_probs, prefetch_ids=prefetch_ids, value_parts=vp)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
@@ -240,7 +259,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                       numerics: Numerics, backend: str | None = None,
                       num_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, head_block: int | None = None,
-                      prefetch_ids: bool | None = None) -> jax.Array:
+                      prefetch_ids: bool | None = None, value_parts: int | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -250,7 +269,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     before P.V (the reference kernel).
     num_splits None = `default_splits`; head_block (heads per program, a power of two),
     num_warps, num_stages (Triton launch parameters) and prefetch_ids (each chunk's ids loaded one
-    loop step ahead of its gather) None = `launch_config`.
+    loop step ahead of its gather) and value_parts (the output's columns in that many programs,
+    each computing the logits over all of D) None = `launch_config`.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
@@ -259,7 +279,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
     launch = launch_config(q2.shape[0])
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
-                                     ("num_stages", num_stages), ("prefetch_ids", prefetch_ids))
+                                     ("num_stages", num_stages), ("prefetch_ids", prefetch_ids),
+                                     ("value_parts", value_parts))
                    if v is not None})
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,
