@@ -150,18 +150,20 @@ def _merge_splits(acc, run_max, denom, sink, dtype):
 
 
 def launch_config(tokens: int) -> dict:
-    """Heads per program, warps and pipeline depth, measured on the H200 (BENCHMARKS.md): up to
-    64 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
-    [16, 512] fp32 accumulator needs no spills); from 128 tokens every head in one 8-warp
-    program with 3 stages (each row read once per token; the grid fills the GPU anyway). The
-    small programs load each chunk's ids a loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32
-    equal; at 128 tokens and past it slower, and the 64-head program has no shared memory left
-    for it; the queries loaded per chunk instead of held: no faster anywhere; 2026-12-05).
-    Slower wherever tried (H100, BENCHMARKS.md 2026-12-06 t, w-z): 16 warps for 64 heads, the
-    next chunk's rows carried in registers, a gather per product, the output's columns in 2-4
-    programs, and the 3-stage 64-head program at 32 / 64 tokens."""
-    if tokens <= 64:
+    """Heads per program, warps, pipeline depth and value halves, measured (BENCHMARKS.md): up to
+    32 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
+    [16, 512] fp32 accumulator needs no spills; H200, 2026-11-30), loading each chunk's ids a
+    loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32 equal; 2026-12-05). Up to 64 tokens every
+    head in value halves on 4 warps, 3 stages (H100: 0.0397-0.0398 ms against 0.0425-0.0443 at 64
+    tokens, equal at 32; 2026-12-06 y2). From 128 tokens every head in one 8-warp program with 3
+    stages (each row read once per token; the grid fills the GPU anyway; halves slower there).
+    Slower wherever tried (H100, 2026-12-06 t, w-z): 16 warps for 64 heads, the next chunk's rows
+    carried in registers, a gather per product, the output's columns in 2-4 programs each
+    gathering whole rows, and the one-product 64-head program at 32 / 64 tokens."""
+    if tokens <= 32:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
+    if tokens <= 64:
+        return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2)
     return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
 
 
@@ -193,7 +195,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     hb = max(16, min(head_block or hp, hp))                            # heads per program (pow2)
     # grid (head block, token, split): a token's head blocks run side by side, so its rows come
     # from HBM once and from L2 after (measured as fast or faster at every shape, 2-8%)
-    # value parts: the output's columns cut in `vp` parts, one program each; every part computes
+    # value halves: the output's columns cut in `vp` parts, one program each; every part computes
     # the chunk's logits over all of D (the softmax is the whole row's), its fp32 accumulator is
     # [hb, D / vp]. Axis 0 is (head block, part).
     if value_parts not in (1, 2):
@@ -269,8 +271,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     before P.V (the reference kernel).
     num_splits None = `default_splits`; head_block (heads per program, a power of two),
     num_warps, num_stages (Triton launch parameters) and prefetch_ids (each chunk's ids loaded one
-    loop step ahead of its gather) and value_parts (the output's columns in that many programs,
-    each computing the logits over all of D) None = `launch_config`.
+    loop step ahead of its gather) and value_parts (1, or 2: the output's columns in two programs,
+    each computing the logits over all of D from the rows' two halves) None = `launch_config`.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)

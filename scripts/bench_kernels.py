@@ -187,13 +187,14 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                     # the output's columns in two programs, each gathering both halves of the rows
                     # as two tiles (no more bytes a program) for the logits and its own half for
                     # P.V: a [64, 256] fp32 accumulator, which the 8-warp program need not spill
-                    ("h64w8-v2s2", dict(head_block=64, num_warps=8, num_stages=2, prefetch_ids=False, value_parts=2)),
                     ("h64w8-v2s3", dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=2)),
-                    ("h64w8-v2s3-split1", dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False,
-                                               value_parts=2, num_splits=1)),
-                    ("h64w8-v2s3-split4", dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False,
-                                               value_parts=2, num_splits=4)),
                     ("h64w4-v2s3", dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2)),
+                    ("h64w4-v2s2", dict(head_block=64, num_warps=4, num_stages=2, prefetch_ids=False, value_parts=2)),
+                    ("h64w4-v2s4", dict(head_block=64, num_warps=4, num_stages=4, prefetch_ids=False, value_parts=2)),
+                    ("h64w4-v2s3-split2", dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False,
+                                               value_parts=2, num_splits=2)),
+                    ("h64w4-v2s3-split4", dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False,
+                                               value_parts=2, num_splits=4)),
                     ("h32w4-v2s2", dict(head_block=32, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=2)),
                     ("h16w4-v2", dict(head_block=16, num_warps=4, value_parts=2))]
         # more splits for the wide programs: every head of a token in one program reads its rows

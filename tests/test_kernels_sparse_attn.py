@@ -62,6 +62,26 @@ def test_head_blocks():
 
 
 @pytest.mark.parametrize("splits", [1, 3])
+def test_value_halves(splits):
+    """The output's columns in two programs (`value_parts=2`), each summing the logits from the
+    rows' two halves: against the XLA path within the kernel's tolerance, with several head
+    blocks and splits (both halves write the split's (max, denominator): they must agree, or one
+    half is normalised against the other's softmax); 3 or 4 parts are refused (their sums would
+    not commute)."""
+    rng, seed = fresh_rng()
+    case = _case(rng, h=32, rows=(40, 150, 30), k=(20, 70, 64))
+    got, want = _both(*case, num_splits=splits, head_block=16, value_parts=2)
+    assert np.isfinite(got).all(), f"unwritten or NaN output (seed {seed})"
+    assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed, what=f"splits={splits}")
+    whole, _ = _both(*case, num_splits=splits, head_block=16, value_parts=1)
+    # the halves move only the logits' fp32 summation order: most elements equal the one-product
+    # kernel's
+    assert np.mean(got == whole) > 0.95, f"seed {seed}"
+    with pytest.raises(ValueError, match="value_parts 4"):
+        _both(*case, value_parts=4)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
 def test_ids_loaded_a_step_ahead_change_nothing(splits):
     """Each chunk's ids loaded one loop step ahead of its gather (`prefetch_ids`): the same rows
     in the same products, so the output is the plain kernel's bit for bit, sources of any chunk
