@@ -151,19 +151,18 @@ def _merge_splits(acc, run_max, denom, sink, dtype):
 
 def launch_config(tokens: int) -> dict:
     """Heads per program, warps, pipeline depth and value halves, measured (BENCHMARKS.md): up to
-    32 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
+    64 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
     [16, 512] fp32 accumulator needs no spills; H200, 2026-11-30), loading each chunk's ids a
-    loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32 equal; 2026-12-05). Up to 64 tokens every
-    head in value halves on 4 warps, 3 stages (H100: 0.0397-0.0398 ms against 0.0425-0.0443 at 64
-    tokens, equal at 32; 2026-12-06 y2). From 128 tokens every head in one 8-warp program with 3
-    stages (each row read once per token; the grid fills the GPU anyway; halves slower there).
-    Slower wherever tried (H100, 2026-12-06 t, w-z): 16 warps for 64 heads, the next chunk's rows
-    carried in registers, a gather per product, the output's columns in 2-4 programs each
-    gathering whole rows, and the one-product 64-head program at 32 / 64 tokens."""
-    if tokens <= 32:
-        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
+    loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32 equal; 2026-12-05). From 128 tokens every
+    head in one 8-warp program with 3 stages (each row read once per token; the grid fills the
+    GPU anyway). Value halves on 4 warps, 3 stages were faster at 64 tokens (H100: 0.0397-0.0398
+    ms against 0.0425-0.0443, equal at 32; 2026-12-06 y2) but wait for the kernel tests to pass
+    compiled on a GPU before they become the default there (interpret mode and the ROCm export
+    pass). Slower wherever tried (H100, 2026-12-06 t, w-z): 16 warps for 64 heads, the next
+    chunk's rows carried in registers, a gather per product, the output's columns in 2-4
+    programs each gathering whole rows, and the one-product 64-head program at 32 / 64 tokens."""
     if tokens <= 64:
-        return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2)
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
     return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
 
 

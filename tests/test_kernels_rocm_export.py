@@ -39,11 +39,15 @@ def _triton_calls(exported) -> int:
     return exported.mlir_module().count(f"custom_call @{TRITON_CUSTOM_CALL}")
 
 
-@pytest.mark.parametrize("t,splits,loads", [(8, 1, {}), (8, 2, {}), (64, 1, {}), (64, 2, {}), (128, 1, {}),
-                                            (128, 2, dict(prefetch_ids=True))])
+@pytest.mark.parametrize("t,splits,loads", [(8, 1, {}), (8, 2, {}), (128, 1, {}),
+                                            (128, 2, dict(prefetch_ids=True)),
+                                            (64, 1, dict(head_block=64, num_stages=3, prefetch_ids=False,
+                                                         value_parts=2)),
+                                            (64, 2, dict(head_block=64, num_stages=3, prefetch_ids=False,
+                                                         value_parts=2))])
 def test_sparse_attn_lowers_for_rocm(t, splits, loads):
-    # H=64, Dh=512, window 128 + 512 compressed ids; the three launch configs (16-head programs,
-    # 64-head value halves, 64-head programs), and the load-placement variants
+    # H=64, Dh=512, window 128 + 512 compressed ids; both launch configs (16- and 64-head programs),
+    # the load-placement variants and the value halves
     f = functools.partial(_sparse_attn_pallas, scale=512 ** -0.5, bf16_probs=True,
                           num_splits=splits, interpret=False, **{**launch_config(t), **loads})
     e = _export_rocm(f, S((t, 64, 512), BF16), S((64,), F32),
