@@ -34,7 +34,7 @@ from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
 from kernels_pallas import select as ksel  # noqa: E402
 from kernels_pallas.rmsnorm import rms_inv  # noqa: E402
-from kernels_pallas.sparse_attn import sparse_attn_paged  # noqa: E402
+from kernels_pallas.sparse_attn import BF16_TOL, sparse_attn_paged  # noqa: E402
 from scripts.bench_common import copy_bandwidth, gemm_peak, kernel_profile, queued_median_s  # noqa: E402
 from v41_jax.model.mhc import split_sinkhorn  # noqa: E402
 from v41_jax.runtime.compile_cache import compiler_options  # noqa: E402
@@ -79,8 +79,10 @@ class Bench:
         self.save()
         print(json.dumps(row), flush=True)
 
-    def case(self, name: str, fn, args, *, layers: int, flops: float, bytes_: float, **meta):
-        """Time fn(*args) (which runs `layers` layers) -> per-layer row; errors are recorded."""
+    def case(self, name: str, fn, args, *, layers: int, flops: float, bytes_: float, check=None, **meta):
+        """Time fn(*args) (which runs `layers` layers) -> per-layer row; errors are recorded.
+        check(out) -> dict: fields added to the row from one call's output (a variant timed is a
+        variant checked)."""
         if self.only and not self.only.search(name):
             return None
         if self.left() < 0:
@@ -92,8 +94,9 @@ class Bench:
             self.record(name=name, error=f"{type(err).__name__}: {str(err)[:400]}", **meta)
             traceback.print_exc()
             return None
+        checked = check(fn(*args)) if check is not None else {}
         self.record(name=name, ms=round(t * 1e3, 4), tflops=round(flops / t / 1e12, 2),
-                    gbs=round(bytes_ / t / 1e9, 1), **meta)
+                    gbs=round(bytes_ / t / 1e9, 1), **checked, **meta)
         return t
 
 
@@ -158,10 +161,21 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
         flops = 4.0 * t * h * (w + k) * d
         bytes_ = t * (w + k) * d * 2 + 2 * t * h * d * 2 + t * (w + k) * 4
         meta = dict(kernel="sparse_attn", kind=kind, tokens=t, ctx=ctx, heads=h, dh=d, ids=w + k)
+        want = []                                      # the XLA path's first layer, once a shape
+
+        def agrees(out):
+            if not want:
+                want.append(np.asarray(runner("xla")(*ins)[0], np.float32))
+            got, ref = np.asarray(out[0], np.float32), want[0]
+            diff = np.abs(got - ref)
+            return dict(max_abs_diff_xla=float(diff.max()),
+                        agrees_xla=bool((diff <= BF16_TOL * (1 + np.abs(ref))).all()))
+
         times = {}
         for label, kw in variants:
             times[label] = b.case(f"attn/{kind}{t}/pallas[{label}]", runner("pallas", **kw), ins,
-                                  layers=layers, flops=flops, bytes_=bytes_, variant=label, **meta)
+                                  layers=layers, flops=flops, bytes_=bytes_, check=agrees, variant=label,
+                                  **meta)
         if xla:
             tx = b.case(f"attn/{kind}{t}/xla", runner("xla"), ins, layers=layers, flops=flops,
                         bytes_=bytes_, variant="xla", **meta)
@@ -897,6 +911,8 @@ def print_table(res):
                   f"compile {c.get('compile_s', '-')} s")
         elif "ms" in c:
             extra = f" x{c['pallas_speedup']}" if "pallas_speedup" in c else ""
+            if c.get("agrees_xla") is False:
+                extra += f"  DISAGREES with the XLA path (max |diff| {c['max_abs_diff_xla']:.3g})"
             print(f"{c['name']:<48} {c['ms']:>9.4f} ms {c['tflops']:>7.1f} TF/s {c['gbs']:>8.1f} GB/s{extra}")
         else:
             print(f"{c['name']:<48} {c.get('error') or c.get('skipped')}"[:160])
