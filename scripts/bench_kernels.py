@@ -90,11 +90,11 @@ class Bench:
             return None
         try:
             t = self.time(fn, *args) / layers
-        except Exception as err:  # one failing variant must not end the run
+            checked = check(fn(*args)) if check is not None else {}
+        except Exception as err:  # one failing variant (or its check) must not end the run
             self.record(name=name, error=f"{type(err).__name__}: {str(err)[:400]}", **meta)
             traceback.print_exc()
             return None
-        checked = check(fn(*args)) if check is not None else {}
         self.record(name=name, ms=round(t * 1e3, 4), tflops=round(flops / t / 1e12, 2),
                     gbs=round(bytes_ / t / 1e9, 1), **checked, **meta)
         return t
