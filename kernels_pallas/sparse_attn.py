@@ -9,16 +9,20 @@ A *source* is a pair `(rows [R, D], idx [B, S, K])`:
         `main[o].reshape(P * rpp, 512)`, the window rings `window.reshape(N * L * ring, 512)`, or
         this step's own new latent rows `[T, 512]` (prefill "extend" rows). A reshape of a
         contiguous cache array is free; nothing is gathered or copied in HBM.
+        Rows may also be packed FP8 (uint8 [R, D + D/32]: D E4M3 codes, then D/32 E8M0 scale
+        codes, the window row's format, docs/CACHE.md §1.3), decoded exactly after the gather.
   idx   per query token, K global row ids into `rows` (int32, any negative = skip).
 Sources are walked in the order given, each in chunks of 64 ids, exactly as the reference walks
 its concatenated list (window part first, then the compressed part, when the caller passes them
 in that order). Each K is padded to a multiple of 64 with -1 here. Rows the lists do not name
 are never read, so unwritten pages may hold anything (NaN included).
 
-Kernel (Pallas, Triton lowering): grid (tokens, head blocks, splits). One program holds one
-token's 64 heads (or a head block of them) as the M dimension of both products (MQA: every head shares the rows), so each gathered
-[64, 512] row tile feeds a [64 x 512] @ [512 x 64] logit product and a [64 x 64] @ [64 x 512]
-value product. The online softmax keeps (m, l, acc) in fp32; probabilities are rounded to bf16
+Kernel (Pallas, Triton lowering): grid (head blocks x value parts, tokens, splits). One program
+holds one token's 64 heads (or a head block of them) as the M dimension of both products (MQA:
+every head shares the rows), so each gathered [64, 512] row tile feeds a [64 x 512] @ [512 x 64]
+logit product and a [64 x 64] @ [64 x 512] value product. With two value parts a program
+gathers the tile as two column halves, sums the logits from both, and keeps the value product
+(and its softmax statistics) for its own half. The online softmax keeps (m, l, acc) in fp32; probabilities are rounded to bf16
 before P.V (reference mode) relative to the running max; the sink is folded in at the end.
 With splits > 1 the chunk sequence is cut into contiguous parts (the natural cut is window |
 compressed), each part writes fp32 partials (m, l, acc) and a small XLA epilogue merges them and
@@ -37,11 +41,26 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
+from kernels_pallas._codecs import e4m3_as
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from kernels_pallas.reference import CHUNK, NO_MAX, sparse_attn
+from v41_jax.quant import dequant_fp8_rows
 from v41_jax.numerics import HIGHEST, Numerics
 
-Source = tuple[jax.Array, jax.Array]  # (rows [R, D], idx [..., K])
+Source = tuple[jax.Array, jax.Array]  # (rows [R, D] or packed FP8 [R, D + D/32] uint8, idx [..., K])
+
+FP8_GROUP = 32   # packed FP8 rows: D E4M3 codes, then one E8M0 scale code per 32 lanes (CACHE.md §1.3)
+
+
+def _packed(rows: jax.Array, d: int) -> bool:
+    """Whether a source's rows are packed FP8 rows of D lanes (else typed [R, D])."""
+    if rows.dtype == jnp.uint8:
+        if rows.shape[-1] != d + d // FP8_GROUP:
+            raise ValueError(f"packed FP8 rows of {d} lanes are {d + d // FP8_GROUP} bytes, got {rows.shape[-1]}")
+        return True
+    if rows.shape[-1] != d:
+        raise ValueError(f"rows of {rows.shape[-1]} lanes for queries of {d}")
+    return False
 
 # The kernel against its XLA path in reference numerics: outputs are bf16 (2^-8 relative step)
 # and the two differ only in fp32 summation order and exp/div implementation, which can move one
@@ -65,32 +84,44 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
-                 n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool, value_parts: int):
+                 n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool, value_parts: int,
+                 packed: tuple[bool, ...]):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
     h, d = q_ref.shape
     split = pl.program_id(2)
     # value halves: this program's output columns (`own`) and the other half, each gathered as a
-    # tile of its own; the logits are own . own + other . other, equal in both programs of a
-    # token (fp32 addition commutes), so both compute the same softmax
+    # tile of its own; the logits are own . own + other . other. Each part keeps (and writes) its
+    # own softmax statistics: compiled, Triton chains the two products into one accumulation in
+    # the part's order, so the two parts' logits may differ in the last fp32 bit
     dv = d // value_parts
     own = pl.program_id(0) % value_parts * dv
     starts = [own, dv - own] if value_parts == 2 else [0]
     qs = ([q_ref[:, pl.ds(pl.multiple_of(st, dv), dv)] for st in starts] if value_parts == 2
           else [q_ref[...]])                                           # [H, D / V] each
-    cols = [st + jax.lax.broadcasted_iota(jnp.int32, (dv,), 0) for st in starts]
-    q = qs[0]
+    dtype = q_ref.dtype
 
-    def gather(kv_ref, ids, cols):
-        """A chunk's rows [C, len(cols)]: masked, so skipped ids read nothing and give 0 rows (no
-        NaN from unused pages); two broadcast index arrays, not (ids, :): interpret mode cannot mix
-        them."""
-        return load(kv_ref.at[jnp.maximum(ids, 0)[:, None], cols[None, :]], mask=(ids >= 0)[:, None], other=0)
+    def gather(kv_ref, ids, start, pk):
+        """A chunk's rows, lanes [start, start + D/V) [C, D/V] in q's dtype: masked, so skipped ids
+        read nothing and give 0 rows (no NaN from unused pages); two broadcast index arrays, not
+        (ids, :): interpret mode cannot mix them. Packed FP8 rows (`pk`) are decoded exactly: an
+        E4M3 code times 2^(s - 127) is a bf16 (4 significant bits)."""
+        at, valid = jnp.maximum(ids, 0)[:, None], (ids >= 0)[:, None]
+        cols = start + jax.lax.broadcasted_iota(jnp.int32, (dv,), 0)
+        vals = load(kv_ref.at[at, cols[None, :]], mask=valid, other=0)
+        if not pk:
+            return vals.astype(dtype)                                  # fp32 policy: -> fp32
+        g = dv // FP8_GROUP
+        scols = d + start // FP8_GROUP + jax.lax.broadcasted_iota(jnp.int32, (g,), 0)
+        codes = load(kv_ref.at[at, scols[None, :]], mask=valid, other=0)      # 0 for skipped rows
+        s = jax.lax.bitcast_convert_type(codes.astype(jnp.int32) << 23, jnp.float32)   # 2^(c-127)
+        s = jnp.broadcast_to(s[:, :, None], (CHUNK, g, FP8_GROUP)).reshape(CHUNK, dv)
+        return (e4m3_as(vals, jnp.float32) * s).astype(dtype)
 
-    def attend(kv_ref, carry, ids):
+    def attend(kv_ref, pk, carry, ids):
         """One chunk: its ids [C] folded into (run_max, denom, acc)."""
         run_max, denom, acc = carry                                    # [H], [H], [H, Dv] fp32
         valid = ids >= 0
-        tiles = [gather(kv_ref, ids, c).astype(q.dtype) for c in cols]  # fp32 policy: -> fp32
+        tiles = [gather(kv_ref, ids, st, pk) for st in starts]
         logits = functools.reduce(jnp.add, [
             jax.lax.dot_general(qh, t, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                 preferred_element_type=jnp.float32) for qh, t in zip(qs, tiles)])   # [H, C]
@@ -114,25 +145,25 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         last again and is never used)."""
         return idx_ref[pl.ds(pl.multiple_of(jnp.minimum(c, n - 1) * CHUNK, CHUNK), CHUNK)]
 
-    def walk(idx_ref, kv_ref, n, lo, hi, carry):
+    def walk(idx_ref, kv_ref, pk, n, lo, hi, carry):
         if n == 0:
             return carry
         if not prefetch_ids:
-            return jax.lax.fori_loop(lo, hi, lambda c, cr: attend(kv_ref, cr, chunk_ids(idx_ref, c, n)),
+            return jax.lax.fori_loop(lo, hi, lambda c, cr: attend(kv_ref, pk, cr, chunk_ids(idx_ref, c, n)),
                                      carry)
 
         # the next chunk's ids loaded while this chunk's rows are gathered: the gather then does
         # not wait for an ids load issued in the same step
         def body(c, cr):
-            return (*attend(kv_ref, cr[:3], cr[3]), chunk_ids(idx_ref, c + 1, n))
+            return (*attend(kv_ref, pk, cr[:3], cr[3]), chunk_ids(idx_ref, c + 1, n))
         return jax.lax.fori_loop(lo, hi, body, (*carry, chunk_ids(idx_ref, lo, n)))[:3]
 
     carry = (jnp.full((h,), NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
              jnp.zeros((h, dv), jnp.float32))
     base = 0
-    for idx_ref, kv_ref, n in zip(idx_refs, kv_refs, n_chunks):
+    for idx_ref, kv_ref, pk, n in zip(idx_refs, kv_refs, packed, n_chunks):
         lo, hi = _split_bounds(split, n, base, per_split, n_splits)
-        carry = walk(idx_ref, kv_ref, n, lo, hi, carry)
+        carry = walk(idx_ref, kv_ref, pk, n, lo, hi, carry)
         base += n
     run_max, denom, acc = carry
 
@@ -148,11 +179,17 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
 
 
 def _merge_splits(acc, run_max, denom, sink, dtype):
-    """acc [T, P, H, D], run_max/denom [T, P, H] partials -> [T, H, D] with the sink folded in."""
-    top = run_max.max(axis=1)                                          # [T, H]
-    w = jnp.exp(run_max - top[:, None])                                # [T, P, H]
-    den = (denom * w).sum(1) + jnp.exp(sink[None, :] - top)
-    return ((acc * w[..., None]).sum(1) / den[..., None]).astype(dtype)
+    """acc [T, P, H, D], run_max/denom [T, P, V, H] partials (V value parts, each with its own
+    statistics for its D/V columns) -> [T, H, D] with the sink folded in."""
+    t, p, h, d = acc.shape
+    v = run_max.shape[2]
+    acc = acc.reshape(t, p, h, v, d // v)
+    run_max, denom = run_max.swapaxes(2, 3), denom.swapaxes(2, 3)      # [T, P, H, V]
+    top = run_max.max(axis=1)                                          # [T, H, V]
+    w = jnp.exp(run_max - top[:, None])                                # [T, P, H, V]
+    den = (denom * w).sum(1) + jnp.exp(sink[None, :, None] - top)
+    out = (acc * w[..., None]).sum(1) / den[..., None]                 # [T, H, V, D/V]
+    return out.reshape(t, h, d).astype(dtype)
 
 
 def launch_config(tokens: int) -> dict:
@@ -191,6 +228,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     hp = max(16, 1 << (h - 1).bit_length())                            # dot M: power of two >= 16
     q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     sink_p = jnp.pad(sink.astype(jnp.float32), (0, hp - h))
+    packed = tuple(_packed(r, d) for r in rows)
     idx = [_pad_ids(i) for i in idx]
     n_chunks = tuple(i.shape[1] // CHUNK for i in idx)
     total = sum(n_chunks)
@@ -203,9 +241,11 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     # value halves: the output's columns cut in `vp` parts, one program each; every part computes
     # the chunk's logits over all of D (the softmax is the whole row's), its fp32 accumulator is
     # [hb, D / vp]. Axis 0 is (head block, part).
-    if value_parts not in (1, 2):
-        raise ValueError(f"value_parts {value_parts}: 1 or 2 (the logits' two halves commute)")
+    if value_parts not in (1, 2) or d // value_parts < 16:
+        raise ValueError(f"value_parts {value_parts}: 1, or 2 with D/2 >= 16 (got D {d})")
     vp, dv = value_parts, d // value_parts
+    if any(packed) and dv % FP8_GROUP:
+        raise ValueError(f"packed FP8 rows: D/value_parts = {dv} lanes is no whole number of {FP8_GROUP}-lane groups")
     grid = (hp // hb * vp, t, n_splits)
     sq = SQUEEZED
     in_specs = ([pl.BlockSpec((sq, hb, d), lambda g, i, s: (i, g // vp, 0)),
@@ -217,15 +257,15 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
         out_specs = pl.BlockSpec((sq, hb, dv), lambda g, i, s: (i, g // vp, g % vp))
     else:
         out_shape = (jax.ShapeDtypeStruct((t, n_splits, hp, d), jnp.float32),
-                     jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32),
-                     jax.ShapeDtypeStruct((t, n_splits, hp), jnp.float32))
-        # every part writes the same (max, denominator): equal values, any order
+                     jax.ShapeDtypeStruct((t, n_splits, vp, hp), jnp.float32),
+                     jax.ShapeDtypeStruct((t, n_splits, vp, hp), jnp.float32))
         out_specs = (pl.BlockSpec((sq, sq, hb, dv), lambda g, i, s: (i, s, g // vp, g % vp)),
-                     pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g // vp)),
-                     pl.BlockSpec((sq, sq, hb), lambda g, i, s: (i, s, g // vp)))
+                     pl.BlockSpec((sq, sq, sq, hb), lambda g, i, s: (i, s, g % vp, g // vp)),
+                     pl.BlockSpec((sq, sq, sq, hb), lambda g, i, s: (i, s, g % vp, g // vp)))
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
-                               bf16_probs=bf16_probs, prefetch_ids=prefetch_ids, value_parts=vp)
+                               bf16_probs=bf16_probs, prefetch_ids=prefetch_ids, value_parts=vp,
+                               packed=packed)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
@@ -253,7 +293,9 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
     gathered, local, offset = [], [], 0
     for r, i in zip(rows, idx):
         i = _pad_ids(i)
-        gathered.append(r[jnp.maximum(i, 0)])                         # [T, K_i, D]
+        g = r[jnp.maximum(i, 0)]                                       # [T, K_i, D] (or packed)
+        d = q2.shape[-1]
+        gathered.append(dequant_fp8_rows(g[..., :d], g[..., d:], FP8_GROUP, q2.dtype) if _packed(r, d) else g)
         local.append(jnp.where(i >= 0, offset + jnp.arange(i.shape[1], dtype=jnp.int32), -1))
         offset += i.shape[1]
     kv = jnp.concatenate(gathered, axis=1)                             # [T, K, D] (materialised)
@@ -270,14 +312,15 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
-    sources: ((rows [R_i, D], idx [..., K_i] int32, negative = skip), ...), walked in order;
+    sources: ((rows [R_i, D] or packed FP8 uint8 [R_i, D + D/32], idx [..., K_i] int32, negative =
+    skip), ...), walked in order;
     scale: softmax scale of q.k (Dh^-0.5). Returns [..., H, D] in the activation dtype; 0 for a
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).
     num_splits None = `default_splits`; head_block (heads per program, a power of two),
-    num_warps, num_stages (Triton launch parameters) and prefetch_ids (each chunk's ids loaded one
+    num_warps, num_stages (Triton launch parameters), prefetch_ids (each chunk's ids loaded one
     loop step ahead of its gather) and value_parts (1, or 2: the output's columns in two programs,
-    each computing the logits over all of D from the rows' two halves) None = `launch_config`.
+    each computing the logits over all of D from the rows' two halves): None = `launch_config`.
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)

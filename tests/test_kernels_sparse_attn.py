@@ -14,7 +14,8 @@ import pytest
 
 from kernels_common import assert_close, fp4_rows, fp8_rows, fresh_rng, load_fixture
 from kernels_pallas import backend
-from kernels_pallas.sparse_attn import BF16_TOL, default_splits, sparse_attn_paged
+from kernels_pallas.sparse_attn import BF16_TOL, FP8_GROUP, default_splits, sparse_attn_paged
+from v41_jax.quant import dequant_fp8_rows, quant_fp8_ue8m0
 from v41_jax.model.numerics import Numerics
 
 REF = Numerics.reference()
@@ -59,24 +60,76 @@ def test_head_blocks():
     assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
 
 
+HALVES_LAUNCH = [dict(head_block=16), dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False)]
+
+
+@pytest.mark.parametrize("launch", HALVES_LAUNCH, ids=["h16", "h64w4s3"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_value_halves(splits):
+def test_value_halves(splits, launch):
     """The output's columns in two programs (`value_parts=2`), each summing the logits from the
-    rows' two halves: against the XLA path within the kernel's tolerance, with several head
-    blocks and splits (both halves write the split's (max, denominator): they must agree, or one
-    half is normalised against the other's softmax); 3 or 4 parts are refused (their sums would
-    not commute)."""
+    rows' two halves and keeping its own softmax statistics: against the XLA path within the
+    kernel's tolerance, 64 heads in 16-head blocks (four blocks: a statistics block written to
+    another block's place shows) or in one, and splits; a half narrower than 16 lanes, or 3-4
+    parts, are refused."""
     rng, seed = fresh_rng()
-    case = _case(rng, h=32, rows=(40, 150, 30), k=(20, 70, 64))
-    got, want = _both(*case, num_splits=splits, head_block=16, value_parts=2)
+    case = _case(rng, h=64, rows=(40, 150, 30), k=(20, 70, 64))
+    got, want = _both(*case, num_splits=splits, value_parts=2, **launch)
     assert np.isfinite(got).all(), f"unwritten or NaN output (seed {seed})"
     assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed, what=f"splits={splits}")
-    whole, _ = _both(*case, num_splits=splits, head_block=16, value_parts=1)
+    whole, _ = _both(*case, num_splits=splits, value_parts=1, **launch)
     # the halves move only the logits' fp32 summation order: most elements equal the one-product
     # kernel's
     assert np.mean(got == whole) > 0.95, f"seed {seed}"
     with pytest.raises(ValueError, match="value_parts 4"):
         _both(*case, value_parts=4)
+    q, sink, sources = _case(rng, d=16)
+    with pytest.raises(ValueError, match="value_parts 2"):
+        _both(q, sink, sources, value_parts=2)
+
+
+def test_value_halves_fp32_policy():
+    rng, seed = fresh_rng()
+    got, want = _both(*_case(rng, h=32, dtype=jnp.float32), numerics=F32, num_splits=2,
+                      head_block=16, value_parts=2)
+    assert got.dtype == np.float32
+    assert_close(got, want, rtol=1e-5, atol=1e-6, seed=seed)
+
+
+def _fp8_packed(sources, which):
+    """The sources with those in `which` as packed FP8 rows, and the same with typed rows holding
+    the packed rows' values."""
+    packed, typed = [], []
+    for n, (kv, idx) in enumerate(sources):
+        if n in which:
+            codes, scale = quant_fp8_ue8m0(kv.astype(jnp.float32), FP8_GROUP)
+            packed.append((jnp.concatenate([codes, scale], axis=-1), idx))
+            typed.append((dequant_fp8_rows(codes, scale, FP8_GROUP, kv.dtype), idx))
+        else:
+            packed.append((kv, idx))
+            typed.append((kv, idx))
+    return packed, typed
+
+
+@pytest.mark.parametrize("value_parts", [1, 2])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp8_packed_rows(splits, value_parts):
+    """Sources held as packed FP8 rows (D E4M3 codes + D/32 E8M0 scales, 1.03 bytes a lane): the
+    kernel decodes them to the very values a typed row of them holds, so its output equals the
+    typed rows' bit for bit, a packed and a typed source mixed, skipped ids (which read no bytes)
+    included; the XLA path decodes after its gather and agrees within the kernel's tolerance."""
+    rng, seed = fresh_rng()
+    q, sink, sources = _case(rng, h=32, rows=(40, 150, 30), k=(20, 70, 64))
+    packed, typed = _fp8_packed(sources, which=(0, 2))
+    run = lambda src, backend="pallas": np.asarray(sparse_attn_paged(
+        q, sink, src, q.shape[-1] ** -0.5, numerics=REF, backend=backend, num_splits=splits,
+        head_block=16, value_parts=value_parts), np.float32)
+    got = run(packed)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0, f"seed {seed}"
+    np.testing.assert_array_equal(got, run(typed), err_msg=f"seed {seed}")
+    assert_close(got, run(packed, "xla"), rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
+    bad = [(r[:, :-1], i) if n == 0 else (r, i) for n, (r, i) in enumerate(packed)]
+    with pytest.raises(ValueError, match="packed FP8 rows of 64 lanes are 66 bytes, got 65"):
+        run(bad)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
