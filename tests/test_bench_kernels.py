@@ -34,3 +34,22 @@ def test_a_timed_variant_is_checked(tmp_path, capsys, monkeypatch):
     (row,) = _rows(out)
     assert row["agrees_xla"] is False and row["max_abs_diff_xla"] > bk.BF16_TOL and row["ms"] > 0
     assert "h16w4]" in capsys.readouterr().out.split("DISAGREES")[0].splitlines()[-1]
+
+
+def test_a_check_that_cannot_run_keeps_the_timing(tmp_path, monkeypatch):
+    """The XLA path failing (e.g. its gathered rows do not fit) leaves the variant's timing in
+    its row with the reason, tried once a shape."""
+    real, calls = bk.sparse_attn_paged, []
+
+    def xla_fails(q, sink, sources, scale, *, backend=None, **kw):
+        if backend == "xla":
+            calls.append(1)
+            raise MemoryError("gathered rows do not fit")
+        return real(q, sink, sources, scale, backend=backend, **kw)
+
+    monkeypatch.setattr(bk, "sparse_attn_paged", xla_fails)
+    out = tmp_path / "k.json"
+    bk.main(ARGS[:4] + [r"decode32/pallas\[(h16w4|h16w4-plain)\]"] + ARGS[5:] + ["--out", str(out)])
+    rows = _rows(out)
+    assert len(rows) == 2 and all(r["ms"] > 0 and "MemoryError" in r["check_error"] for r in rows)
+    assert "agrees_xla" not in rows[0] and len(calls) == 1     # the XLA path tried once a shape
