@@ -5,8 +5,9 @@ packed in the cache, docs/CACHE.md §1.3). jnp references: `v41_jax.quant` (`e4m
 `dequant_fp4_ue8m0_rows`).
 
   e4m3_as(codes uint8 [...], dtype) -> the E4M3 values in dtype
-  fp4_halves(codes uint8 [N, K/2], scale uint8 [N, K/32]) -> fp32 (even, odd) [N, K/2] each
+  fp4_halves(codes uint8 [N, K/2], scale uint8 [N, K/group]) -> fp32 (even, odd) [N, K/2] each
   fp4_values(codes, scale, dtype) -> [N, K] in dtype, the even and odd inputs back in place
+  (scales E8M0 in groups of 32, or E4M3 in groups of 16: `group=16, e4m3_scales=True`)
 """
 
 from __future__ import annotations
@@ -28,25 +29,31 @@ def e4m3_as(codes, dtype):
     return e4m3.astype(jnp.float16 if jnp.dtype(dtype).itemsize == 2 else dtype).astype(dtype)
 
 
-def fp4_halves(codes, scale):
-    """Packed E2M1 codes uint8 [N, K/2] (even input in the low nibble), E8M0 codes uint8 [N, K/32]
+def fp4_halves(codes, scale, *, group: int = FP4_GROUP, e4m3_scales: bool = False):
+    """Packed E2M1 codes uint8 [N, K/2] (even input in the low nibble), scale codes uint8
+    [N, K/group] (E8M0, or E4M3 with `e4m3_scales`: the compressed KV rows' group-16 format)
     -> fp32 (even, odd) inputs, each [N, K/2]; exact. A nibble's bits moved into an E4M3 byte
     (sign to bit 7, exponent and mantissa to bits 4..2) are its E2M1 value times 2^-6, normal or
-    not, so one hardware fp8 conversion decodes it; the scale 2^(c-127) times 2^6 is the fp32 with
-    exponent field c + 6 (codes up to 248; the formats' scales stay far below: 255 is NaN, and
-    a larger code here spills into the sign bit)."""
+    not, so one hardware fp8 conversion decodes it; an E8M0 scale 2^(c-127) times 2^6 is the
+    fp32 with exponent field c + 6 (codes up to 248; the formats' scales stay far below: 255 is
+    NaN, and a larger code here spills into the sign bit); an E4M3 scale times 2^6 is exact in
+    fp32 (4 significant bits), and so is its product with an E2M1 value (6 bits)."""
     lo = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
     hi = (codes & 0x80) | ((codes >> 2) & 0x1C)
     n, g = scale.shape
-    s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
-    half = FP4_GROUP // 2                                                  # a byte holds 2 lanes
+    if e4m3_scales:
+        s = e4m3_as(scale, jnp.float32) * 64.0
+    else:
+        s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
+    half = group // 2                                                      # a byte holds 2 lanes
     s = jnp.broadcast_to(s[:, :, None], (n, g, half)).reshape(n, g * half)
     return e4m3_as(lo, jnp.float32) * s, e4m3_as(hi, jnp.float32) * s
 
 
-def fp4_values(codes, scale, dtype):
-    """`fp4_halves` with the even and odd inputs interleaved back in place -> [N, K] in dtype
-    (exact in bf16 too: an E2M1 value times a power of two is a bf16 down to 2^-133)."""
-    even, odd = fp4_halves(codes, scale)
+def fp4_values(codes, scale, dtype, **fmt):
+    """`fp4_halves` (its scale format keywords `fmt`) with the even and odd inputs interleaved
+    back in place -> [N, K] in dtype (exact in bf16 too: an E2M1 value times a power of two is a
+    bf16 down to 2^-133, times an E4M3 scale 6 significant bits)."""
+    even, odd = fp4_halves(codes, scale, **fmt)
     n, half = even.shape
     return jnp.stack([even, odd], axis=-1).reshape(n, 2 * half).astype(dtype)

@@ -41,26 +41,31 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
-from kernels_pallas._codecs import e4m3_as
+from kernels_pallas._codecs import e4m3_as, fp4_values
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from kernels_pallas.reference import CHUNK, NO_MAX, sparse_attn
-from v41_jax.quant import dequant_fp8_rows
+from v41_jax.quant import dequant_fp4_e4m3_rows, dequant_fp8_rows
 from v41_jax.numerics import HIGHEST, Numerics
 
-Source = tuple[jax.Array, jax.Array]  # (rows [R, D] or packed FP8 [R, D + D/32] uint8, idx [..., K])
+Source = tuple[jax.Array, jax.Array]  # (rows [R, D] or packed uint8 rows, idx [..., K])
 
-FP8_GROUP = 32   # packed FP8 rows: D E4M3 codes, then one E8M0 scale code per 32 lanes (CACHE.md §1.3)
+# Packed rows (docs/CACHE.md §1.3): the window row's FP8 (D E4M3 codes, then one E8M0 scale code
+# per 32 lanes) and the compressed row's FP4 (D/2 bytes of two E2M1 codes, the even lane low,
+# then one E4M3 scale code per 16 lanes).
+FP8_GROUP, FP4_E4M3_GROUP = 32, 16
 
 
-def _packed(rows: jax.Array, d: int) -> bool:
-    """Whether a source's rows are packed FP8 rows of D lanes (else typed [R, D])."""
+def _row_format(rows: jax.Array, d: int) -> str:
+    """A source's rows for queries of D lanes: "typed" [R, D], "fp8" or "fp4" packed uint8."""
+    widths = {d + d // FP8_GROUP: "fp8", d // 2 + d // FP4_E4M3_GROUP: "fp4"}
     if rows.dtype == jnp.uint8:
-        if rows.shape[-1] != d + d // FP8_GROUP:
-            raise ValueError(f"packed FP8 rows of {d} lanes are {d + d // FP8_GROUP} bytes, got {rows.shape[-1]}")
-        return True
+        if rows.shape[-1] not in widths:
+            raise ValueError(f"packed rows of {d} lanes are {d + d // FP8_GROUP} (FP8) or "
+                             f"{d // 2 + d // FP4_E4M3_GROUP} (FP4) bytes, got {rows.shape[-1]}")
+        return widths[rows.shape[-1]]
     if rows.shape[-1] != d:
         raise ValueError(f"rows of {rows.shape[-1]} lanes for queries of {d}")
-    return False
+    return "typed"
 
 # The kernel against its XLA path in reference numerics: outputs are bf16 (2^-8 relative step)
 # and the two differ only in fp32 summation order and exp/div implementation, which can move one
@@ -85,7 +90,7 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
                  n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool, value_parts: int,
-                 packed: tuple[bool, ...]):
+                 formats: tuple[str, ...]):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
     h, d = q_ref.shape
     split = pl.program_id(2)
@@ -100,28 +105,34 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
           else [q_ref[...]])                                           # [H, D / V] each
     dtype = q_ref.dtype
 
-    def gather(kv_ref, ids, start, pk):
+    def gather(kv_ref, ids, start, fmt):
         """A chunk's rows, lanes [start, start + D/V) [C, D/V] in q's dtype: masked, so skipped ids
         read nothing and give 0 rows (no NaN from unused pages); two broadcast index arrays, not
-        (ids, :): interpret mode cannot mix them. Packed FP8 rows (`pk`) are decoded exactly: an
-        E4M3 code times 2^(s - 127) is a bf16 (4 significant bits)."""
+        (ids, :): interpret mode cannot mix them. Packed rows are decoded exactly (an E4M3 code
+        times 2^(s - 127), an E2M1 code times an E4M3 scale: 4 and 6 significant bits, bf16s)."""
         at, valid = jnp.maximum(ids, 0)[:, None], (ids >= 0)[:, None]
-        cols = start + jax.lax.broadcasted_iota(jnp.int32, (dv,), 0)
-        vals = load(kv_ref.at[at, cols[None, :]], mask=valid, other=0)
-        if not pk:
-            return vals.astype(dtype)                                  # fp32 policy: -> fp32
-        g = dv // FP8_GROUP
-        scols = d + start // FP8_GROUP + jax.lax.broadcasted_iota(jnp.int32, (g,), 0)
-        codes = load(kv_ref.at[at, scols[None, :]], mask=valid, other=0)      # 0 for skipped rows
-        s = jax.lax.bitcast_convert_type(codes.astype(jnp.int32) << 23, jnp.float32)   # 2^(c-127)
-        s = jnp.broadcast_to(s[:, :, None], (CHUNK, g, FP8_GROUP)).reshape(CHUNK, dv)
-        return (e4m3_as(vals, jnp.float32) * s).astype(dtype)
 
-    def attend(kv_ref, pk, carry, ids):
+        def cols(first, n):                                            # byte columns, 0 if skipped
+            c = first + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+            return load(kv_ref.at[at, c[None, :]], mask=valid, other=0)
+
+        if fmt == "typed":
+            return cols(start, dv).astype(dtype)                       # fp32 policy: -> fp32
+        if fmt == "fp4":
+            return fp4_values(cols(start // 2, dv // 2),
+                              cols(d // 2 + start // FP4_E4M3_GROUP, dv // FP4_E4M3_GROUP), dtype,
+                              group=FP4_E4M3_GROUP, e4m3_scales=True)
+        g = dv // FP8_GROUP
+        s = jax.lax.bitcast_convert_type(cols(d + start // FP8_GROUP, g).astype(jnp.int32) << 23,
+                                         jnp.float32)                   # 2^(c - 127)
+        s = jnp.broadcast_to(s[:, :, None], (CHUNK, g, FP8_GROUP)).reshape(CHUNK, dv)
+        return (e4m3_as(cols(start, dv), jnp.float32) * s).astype(dtype)
+
+    def attend(kv_ref, fmt, carry, ids):
         """One chunk: its ids [C] folded into (run_max, denom, acc)."""
         run_max, denom, acc = carry                                    # [H], [H], [H, Dv] fp32
         valid = ids >= 0
-        tiles = [gather(kv_ref, ids, st, pk) for st in starts]
+        tiles = [gather(kv_ref, ids, st, fmt) for st in starts]
         logits = functools.reduce(jnp.add, [
             jax.lax.dot_general(qh, t, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                 preferred_element_type=jnp.float32) for qh, t in zip(qs, tiles)])   # [H, C]
@@ -145,25 +156,25 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         last again and is never used)."""
         return idx_ref[pl.ds(pl.multiple_of(jnp.minimum(c, n - 1) * CHUNK, CHUNK), CHUNK)]
 
-    def walk(idx_ref, kv_ref, pk, n, lo, hi, carry):
+    def walk(idx_ref, kv_ref, fmt, n, lo, hi, carry):
         if n == 0:
             return carry
         if not prefetch_ids:
-            return jax.lax.fori_loop(lo, hi, lambda c, cr: attend(kv_ref, pk, cr, chunk_ids(idx_ref, c, n)),
+            return jax.lax.fori_loop(lo, hi, lambda c, cr: attend(kv_ref, fmt, cr, chunk_ids(idx_ref, c, n)),
                                      carry)
 
         # the next chunk's ids loaded while this chunk's rows are gathered: the gather then does
         # not wait for an ids load issued in the same step
         def body(c, cr):
-            return (*attend(kv_ref, pk, cr[:3], cr[3]), chunk_ids(idx_ref, c + 1, n))
+            return (*attend(kv_ref, fmt, cr[:3], cr[3]), chunk_ids(idx_ref, c + 1, n))
         return jax.lax.fori_loop(lo, hi, body, (*carry, chunk_ids(idx_ref, lo, n)))[:3]
 
     carry = (jnp.full((h,), NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
              jnp.zeros((h, dv), jnp.float32))
     base = 0
-    for idx_ref, kv_ref, pk, n in zip(idx_refs, kv_refs, packed, n_chunks):
+    for idx_ref, kv_ref, fmt, n in zip(idx_refs, kv_refs, formats, n_chunks):
         lo, hi = _split_bounds(split, n, base, per_split, n_splits)
-        carry = walk(idx_ref, kv_ref, pk, n, lo, hi, carry)
+        carry = walk(idx_ref, kv_ref, fmt, n, lo, hi, carry)
         base += n
     run_max, denom, acc = carry
 
@@ -228,7 +239,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     hp = max(16, 1 << (h - 1).bit_length())                            # dot M: power of two >= 16
     q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     sink_p = jnp.pad(sink.astype(jnp.float32), (0, hp - h))
-    packed = tuple(_packed(r, d) for r in rows)
+    formats = tuple(_row_format(r, d) for r in rows)
     idx = [_pad_ids(i) for i in idx]
     n_chunks = tuple(i.shape[1] // CHUNK for i in idx)
     total = sum(n_chunks)
@@ -244,8 +255,10 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     if value_parts not in (1, 2) or d // value_parts < 16:
         raise ValueError(f"value_parts {value_parts}: 1, or 2 with D/2 >= 16 (got D {d})")
     vp, dv = value_parts, d // value_parts
-    if any(packed) and dv % FP8_GROUP:
-        raise ValueError(f"packed FP8 rows: D/value_parts = {dv} lanes is no whole number of {FP8_GROUP}-lane groups")
+    for fmt, group in (("fp8", FP8_GROUP), ("fp4", FP4_E4M3_GROUP)):
+        if fmt in formats and dv % group:
+            raise ValueError(f"packed {fmt} rows: D/value_parts = {dv} lanes is no whole number of "
+                             f"{group}-lane groups")
     grid = (hp // hb * vp, t, n_splits)
     sq = SQUEEZED
     in_specs = ([pl.BlockSpec((sq, hb, d), lambda g, i, s: (i, g // vp, 0)),
@@ -265,7 +278,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
                                bf16_probs=bf16_probs, prefetch_ids=prefetch_ids, value_parts=vp,
-                               packed=packed)
+                               formats=formats)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
@@ -294,8 +307,12 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
     for r, i in zip(rows, idx):
         i = _pad_ids(i)
         g = r[jnp.maximum(i, 0)]                                       # [T, K_i, D] (or packed)
-        d = q2.shape[-1]
-        gathered.append(dequant_fp8_rows(g[..., :d], g[..., d:], FP8_GROUP, q2.dtype) if _packed(r, d) else g)
+        d, fmt = q2.shape[-1], _row_format(r, q2.shape[-1])
+        if fmt == "fp8":
+            g = dequant_fp8_rows(g[..., :d], g[..., d:], FP8_GROUP, q2.dtype)
+        elif fmt == "fp4":
+            g = dequant_fp4_e4m3_rows(g[..., :d // 2], g[..., d // 2:], FP4_E4M3_GROUP, q2.dtype)
+        gathered.append(g)
         local.append(jnp.where(i >= 0, offset + jnp.arange(i.shape[1], dtype=jnp.int32), -1))
         offset += i.shape[1]
     kv = jnp.concatenate(gathered, axis=1)                             # [T, K, D] (materialised)

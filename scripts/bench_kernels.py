@@ -43,7 +43,7 @@ from v41_jax.linear import lin_f32  # noqa: E402
 from v41_jax.model.numerics import HIGHEST, Numerics  # noqa: E402
 from v41_jax.checkpoint.load import held_bytes  # noqa: E402
 from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, pack_fp4_ue8m0_rows,  # noqa: E402
-                           quant_fp8_ue8m0)
+                           quant_fp4_e4m3, quant_fp8_ue8m0)
 
 REF = Numerics.reference()
 FAST = Numerics.fast()
@@ -152,12 +152,17 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
     sink = jax.random.normal(jax.random.key(4), (h,), jnp.float32)
     pools = {"bf16": (ring, comp)}
 
+    fp8 = jax.jit(lambda x: jnp.concatenate(quant_fp8_ue8m0(x.astype(jnp.float32)), axis=-1))
+    fp4 = jax.jit(lambda x: jnp.concatenate(quant_fp4_e4m3(x.astype(jnp.float32)), axis=-1))
+
     def pool(rows):
-        """The (ring, compressed) pools with rows typed bf16 or packed FP8 (`rows="fp8"`: D E4M3
-        codes + D/32 E8M0 scales a row, the same random rows quantized; made on first use)."""
+        """The (ring, compressed) pools, the same random rows typed bf16 ("bf16"), both packed
+        FP8 ("fp8": D E4M3 codes + D/32 E8M0 scales) or each in the format the reference's round
+        trip allows exactly ("packed": the window FP8, the compressed rows FP4, D/2 E2M1 bytes +
+        D/16 E4M3 scales); made on first use, the 4 GiB pool in 16 slices."""
         if rows not in pools:
-            packed = jax.jit(lambda x: jnp.concatenate(quant_fp8_ue8m0(x.astype(jnp.float32)), axis=-1))
-            pools[rows] = (packed(ring), jnp.concatenate([packed(c) for c in jnp.split(comp, 16)]))
+            comp_enc = fp8 if rows == "fp8" else fp4
+            pools[rows] = (fp8(ring), jnp.concatenate([comp_enc(c) for c in jnp.split(comp, 16)]))
         return pools[rows]
 
     def runner(backend, rows="bf16", **kw):
@@ -173,8 +178,10 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
         ins = _attn_inputs(jax.random.key(t + ctx), layers, t, h, d, w, k, ring_rows, comp_rows, ctx,
                            per_tok, wkind)
         flops = 4.0 * t * h * (w + k) * d
-        row_bytes = {"bf16": d * 2, "fp8": d + d // 32}
-        bytes_ = lambda rows: t * (w + k) * row_bytes[rows] + 2 * t * h * d * 2 + t * (w + k) * 4
+        row_bytes = {"bf16": (d * 2, d * 2), "fp8": (d + d // 32,) * 2,        # (window, compressed)
+                     "packed": (d + d // 32, d // 2 + d // 16)}
+        bytes_ = lambda rows: (t * (w * row_bytes[rows][0] + k * row_bytes[rows][1])
+                               + 2 * t * h * d * 2 + t * (w + k) * 4)
         meta = dict(kernel="sparse_attn", kind=kind, tokens=t, ctx=ctx, heads=h, dh=d, ids=w + k)
         want = {}                                      # the XLA path's output, once a shape and pool
 
@@ -234,12 +241,16 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                                                value_parts=2, num_splits=4)),
                     ("h32w4-v2s2", dict(head_block=32, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=2)),
                     ("h16w4-v2", dict(head_block=16, num_warps=4, value_parts=2)),
-                    # rows packed as FP8 (528 B, not 1 KiB): the launch configs above on half the bytes
+                    # rows packed: both FP8 (528 B, not 1 KiB), or the window FP8 and the compressed
+                    # rows FP4 (288 B), the formats the reference's round trips allow exactly
                     ("fp8-auto", dict(rows="fp8")),
-                    ("fp8-h16w4", dict(rows="fp8", head_block=16, num_warps=4)),
                     ("fp8-h64w8s3", dict(rows="fp8", head_block=64, num_warps=8, num_stages=3, prefetch_ids=False)),
-                    ("fp8-h64w4-v2s3", dict(rows="fp8", head_block=64, num_warps=4, num_stages=3,
-                                            prefetch_ids=False, value_parts=2))]
+                    ("packed-auto", dict(rows="packed")),
+                    ("packed-h16w4", dict(rows="packed", head_block=16, num_warps=4)),
+                    ("packed-h64w8s3", dict(rows="packed", head_block=64, num_warps=8, num_stages=3,
+                                            prefetch_ids=False)),
+                    ("packed-h64w4-v2s3", dict(rows="packed", head_block=64, num_warps=4, num_stages=3,
+                                               prefetch_ids=False, value_parts=2))]
         # more splits for the wide programs: every head of a token in one program reads its rows
         # once, and 4 splits give 32 tokens 128 programs (2 splits left half of the GPU idle)
         variants += [(f"{name}-split{n}", dict(kw, num_splits=n)) for n in (4, 8)

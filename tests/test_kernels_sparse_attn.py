@@ -14,8 +14,8 @@ import pytest
 
 from kernels_common import assert_close, fp4_rows, fp8_rows, fresh_rng, load_fixture
 from kernels_pallas import backend
-from kernels_pallas.sparse_attn import BF16_TOL, FP8_GROUP, default_splits, sparse_attn_paged
-from v41_jax.quant import dequant_fp8_rows, quant_fp8_ue8m0
+from kernels_pallas.sparse_attn import BF16_TOL, FP4_E4M3_GROUP, FP8_GROUP, default_splits, sparse_attn_paged
+from v41_jax.quant import dequant_fp4_e4m3_rows, dequant_fp8_rows, quant_fp4_e4m3, quant_fp8_ue8m0
 from v41_jax.model.numerics import Numerics
 
 REF = Numerics.reference()
@@ -95,31 +95,39 @@ def test_value_halves_fp32_policy():
     assert_close(got, want, rtol=1e-5, atol=1e-6, seed=seed)
 
 
-def _fp8_packed(sources, which):
-    """The sources with those in `which` as packed FP8 rows, and the same with typed rows holding
-    the packed rows' values."""
+def _packed(sources, formats):
+    """The sources with rows packed per `formats` ("fp8" window format, "fp4" compressed format,
+    None: typed), and the same with typed rows holding the packed rows' values."""
     packed, typed = [], []
-    for n, (kv, idx) in enumerate(sources):
-        if n in which:
-            codes, scale = quant_fp8_ue8m0(kv.astype(jnp.float32), FP8_GROUP)
-            packed.append((jnp.concatenate([codes, scale], axis=-1), idx))
-            typed.append((dequant_fp8_rows(codes, scale, FP8_GROUP, kv.dtype), idx))
+    for fmt, (kv, idx) in zip(formats, sources):
+        x = kv.astype(jnp.float32)
+        if fmt == "fp8":
+            codes, scale = quant_fp8_ue8m0(x, FP8_GROUP)
+            values = dequant_fp8_rows(codes, scale, FP8_GROUP, kv.dtype)
+        elif fmt == "fp4":
+            codes, scale = quant_fp4_e4m3(x, FP4_E4M3_GROUP)
+            values = dequant_fp4_e4m3_rows(codes, scale, FP4_E4M3_GROUP, kv.dtype)
         else:
             packed.append((kv, idx))
             typed.append((kv, idx))
+            continue
+        packed.append((jnp.concatenate([codes, scale], axis=-1), idx))
+        typed.append((values, idx))
     return packed, typed
 
 
 @pytest.mark.parametrize("value_parts", [1, 2])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_fp8_packed_rows(splits, value_parts):
-    """Sources held as packed FP8 rows (D E4M3 codes + D/32 E8M0 scales, 1.03 bytes a lane): the
-    kernel decodes them to the very values a typed row of them holds, so its output equals the
-    typed rows' bit for bit, a packed and a typed source mixed, skipped ids (which read no bytes)
-    included; the XLA path decodes after its gather and agrees within the kernel's tolerance."""
+def test_packed_rows(splits, value_parts):
+    """Sources held as packed rows, the window's FP8 (D E4M3 codes + D/32 E8M0 scales) and the
+    compressed rows' FP4 (D/2 bytes of E2M1 pairs + D/16 E4M3 scales): the kernel decodes them
+    to the very values a typed row of them holds, so its output equals the typed rows' bit for
+    bit, mixed with a typed source, skipped ids (which read no bytes) included; the XLA path
+    decodes after its gather and agrees within the kernel's tolerance. A width no format has is
+    refused."""
     rng, seed = fresh_rng()
     q, sink, sources = _case(rng, h=32, rows=(40, 150, 30), k=(20, 70, 64))
-    packed, typed = _fp8_packed(sources, which=(0, 2))
+    packed, typed = _packed(sources, ("fp8", "fp4", None))
     run = lambda src, backend="pallas": np.asarray(sparse_attn_paged(
         q, sink, src, q.shape[-1] ** -0.5, numerics=REF, backend=backend, num_splits=splits,
         head_block=16, value_parts=value_parts), np.float32)
@@ -128,7 +136,7 @@ def test_fp8_packed_rows(splits, value_parts):
     np.testing.assert_array_equal(got, run(typed), err_msg=f"seed {seed}")
     assert_close(got, run(packed, "xla"), rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
     bad = [(r[:, :-1], i) if n == 0 else (r, i) for n, (r, i) in enumerate(packed)]
-    with pytest.raises(ValueError, match="packed FP8 rows of 64 lanes are 66 bytes, got 65"):
+    with pytest.raises(ValueError, match=r"66 \(FP8\) or 36 \(FP4\) bytes, got 65"):
         run(bad)
 
 
