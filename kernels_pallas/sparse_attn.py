@@ -298,6 +298,17 @@ def _flatten(q: jax.Array, sources: Sequence[Source]):
     return lead, q2, rows, idx
 
 
+def decode_rows(rows: jax.Array, d: int, dtype) -> jax.Array:
+    """Gathered rows [..., W] of one source (typed, or packed as `_row_format` reads them) -> their
+    values [..., D] in `dtype`, exactly: the XLA paths' decode after their gathers."""
+    fmt = _row_format(rows, d)
+    if fmt == "fp8":
+        return dequant_fp8_rows(rows[..., :d], rows[..., d:], FP8_GROUP, dtype)
+    if fmt == "fp4":
+        return dequant_fp4_e4m3_rows(rows[..., :d // 2], rows[..., d // 2:], FP4_E4M3_GROUP, dtype)
+    return rows
+
+
 def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Source], scale: float,
                           *, numerics: Numerics) -> jax.Array:
     """The XLA path and the kernel's reference: gather each token's rows, concatenate the sources
@@ -306,13 +317,7 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
     gathered, local, offset = [], [], 0
     for r, i in zip(rows, idx):
         i = _pad_ids(i)
-        g = r[jnp.maximum(i, 0)]                                       # [T, K_i, D] (or packed)
-        d, fmt = q2.shape[-1], _row_format(r, q2.shape[-1])
-        if fmt == "fp8":
-            g = dequant_fp8_rows(g[..., :d], g[..., d:], FP8_GROUP, q2.dtype)
-        elif fmt == "fp4":
-            g = dequant_fp4_e4m3_rows(g[..., :d // 2], g[..., d // 2:], FP4_E4M3_GROUP, q2.dtype)
-        gathered.append(g)
+        gathered.append(decode_rows(r[jnp.maximum(i, 0)], q2.shape[-1], q2.dtype))   # [T, K_i, D]
         local.append(jnp.where(i >= 0, offset + jnp.arange(i.shape[1], dtype=jnp.int32), -1))
         offset += i.shape[1]
     kv = jnp.concatenate(gathered, axis=1)                             # [T, K, D] (materialised)

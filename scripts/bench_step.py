@@ -117,12 +117,12 @@ from scripts.bench_common import (back_to_back_s, copy_bandwidth, cut, gemm_peak
 from scripts.make_checkpoint import init_affine  # noqa: E402
 from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E402
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
-from scripts.generate import INDEX_CHOICES  # noqa: E402
+from scripts.generate import INDEX_CHOICES, KV_CHOICES  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
 from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables, held_as,  # noqa: E402
                                      held_bytes, nest, param_units)
-from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, packed_fp4_lanes,  # noqa: E402
-                           pack_fp4_ue8m0_rows)
+from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, packed_fp4_lanes,  # noqa: E402
+                           pack_fp4_e4m3_rows, pack_fp4_ue8m0_rows, pack_fp8_ue8m0_rows)
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.layer_runs import stack_runs  # noqa: E402
@@ -349,10 +349,19 @@ def _random_packed_index(key, plane: jax.Array) -> jax.Array:
     return pack_fp4_ue8m0_rows(fp4_qdq_ue8m0(keys))
 
 
+def _random_packed_kv(key, plane: jax.Array, window: bool) -> jax.Array:
+    """A packed main plane [..., D/2 + D/16] (FP4, E4M3 scales) or window ring [..., D + D/32]
+    (FP8, E8M0 scales) of N(0, 1) rows' round trips."""
+    w = plane.shape[-1]
+    d = w * 32 // 33 if window else w * 16 // 9
+    rows = jax.random.normal(key, (*plane.shape[:-1], d), jnp.bfloat16)
+    return pack_fp8_ue8m0_rows(fp8_act_qdq(rows)) if window else pack_fp4_e4m3_rows(rows)
+
+
 @partial(jax.jit, donate_argnums=(0,))
 def randomize_cache(cache: Cache, key, cursor) -> Cache:
-    """Random rows in every PAGE / STATE array (N(0, 1) in its dtype; packed index planes: N(0, 1)
-    keys on the fp4 grid, packed); cursor rows as given."""
+    """Random rows in every PAGE / STATE array (N(0, 1) in its dtype; packed planes: N(0, 1) rows
+    on their grids, packed); cursor rows as given."""
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     out = []
     for i, x in enumerate(leaves):
@@ -362,7 +371,11 @@ def randomize_cache(cache: Cache, key, cursor) -> Cache:
     cache = jax.tree_util.tree_unflatten(treedef, out)
     index = tuple(_random_packed_index(jax.random.fold_in(key, len(leaves) + k), x) if x.dtype == jnp.uint8
                   else x for k, x in enumerate(cache.index))
-    return Cache(main=cache.main, index=index, window=cache.window, comp_kv=cache.comp_kv,
+    packed = cache.window.dtype == jnp.uint8
+    main = tuple(_random_packed_kv(jax.random.fold_in(key, 2 * len(leaves) + k), x, window=False) if packed
+                 else x for k, x in enumerate(cache.main))
+    window = _random_packed_kv(jax.random.fold_in(key, 3 * len(leaves)), cache.window, True) if packed else cache.window
+    return Cache(main=main, index=index, window=window, comp_kv=cache.comp_kv,
                  comp_score=cache.comp_score, cursor=cursor.astype(cache.cursor.dtype), sampled=cache.sampled)
 
 
@@ -453,6 +466,8 @@ def parse_args(argv=None):
     ap.add_argument("--numerics", choices=sorted(NUMERICS), default="fast")
     ap.add_argument("--index-format", choices=INDEX_CHOICES, default=None,
                     help="index rows (default: typed, as the engine's, `geometry.row_formats`)")
+    ap.add_argument("--kv-format", choices=KV_CHOICES, default=None,
+                    help="main and window rows (default: typed; packed: FP4 main, FP8 window rows)")
     ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto",
                     help="how the routed experts are held (load_params' experts=)")
@@ -540,7 +555,7 @@ def main(argv=None) -> int:
     numerics = NUMERICS[args.numerics]()
     if args.kernels != "auto":
         kernel_backend.set_backend(args.kernels)
-    formats = row_formats(numerics, args.index_format)
+    formats = row_formats(numerics, args.index_format, args.kv_format)
     batches, prefills = sorted(set(args.batches)), sorted(set(args.prefill))
     if not batches and not prefills:
         raise SystemExit("nothing to run: --batches and --prefill are both empty")

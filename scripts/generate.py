@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from v41_jax.cache.geometry import INDEX_PACKED
+from v41_jax.cache.geometry import INDEX_PACKED, KV_PACKED
 from v41_jax.config import exit_2_on_refusal
 from v41_jax.runtime import compile_cache
 from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH, DEFAULT_NUMERICS
@@ -40,6 +40,10 @@ from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH, DEFAULT_NUMERICS
 NUMERICS_CHOICES = ("fast", "fp32", "reference")
 EXPERT_CHOICES = ("auto", "fp8", "fp4", "bf16")
 INDEX_CHOICES = ("typed", INDEX_PACKED)
+KV_CHOICES = ("typed", KV_PACKED)
+KV_HELP = ("the cache's main and window rows: typed = the activation dtype (default); packed = FP4 main and "
+           "FP8 window rows, exact under fast / reference numerics (their own grids): 0.28 / 0.52 of bf16's "
+           "bytes, the same tokens")
 INDEX_HELP = ("the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact under "
               "fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% less cache, "
               "the indexer's scoring up to 21 %% slower")
@@ -92,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compile each run of identical layers once (a scanned loop): about half the compile time")
     ap.add_argument("--index-format", choices=INDEX_CHOICES, default=None,
                     help=INDEX_HELP)
+    ap.add_argument("--kv-format", choices=KV_CHOICES, default=None, help=KV_HELP)
     ap.add_argument("--page-tokens", type=_positive("--page-tokens"), default=16, help="tokens per cache page")
     ap.add_argument("--pages", type=_positive("--pages", True), default=0,
                     help="page pool size (default: max-batch full contexts)")
@@ -133,18 +138,19 @@ def check_shape_flags(buckets: str | None, decode_sizes: str | None, max_batch: 
             raise UsageError(f"{flag}: {err}") from None
 
 
-def check_index_format(index_format: str | None, numerics: str | None) -> None:
-    """--index-format (shared with v41-serve): rows the step reads back exactly under --numerics
-    (None: the engine's default)."""
+def check_row_format_flags(index_format: str | None, kv_format: str | None, numerics: str | None) -> None:
+    """--index-format / --kv-format (shared with v41-serve): rows the step reads back exactly under
+    --numerics (None: the engine's default)."""
     from v41_jax.cache.geometry import row_formats
     from v41_jax.runtime.engine import NUMERICS
     from v41_jax.runtime.step import check_row_formats
 
     num = NUMERICS[numerics or DEFAULT_NUMERICS]()
     try:
-        check_row_formats(num, **row_formats(num, index_format))
+        check_row_formats(num, **row_formats(num, index_format, kv_format))
     except ValueError as err:
-        raise UsageError(f"--index-format {index_format}: {err}") from None
+        flags = " ".join(f"{f} {v}" for f, v in (("--index-format", index_format), ("--kv-format", kv_format)) if v)
+        raise UsageError(f"{flags}: {err}") from None
 
 
 def _validate(args):
@@ -165,7 +171,7 @@ def _validate(args):
         raise UsageError(f"--one-bucket: not with {'--buckets' if args.buckets else '--decode-sizes'} "
                          "(it picks the buckets)")
     check_shape_flags(args.buckets, args.decode_sizes, args.max_batch)
-    check_index_format(args.index_format, args.numerics)
+    check_row_format_flags(args.index_format, args.kv_format, args.numerics)
     try:
         defaults = RequestDefaults.from_args(args)
     except RequestError as err:
@@ -269,7 +275,8 @@ def _run(args, tokenizer, requests):
                                     speculative=None if args.speculative == "on" else False,
                                     draft_width=args.draft_width,
                                     decode_sizes=() if args.one_bucket else args.decode_sizes,
-                                    scan_layers=args.scan_layers, index_format=args.index_format)
+                                    scan_layers=args.scan_layers, index_format=args.index_format,
+                                    kv_format=args.kv_format)
     stats = Stats()
     runnable = [r for r in requests if engine.check_request(r) is None]    # the others end at once
     for req in runnable:

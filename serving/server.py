@@ -82,7 +82,8 @@ class Server:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from scripts.generate import EXPERT_CHOICES, INDEX_CHOICES, INDEX_HELP, NUMERICS_CHOICES, _positive
+    from scripts.generate import (EXPERT_CHOICES, INDEX_CHOICES, INDEX_HELP, KV_CHOICES, KV_HELP, NUMERICS_CHOICES,
+                                  _positive)
 
     ap = argparse.ArgumentParser(prog="v41-serve", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__[__doc__.index("Both"):],
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DSpark speculative decoding: auto = on when the checkpoint has draft stages")
     e.add_argument("--index-format", choices=INDEX_CHOICES,
                    help=INDEX_HELP)
+    e.add_argument("--kv-format", choices=KV_CHOICES, help=KV_HELP)
     e.add_argument("--scan-layers", action="store_true",
                    help="compile each run of identical layers once (a scanned loop): about half the compile time")
     e.add_argument("--compile-cache", default=None, help="persistent compilation cache folder ('' disables)")
@@ -142,7 +144,7 @@ def load_engine(args):
 
     kw = {k: getattr(args, k) for k in ("max_batch", "chunk", "buckets", "decode_sizes", "page_tokens", "pages",
                                         "slots", "max_context", "numerics", "experts", "tokenizer",
-                                        "index_format")
+                                        "index_format", "kv_format")
           if getattr(args, k) is not None}
     kw["speculative"] = {"auto": None, "on": True, "off": False}[args.speculative]
     kw["scan_layers"] = args.scan_layers
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     # force: importing orbax (via the engine) already gave the root logger absl's default handler
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr, force=True)
-    from scripts.generate import UsageError, check_index_format, check_shape_flags
+    from scripts.generate import UsageError, check_row_format_flags, check_shape_flags
     from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH
 
     ckpt = Path(args.checkpoint)
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
         return 2
     try:
         check_shape_flags(args.buckets, args.decode_sizes, args.max_batch or DEFAULT_MAX_BATCH)
-        check_index_format(args.index_format, args.numerics)
+        check_row_format_flags(args.index_format, args.kv_format, args.numerics)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

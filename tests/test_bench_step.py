@@ -274,6 +274,27 @@ def test_random_cache_fills_packed_index_planes_with_on_grid_keys():
         np.testing.assert_array_equal(np.asarray(fp4_qdq_ue8m0(keys)), np.asarray(keys))
 
 
+def test_random_cache_fills_packed_kv_planes_with_on_grid_rows():
+    """The synthetic cache of a `--kv-format packed` run: the main planes (FP4) and the window
+    rings (FP8) hold random rows that decode finite, on their grids."""
+    from kernels_pallas.sparse_attn import decode_rows
+    from v41_jax.cache.buffer import allocate
+    from v41_jax.cache.geometry import KV_PACKED, CacheGeometry, EngineSettings, row_formats
+    from v41_jax.model.numerics import Numerics
+    from v41_jax.quant import fp4_qdq_e4m3, fp8_act_qdq
+
+    cfg = ModelConfig.from_file(TINY)
+    geom = CacheGeometry.build(cfg, EngineSettings(page_tokens=8, num_pages=4, slots=2,
+                                                   **row_formats(Numerics.fast(), kv_format=KV_PACKED)))
+    cursor = jnp.zeros((2, geom.history + 1), jnp.int32)
+    cache = bs.randomize_cache(allocate(geom), jax.random.key(0), cursor)
+    for plane, qdq in [*((m, fp4_qdq_e4m3) for m in cache.main), (cache.window, fp8_act_qdq)]:
+        assert plane.dtype == jnp.uint8
+        rows = decode_rows(plane, geom.head_dim, jnp.float32)
+        assert rows.shape[-1] == geom.head_dim and np.isfinite(rows).all() and np.asarray(rows).std() > 0.1
+        np.testing.assert_array_equal(np.asarray(qdq(rows)), np.asarray(rows))
+
+
 def test_compare_numerics_offers_the_policys_switches_one_comparison_a_run(tmp_path):
     """`--compare-numerics FIELD` takes the boolean fields of `Numerics` (exact_rms among them, not
     act_dtype, nor `quantized`, which the checkpoint sets), and one comparison per run: with

@@ -183,6 +183,7 @@ def test_usage_errors_before_the_checkpoint_loads(model, tmp_path, capsys, load_
         (base[:-len(ENGINE_FLAGS)] + ["--decode-sizes", "1", "--one-bucket"], "--one-bucket"),
         (base + ["--out", tmp_path / "nowhere" / "o.jsonl"], "--out"),
         (base + ["--index-format", "fp4"], "--index-format fp4: "),   # ENGINE_FLAGS: fp32, no fake-quant
+        (base + ["--kv-format", "packed"], "--kv-format packed: "),   # likewise
     ]
     for argv, named in cases:
         rc, stdout, err = _main(capsys, argv)

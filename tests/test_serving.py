@@ -832,7 +832,8 @@ def test_serve_cli_refuses_bad_step_shapes_before_loading(model, capsys, monkeyp
                         (["--decode-sizes", "2,a"], "--decode-sizes"),
                         (["--buckets", "4x4"], "--buckets"),
                         (["--buckets", "4x1x4", "--decode-sizes", "1"], "--decode-sizes: not with --buckets"),
-                        (["--numerics", "fp32", "--index-format", "fp4"], "--index-format fp4: ")):
+                        (["--numerics", "fp32", "--index-format", "fp4"], "--index-format fp4: "),
+                        (["--numerics", "fp32", "--kv-format", "packed"], "--kv-format packed: ")):
         assert server_module.main(["--checkpoint", str(model[0]), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("error: ") and named in err[-1], err

@@ -351,6 +351,22 @@ def pack_fp4_ue8m0_rows(x, group: int = FP4_GROUP) -> jax.Array:
     return jnp.concatenate([codes, scale], axis=-1)
 
 
+def pack_fp8_ue8m0_rows(x, group: int = 32) -> jax.Array:
+    """Rows an `fp8_act_qdq` put on its grid [..., n] -> packed rows uint8 [..., n + n/group]: the
+    E4M3 codes, then the E8M0 codes (the cache's packed window rows, docs/CACHE.md §1.3). Exact
+    for such rows: re-quantized, a group keeps its power-of-two scale or takes a smaller one,
+    which doubles every code, still an E4M3 value (tests/test_quant.py)."""
+    return jnp.concatenate(quant_fp8_ue8m0(x, group), axis=-1)
+
+
+def pack_fp4_e4m3_rows(x, group: int = 16) -> jax.Array:
+    """Rows [..., n] -> their FP4 round trip packed, uint8 [..., n/2 + n/group]: the E2M1 bytes,
+    then the E4M3 scale codes (the cache's packed compressed rows). Pass the rows *before* the
+    round trip: re-quantizing on-grid values is not exact where the scale is an E4M3 subnormal
+    (a group's largest code can be 4, and another scale then represents it; docs/CACHE.md §1.3)."""
+    return jnp.concatenate(quant_fp4_e4m3(x, group), axis=-1)
+
+
 def packed_fp4_lanes(row_bytes: int, group: int = FP4_GROUP) -> int:
     """n, the values of a `pack_fp4_ue8m0_rows` row of n/2 + n/group bytes (ValueError for a width
     no row has)."""

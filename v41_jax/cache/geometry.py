@@ -49,6 +49,9 @@ INDEX_FORMATS = ("bf16", "f32", "fp8", "fp4")
 # the packed index format the step reads and writes (`quant.pack_fp4_ue8m0_rows`: the fp4 grid the
 # model puts index keys on, held exactly in a quarter of bf16's bytes); "fp8" is laid out only
 INDEX_PACKED = "fp4"
+# main and window rows packed (main FP4 with E4M3 scales, window FP8 with E8M0 scales: the grids
+# the model's round trips put them on, so held exactly)
+KV_PACKED = "packed"
 _TYPED = {"bf16": np.dtype(jax.numpy.bfloat16), "f32": np.dtype(np.float32)}
 _U8 = np.dtype(np.uint8)
 _F32 = np.dtype(np.float32)
@@ -64,13 +67,15 @@ def typed_format(dtype) -> str:
     raise ValueError(f"no typed row format holds {np.dtype(dtype).name}; typed formats: {sorted(_TYPED)}")
 
 
-def row_formats(numerics: Numerics, index_format: str | None = None) -> dict:
+def row_formats(numerics: Numerics, index_format: str | None = None, kv_format: str | None = None) -> dict:
     """EngineSettings' kv_format / index_format for these numerics: rows the step reads back
-    exactly, in the activation dtype. index_format: None or "typed" for that, or a format name
-    (INDEX_PACKED: packed FP4 index rows, 15 % less cache for a scoring kernel up to 21 % slower
-    on the H200, BENCHMARKS.md 2026-12-04 e; the step refuses what it cannot read back exactly)."""
+    exactly, in the activation dtype. index_format / kv_format: None or "typed" for that, or a
+    format name (INDEX_PACKED: packed FP4 index rows, 15 % less cache for a scoring kernel up to
+    21 % slower on the H200, BENCHMARKS.md 2026-12-04 e; KV_PACKED: main rows FP4 and window rows
+    FP8, 0.28 / 0.52 of bf16's bytes; the step refuses what it cannot read back exactly)."""
     typed = typed_format(numerics.act_dtype)
-    return dict(kv_format=typed, index_format=typed if index_format in (None, "typed") else index_format)
+    pick = lambda fmt: typed if fmt in (None, "typed") else fmt
+    return dict(kv_format=pick(kv_format), index_format=pick(index_format))
 
 
 def _align(n: int, a: int) -> int:

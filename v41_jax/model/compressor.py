@@ -37,7 +37,7 @@ from v41_jax.model.linear import lin_bf, lin_f32
 from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics, rounded
 from v41_jax.model.rope import apply_rope, rope_cos_sin
-from v41_jax.quant import fp4_qdq_e4m3
+from v41_jax.quant import fp4_qdq_e4m3, pack_fp4_e4m3_rows
 
 KV_FP4_GROUP = 16  # compressed rows: fp4 with one e4m3 scale per 16 lanes
 
@@ -105,9 +105,20 @@ def group_latent(p: dict, cfg: ModelConfig, pooled: jax.Array, numerics: Numeric
     return rms_norm(numerics.act(pooled), p["norm"]["weight"], cfg.norm_eps, numerics)
 
 
-def stored_rows(cfg: ModelConfig, ratio: int, latent: jax.Array, row_ids: jax.Array,
-                numerics: Numerics) -> jax.Array:
+def _rotated_rows(cfg: ModelConfig, ratio: int, latent: jax.Array, row_ids: jax.Array) -> jax.Array:
     """A latent stands for its group's first token: rotate at r*j (global table)."""
     cos, sin = rope_cos_sin(cfg, ratio * jnp.maximum(row_ids, 0), global_table=True)
-    rows = apply_rope(latent, cos, sin)
+    return apply_rope(latent, cos, sin)
+
+
+def stored_rows(cfg: ModelConfig, ratio: int, latent: jax.Array, row_ids: jax.Array,
+                numerics: Numerics) -> jax.Array:
+    """The compressed KV rows the attention reads: rotated, then their FP4 round trip."""
+    rows = _rotated_rows(cfg, ratio, latent, row_ids)
     return fp4_qdq_e4m3(rows, KV_FP4_GROUP) if numerics.fake_quant else rows
+
+
+def packed_stored_rows(cfg: ModelConfig, ratio: int, latent: jax.Array, row_ids: jax.Array) -> jax.Array:
+    """`stored_rows` under fake-quant as packed FP4 bytes (the cache's packed main rows): the codes
+    of the round trip itself, which decode to exactly its values."""
+    return pack_fp4_e4m3_rows(_rotated_rows(cfg, ratio, latent, row_ids), KV_FP4_GROUP)

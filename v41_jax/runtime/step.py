@@ -39,14 +39,14 @@ import jax.numpy as jnp
 
 from kernels_pallas import backend as kernel_backend
 from kernels_pallas.indexer import index_scores_tokens
-from kernels_pallas.sparse_attn import sparse_attn_paged
+from kernels_pallas.sparse_attn import decode_rows, sparse_attn_paged
 from v41_jax.cache.buffer import DEAD, Cache
 from v41_jax.checkpoint.load import ENGRAM_DEVICE_KEY
-from v41_jax.cache.geometry import INDEX_PACKED, CacheGeometry, typed_format
+from v41_jax.cache.geometry import INDEX_PACKED, KV_PACKED, CacheGeometry, typed_format
 from v41_jax.config import ModelConfig
 from v41_jax.engram_hash import device_bucket_ids, device_lookback
 from v41_jax.model.attention import compressed_entries, index_select, output_proj, query, window_kv
-from v41_jax.model.compressor import compress, group_latent, init_state, pool_groups, projections
+from v41_jax.model.compressor import compress, group_latent, init_state, packed_stored_rows, pool_groups, projections
 from v41_jax.model.dspark import context_x, draft_block
 from v41_jax.model.forward import embed, force_picks, run_layers
 from v41_jax.model.head import final_hidden, lm_head
@@ -55,7 +55,7 @@ from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.model.window import draft_context_idx
-from v41_jax.quant import dequant_fp8_rows, pack_fp4_ue8m0_rows
+from v41_jax.quant import dequant_fp8_rows, pack_fp4_ue8m0_rows, pack_fp8_ue8m0_rows
 from v41_jax.runtime.metadata import StepBatch
 from v41_jax.runtime.packed import BatchLayout, PackedBatch
 from v41_jax.runtime.sampling import Draws, draws, pick, verify_drafts
@@ -84,7 +84,7 @@ def _window_source(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatc
     span right-aligned with the holes first (the decode ring, oldest slot first).
     """
     r, ring = batch.slots.shape[0], window.shape[2]
-    rows = jnp.concatenate([window[batch.slots, layer].reshape(r * ring, -1), kv.astype(window.dtype)])
+    rows = jnp.concatenate([window[batch.slots, layer].reshape(r * ring, -1), _window_rows(kv, window.dtype)])
     pos, req = batch.positions, batch.token_req
     b = jnp.maximum(req, 0)
     n_valid = jnp.minimum(pos + 1, w)
@@ -112,7 +112,15 @@ def _write_window(window: jax.Array, layer: int, kv: jax.Array, batch: StepBatch
     position no later query reads and is rewritten before any does (docs/CACHE.md §4.1)."""
     t, slot, row = batch.window_writes.T
     slot = _drop(t >= 0, slot, window.shape[0])
-    return window.at[slot, layer, row].set(kv[t].astype(window.dtype), mode="drop")
+    return window.at[slot, layer, row].set(_window_rows(kv[t], window.dtype), mode="drop")
+
+
+def _window_rows(kv: jax.Array, ring_dtype) -> jax.Array:
+    """Window rows [T, Dh] -> rows of the ring: typed as they are; packed FP8 rows, exact because
+    `check_row_formats` admits packed rows only under fake-quant numerics (rows on the fp8 grid)."""
+    if ring_dtype == jnp.uint8:
+        return pack_fp8_ue8m0_rows(kv)
+    return kv.astype(ring_dtype)
 
 
 def _page_rows(batch: StepBatch, b: jax.Array, c: jax.Array, rows_per_page: int) -> tuple[jax.Array, jax.Array]:
@@ -157,6 +165,8 @@ def _compress_and_store(p: dict, cfg: ModelConfig, geom: CacheGeometry, topo: La
                         comp_score=cache.comp_score.at[slot, j, row].set(raw_score[wt], mode="drop"))
     c = x // r
     stored, keys = (a[0] for a in compressed_entries(p, cfg, r, latent[None], c[None], numerics))
+    if cache.main[k].dtype == jnp.uint8:   # the round trip's own codes (re-quantizing is not exact)
+        stored = packed_stored_rows(cfg, r, latent, c)
     page, row = _page_rows(batch, b, c, geom.owners[k].rows_per_page)
     page = _drop(valid, page, geom.settings.num_pages)
     main = cache.main[k].at[page, row].set(stored.astype(cache.main[k].dtype), mode="drop")
@@ -224,7 +234,9 @@ def _attend(q: jax.Array, sink: jax.Array, window: tuple, compressed: tuple | No
     w, k = w_idx.shape[1], c_idx.shape[1]
     b = jnp.maximum(batch.token_req, 0)
     start = jnp.where(batch.req_pos[b] == 0, jnp.minimum(batch.req_len[b], w), w)[:, None]
-    kv = jnp.concatenate([w_rows[jnp.maximum(w_idx, 0)], c_rows[jnp.maximum(c_idx, 0)]], axis=1)
+    d, dt = q.shape[-1], q.dtype
+    kv = jnp.concatenate([decode_rows(w_rows[jnp.maximum(w_idx, 0)], d, dt),
+                          decode_rows(c_rows[jnp.maximum(c_idx, 0)], d, dt)], axis=1)
     col = jnp.arange(w + k)
     w_ok = jnp.pad(w_idx, ((0, 0), (0, k)), constant_values=-1) >= 0            # holes stay holes
     c_ok = jnp.take_along_axis(c_idx, jnp.clip(col - start, 0, k - 1), axis=1) >= 0
@@ -468,8 +480,8 @@ def _draft(params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numeri
 
     def context(m, p):
         rows = jnp.concatenate([cache.window[batch.slots, cfg.n_layers + m].reshape(r * ring, -1),
-                                kvs[m].astype(cache.window.dtype)])
-        return rows[src], ctx_idx
+                                _window_rows(kvs[m], cache.window.dtype)])
+        return decode_rows(rows[src], cfg.head_dim, numerics.act_dtype), ctx_idx
 
     out = draft_block(params, cfg, context, anchor, first, numerics)
     window = cache.window
@@ -479,14 +491,16 @@ def _draft(params: dict, cfg: ModelConfig, geom: CacheGeometry, numerics: Numeri
 
 
 def check_row_formats(numerics: Numerics, kv_format: str, index_format: str) -> None:
-    """The cache holds rows it reads back exactly: main and window rows in the activation dtype;
-    index rows in it too, or packed FP4 where the numerics put the keys on the fp4 grid."""
+    """The cache holds rows it reads back exactly: main, window and index rows in the activation
+    dtype, or packed (main FP4, window FP8, index FP4) where the numerics put them on those grids."""
     want = typed_format(numerics.act_dtype)
+    kv_ok = (want, KV_PACKED) if numerics.fake_quant else (want,)
     index_ok = (want, INDEX_PACKED) if numerics.fake_quant else (want,)
-    if kv_format != want or index_format not in index_ok:
+    if kv_format not in kv_ok or index_format not in index_ok:
         raise ValueError(f"kv_format/index_format: {numerics.act_dtype.name} activations"
-                         f"{'' if numerics.fake_quant else ' without fake-quant'} need {want!r} main "
-                         f"and window rows and index rows in one of {index_ok}, got {kv_format!r}/{index_format!r}")
+                         f"{'' if numerics.fake_quant else ' without fake-quant'} need main and window "
+                         f"rows in one of {kv_ok} and index rows in one of {index_ok}, got "
+                         f"{kv_format!r}/{index_format!r}")
 
 
 def check_speculative(cfg: ModelConfig, geom: CacheGeometry, speculative: bool) -> None:

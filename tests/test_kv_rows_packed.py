@@ -1,0 +1,72 @@
+"""Main and window rows held packed (docs/CACHE.md §1.3; `kv_format="packed"`, a choice for
+memory and bytes read): the model puts compressed rows on the FP4 grid (E4M3 scales, groups of
+16) and window rows on the FP8 grid (E8M0 scales, groups of 32), so packed rows of 0.28 and 0.52
+of bf16's bytes hold exactly the typed rows' values. The engine with packed rows must therefore
+run the typed engine's computation bit for bit, through the XLA path and the Pallas kernel,
+with DSpark's draft rings too: the same tokens and log-probabilities, and planes that decode to
+the typed engine's. Without fake-quant the rows are off the grids, and the step refuses them."""
+
+from dataclasses import replace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.sparse_attn import decode_rows
+from tests.engine_common import SETTINGS, build_model, make_engine
+from v41_jax.cache.geometry import KV_PACKED, row_formats
+from v41_jax.model.numerics import Numerics
+from v41_jax.runtime.request import Request
+from v41_jax.runtime.sampling import SamplingParams
+
+FAST = Numerics.fast()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+def _engine(model, kv_format, **kw):
+    cfg = model[0]
+    settings = replace(SETTINGS, draft_slack=cfg.dspark_block_size, **row_formats(FAST, kv_format=kv_format))
+    return make_engine(*model, settings=settings, numerics=FAST, **kw)
+
+
+def _requests(vocab, speculative):
+    rng = np.random.default_rng(5)
+    # prompts past the window (8) and past several compressed rows of each owner, greedy and
+    # sampled, with log-probabilities
+    return [Request(rng.integers(3, vocab - 1, n).tolist(), 10, s, ignore_eos=True, request_id=i,
+                    logprobs=True, speculative=speculative)
+            for i, (n, s) in enumerate([(37, SamplingParams()), (21, SamplingParams(temperature=0.8, seed=1)),
+                                        (50, SamplingParams())])]
+
+
+def test_formats_follow_the_numerics():
+    assert row_formats(FAST, kv_format=KV_PACKED) == dict(kv_format=KV_PACKED, index_format="bf16")
+    assert row_formats(FAST, kv_format="typed") == row_formats(FAST)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_packed_kv_rows_run_the_typed_computation_bit_for_bit(model, kernels, monkeypatch):
+    monkeypatch.setenv("V41_KERNELS", kernels)
+    typed, packed = _engine(model, None), _engine(model, KV_PACKED)
+    assert packed.cache.main[0].dtype == jnp.uint8 and packed.cache.window.dtype == jnp.uint8
+    assert typed.cache.main[0].dtype == jnp.bfloat16
+    reqs = _requests(typed.cfg.vocab_size, speculative=kernels == "xla")   # DSpark's rings on one path
+    want, got = typed.generate(reqs), packed.generate(reqs)
+    for w, g in zip(want, got):
+        assert g.tokens == w.tokens
+        np.testing.assert_array_equal(np.asarray(g.logprobs, np.float32), np.asarray(w.logprobs, np.float32))
+    d, written = typed.cfg.head_dim, 0
+    for a, b in [*zip(typed.cache.main, packed.cache.main), (typed.cache.window, packed.cache.window)]:
+        decoded = np.asarray(decode_rows(b, d, jnp.float32), np.float32)
+        np.testing.assert_array_equal(decoded.view(np.uint32), np.asarray(a, np.float32).view(np.uint32))
+        written += int(np.count_nonzero(np.asarray(a, np.float32)))
+    assert written > 0                                    # the planes hold rows, not only zeros
+
+
+def test_packed_kv_rows_are_refused_without_fake_quant(model):
+    with pytest.raises(ValueError, match="kv_format.*without fake-quant.*'packed'"):
+        make_engine(*model, settings=replace(SETTINGS, kv_format=KV_PACKED))
