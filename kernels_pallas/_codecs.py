@@ -1,13 +1,15 @@
 """Decoding the published FP8 / FP4 codes inside a kernel (Triton lowering), exactly.
 
-Shared by the MoE kernels (expert weights held as FP8 rows or FP4) and the indexer (index keys held
-packed in the cache, docs/CACHE.md §1.3). jnp references: `v41_jax.quant` (`e4m3_to_f32`,
-`dequant_fp4_ue8m0_rows`).
+Shared by the MoE kernels (expert weights held as FP8 rows or FP4), the indexer (index keys held
+packed in the cache) and the sparse attention (main and window rows held packed; docs/CACHE.md
+§1.3). jnp references: `v41_jax.quant` (`e4m3_to_f32`, `dequant_fp4_ue8m0_rows`,
+`dequant_fp4_e4m3_rows`, `dequant_fp8_rows`).
 
   e4m3_as(codes uint8 [...], dtype) -> the E4M3 values in dtype
   fp4_halves(codes uint8 [N, K/2], scale uint8 [N, K/group]) -> fp32 (even, odd) [N, K/2] each
   fp4_values(codes, scale, dtype) -> [N, K] in dtype, the even and odd inputs back in place
   (scales E8M0 in groups of 32, or E4M3 in groups of 16: `group=16, e4m3_scales=True`)
+  fp8_values(codes uint8 [N, K], scale uint8 [N, K/32], dtype) -> [N, K] (E8M0 scales)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41_jax.quant import FP4_GROUP
+from v41_jax.quant import FP4_GROUP, KV_FP8_GROUP
 
 
 def e4m3_as(codes, dtype):
@@ -27,6 +29,22 @@ def e4m3_as(codes, dtype):
     0.097 -> 0.106 ms (BENCHMARKS.md, 2026-12-04 b)."""
     e4m3 = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
     return e4m3.astype(jnp.float16 if jnp.dtype(dtype).itemsize == 2 else dtype).astype(dtype)
+
+
+def e8m0_as_f32(codes):
+    """E8M0 scale codes (uint8) -> 2^(c - 127) in fp32, exactly: the exponent field c, and for the
+    two codes it cannot hold as one, 2^-127 (a subnormal) and NaN (code 255)."""
+    c = codes.astype(jnp.int32)
+    bits = jnp.where(c == 0, 0x00400000, jnp.where(c == 255, 0x7FC00000, c << 23))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def fp8_values(codes, scale, dtype, *, group: int = KV_FP8_GROUP):
+    """E4M3 codes uint8 [N, K] x E8M0 scale codes [N, K/group] -> [N, K] in dtype, exactly (an
+    E4M3 value times a power of two: 4 significant bits, a bf16 down to 2^-133)."""
+    n, g = scale.shape
+    s = jnp.broadcast_to(e8m0_as_f32(scale)[:, :, None], (n, g, group)).reshape(n, g * group)
+    return (e4m3_as(codes, jnp.float32) * s).astype(dtype)
 
 
 def fp4_halves(codes, scale, *, group: int = FP4_GROUP, e4m3_scales: bool = False):

@@ -9,8 +9,8 @@ A *source* is a pair `(rows [R, D], idx [B, S, K])`:
         `main[o].reshape(P * rpp, 512)`, the window rings `window.reshape(N * L * ring, 512)`, or
         this step's own new latent rows `[T, 512]` (prefill "extend" rows). A reshape of a
         contiguous cache array is free; nothing is gathered or copied in HBM.
-        Rows may also be packed FP8 (uint8 [R, D + D/32]: D E4M3 codes, then D/32 E8M0 scale
-        codes, the window row's format, docs/CACHE.md §1.3), decoded exactly after the gather.
+        Rows may also be packed (uint8: the window row's FP8 [R, D + D/32] or the compressed
+        row's FP4 [R, D/2 + D/16], `_row_format`), decoded exactly after the gather.
   idx   per query token, K global row ids into `rows` (int32, any negative = skip).
 Sources are walked in the order given, each in chunks of 64 ids, exactly as the reference walks
 its concatenated list (window part first, then the compressed part, when the caller passes them
@@ -41,27 +41,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
-from kernels_pallas._codecs import e4m3_as, fp4_values
+from kernels_pallas._codecs import fp4_values, fp8_values
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from kernels_pallas.reference import CHUNK, NO_MAX, sparse_attn
-from v41_jax.quant import dequant_fp4_e4m3_rows, dequant_fp8_rows
+from v41_jax.quant import (KV_FP4_GROUP, KV_FP8_GROUP, dequant_fp4_e4m3_rows, dequant_fp8_rows,
+                           packed_fp4_row_bytes, packed_fp8_row_bytes)
 from v41_jax.numerics import HIGHEST, Numerics
 
 Source = tuple[jax.Array, jax.Array]  # (rows [R, D] or packed uint8 rows, idx [..., K])
 
-# Packed rows (docs/CACHE.md §1.3): the window row's FP8 (D E4M3 codes, then one E8M0 scale code
-# per 32 lanes) and the compressed row's FP4 (D/2 bytes of two E2M1 codes, the even lane low,
-# then one E4M3 scale code per 16 lanes).
-FP8_GROUP, FP4_E4M3_GROUP = 32, 16
-
-
 def _row_format(rows: jax.Array, d: int) -> str:
-    """A source's rows for queries of D lanes: "typed" [R, D], "fp8" or "fp4" packed uint8."""
-    widths = {d + d // FP8_GROUP: "fp8", d // 2 + d // FP4_E4M3_GROUP: "fp4"}
+    """A source's rows for queries of D lanes: "typed" [R, D], or packed uint8 (docs/CACHE.md
+    §1.3), "fp8" (the window row: D E4M3 codes, then one E8M0 scale code per 32 lanes) or "fp4"
+    (the compressed row: D/2 bytes of two E2M1 codes, the even lane low, then one E4M3 scale code
+    per 16 lanes)."""
+    widths = {packed_fp8_row_bytes(d): "fp8", packed_fp4_row_bytes(d): "fp4"}
     if rows.dtype == jnp.uint8:
         if rows.shape[-1] not in widths:
-            raise ValueError(f"packed rows of {d} lanes are {d + d // FP8_GROUP} (FP8) or "
-                             f"{d // 2 + d // FP4_E4M3_GROUP} (FP4) bytes, got {rows.shape[-1]}")
+            raise ValueError(f"packed rows of {d} lanes are {packed_fp8_row_bytes(d)} (FP8) or "
+                             f"{packed_fp4_row_bytes(d)} (FP4) bytes, got {rows.shape[-1]}")
         return widths[rows.shape[-1]]
     if rows.shape[-1] != d:
         raise ValueError(f"rows of {rows.shape[-1]} lanes for queries of {d}")
@@ -120,13 +118,9 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
             return cols(start, dv).astype(dtype)                       # fp32 policy: -> fp32
         if fmt == "fp4":
             return fp4_values(cols(start // 2, dv // 2),
-                              cols(d // 2 + start // FP4_E4M3_GROUP, dv // FP4_E4M3_GROUP), dtype,
-                              group=FP4_E4M3_GROUP, e4m3_scales=True)
-        g = dv // FP8_GROUP
-        s = jax.lax.bitcast_convert_type(cols(d + start // FP8_GROUP, g).astype(jnp.int32) << 23,
-                                         jnp.float32)                   # 2^(c - 127)
-        s = jnp.broadcast_to(s[:, :, None], (CHUNK, g, FP8_GROUP)).reshape(CHUNK, dv)
-        return (e4m3_as(cols(start, dv), jnp.float32) * s).astype(dtype)
+                              cols(d // 2 + start // KV_FP4_GROUP, dv // KV_FP4_GROUP), dtype,
+                              group=KV_FP4_GROUP, e4m3_scales=True)
+        return fp8_values(cols(start, dv), cols(d + start // KV_FP8_GROUP, dv // KV_FP8_GROUP), dtype)
 
     def attend(kv_ref, fmt, carry, ids):
         """One chunk: its ids [C] folded into (run_max, denom, acc)."""
@@ -255,7 +249,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     if value_parts not in (1, 2) or d // value_parts < 16:
         raise ValueError(f"value_parts {value_parts}: 1, or 2 with D/2 >= 16 (got D {d})")
     vp, dv = value_parts, d // value_parts
-    for fmt, group in (("fp8", FP8_GROUP), ("fp4", FP4_E4M3_GROUP)):
+    for fmt, group in (("fp8", KV_FP8_GROUP), ("fp4", KV_FP4_GROUP)):
         if fmt in formats and dv % group:
             raise ValueError(f"packed {fmt} rows: D/value_parts = {dv} lanes is no whole number of "
                              f"{group}-lane groups")
@@ -303,9 +297,9 @@ def decode_rows(rows: jax.Array, d: int, dtype) -> jax.Array:
     values [..., D] in `dtype`, exactly: the XLA paths' decode after their gathers."""
     fmt = _row_format(rows, d)
     if fmt == "fp8":
-        return dequant_fp8_rows(rows[..., :d], rows[..., d:], FP8_GROUP, dtype)
+        return dequant_fp8_rows(rows[..., :d], rows[..., d:], KV_FP8_GROUP, dtype)
     if fmt == "fp4":
-        return dequant_fp4_e4m3_rows(rows[..., :d // 2], rows[..., d // 2:], FP4_E4M3_GROUP, dtype)
+        return dequant_fp4_e4m3_rows(rows[..., :d // 2], rows[..., d // 2:], KV_FP4_GROUP, dtype)
     return rows
 
 
@@ -317,7 +311,7 @@ def sparse_attn_paged_xla(q: jax.Array, sink: jax.Array, sources: Sequence[Sourc
     gathered, local, offset = [], [], 0
     for r, i in zip(rows, idx):
         i = _pad_ids(i)
-        gathered.append(decode_rows(r[jnp.maximum(i, 0)], q2.shape[-1], q2.dtype))   # [T, K_i, D]
+        gathered.append(decode_rows(r[jnp.maximum(i, 0)], q2.shape[-1], numerics.act_dtype))   # [T, K_i, D]
         local.append(jnp.where(i >= 0, offset + jnp.arange(i.shape[1], dtype=jnp.int32), -1))
         offset += i.shape[1]
     kv = jnp.concatenate(gathered, axis=1)                             # [T, K, D] (materialised)
@@ -334,8 +328,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
-    sources: ((rows [R_i, D] or packed FP8 uint8 [R_i, D + D/32], idx [..., K_i] int32, negative =
-    skip), ...), walked in order;
+    sources: ((rows [R_i, D] or packed uint8 rows (FP8 [R_i, D + D/32], FP4 [R_i, D/2 + D/16]),
+    idx [..., K_i] int32, negative = skip), ...), walked in order;
     scale: softmax scale of q.k (Dh^-0.5). Returns [..., H, D] in the activation dtype; 0 for a
     token with no valid id. numerics.attn_probs_bf16 rounds the unnormalised probabilities to bf16
     before P.V (the reference kernel).

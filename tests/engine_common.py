@@ -83,3 +83,19 @@ def teacher_forced(engine: Engine, tokens, chunks, slot: int = 0) -> np.ndarray:
 
 def chunked(length: int, size: int) -> list[int]:
     return [size] * (length // size) + ([length % size] if length % size else [])
+
+
+def assert_packed_runs_typed(typed: Engine, packed: Engine, requests, planes) -> None:
+    """A cache holding some planes packed runs the typed cache's computation bit for bit: the same
+    tokens and log-probabilities for `requests`, and each (typed plane, packed plane, decode) of
+    `planes` (read after the run) decodes to the typed plane, which holds rows, not only zeros."""
+    want, got = typed.generate(requests), packed.generate(requests)
+    for w, g in zip(want, got):
+        assert g.tokens == w.tokens
+        np.testing.assert_array_equal(np.asarray(g.logprobs, np.float32), np.asarray(w.logprobs, np.float32))
+    written = 0
+    for a, b, decode in planes():
+        decoded = np.asarray(decode(b), np.float32)
+        np.testing.assert_array_equal(decoded.view(np.uint32), np.asarray(a, np.float32).view(np.uint32))
+        written += int(np.count_nonzero(np.asarray(a, np.float32)))
+    assert written > 0

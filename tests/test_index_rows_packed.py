@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.engine_common import SETTINGS, build_model, make_engine
+from tests.engine_common import SETTINGS, assert_packed_runs_typed, build_model, make_engine
 from v41_jax.cache.geometry import INDEX_PACKED, row_formats
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import unpack_fp4_ue8m0_rows
@@ -45,16 +45,9 @@ def test_packed_index_rows_run_the_typed_computation_bit_for_bit(model):
     reqs = [Request(rng.integers(3, vocab - 1, n).tolist(), 12, s, ignore_eos=True, request_id=i, logprobs=True)
             for i, (n, s) in enumerate([(40, SamplingParams()), (23, SamplingParams(temperature=0.8, seed=1)),
                                         (57, SamplingParams())])]
-    want, got = typed.generate(reqs), packed.generate(reqs)
-    for w, g in zip(want, got):
-        assert g.tokens == w.tokens
-        np.testing.assert_array_equal(np.asarray(g.logprobs, np.float32), np.asarray(w.logprobs, np.float32))
-    written = 0
-    for a, b in zip(typed.cache.index, packed.cache.index):
-        decoded = np.asarray(unpack_fp4_ue8m0_rows(b, dtype=jnp.bfloat16), np.float32)
-        np.testing.assert_array_equal(decoded.view(np.uint32), np.asarray(a, np.float32).view(np.uint32))
-        written += int(np.count_nonzero(np.asarray(a, np.float32)))
-    assert written > 0                                    # the planes hold keys, not only zeros
+    decode = lambda b: unpack_fp4_ue8m0_rows(b, dtype=jnp.bfloat16)
+    assert_packed_runs_typed(typed, packed, reqs,
+                             lambda: [(a, b, decode) for a, b in zip(typed.cache.index, packed.cache.index)])
 
 
 def test_packed_index_rows_are_refused_without_fake_quant(model):

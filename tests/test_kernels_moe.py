@@ -25,7 +25,8 @@ from kernels_pallas import moe as kmoe
 from kernels_pallas import moe_mgpu
 from v41_jax.model import moe as ref
 from v41_jax.model.numerics import Numerics
-from v41_jax.quant import Fp4Weight, Fp8RowWeight, dequant_fp4_e4m3_rows, dequant_fp4_rows, quant_weight_fp4
+from v41_jax.quant import (Fp4Weight, Fp8RowWeight, dequant_fp4_e4m3_rows, dequant_fp4_rows, dequant_fp8_rows,
+                           quant_weight_fp4)
 
 FAST = Numerics.fast()
 F32 = Numerics.fp32()
@@ -146,15 +147,28 @@ def test_fp4_tile_decode_is_exact_for_every_byte_and_scale():
 
 def test_fp4_decode_with_e4m3_scales_is_exact_for_every_byte_and_scale():
     """The compressed KV rows' format (E4M3 scales, groups of 16 lanes) decoded in registers
-    against the loader's table decode: all 256 code bytes under every finite E4M3 scale code."""
-    codes = jnp.tile(jnp.arange(256, dtype=jnp.uint8), (127, 1))                 # [127, 256]
-    scale = jnp.repeat(jnp.arange(127, dtype=jnp.uint8)[:, None], 32, axis=1)    # [127, 32]
+    against the loader's table decode: all 256 code bytes under all 256 E4M3 scale codes (negative,
+    -0 and NaN ones included; NaN equals NaN here)."""
+    codes = jnp.tile(jnp.arange(256, dtype=jnp.uint8), (256, 1))                 # [256, 256]
+    scale = jnp.repeat(jnp.arange(256, dtype=jnp.uint8)[:, None], 32, axis=1)    # [256, 32]
     even, odd = _codecs.fp4_halves(codes, scale, group=16, e4m3_scales=True)
     want = np.asarray(dequant_fp4_e4m3_rows(codes, scale, dtype=jnp.float32))
     np.testing.assert_array_equal(np.asarray(even), want[:, 0::2])
     np.testing.assert_array_equal(np.asarray(odd), want[:, 1::2])
     bf16 = np.asarray(_codecs.fp4_values(codes, scale, jnp.bfloat16, group=16, e4m3_scales=True))
     np.testing.assert_array_equal(bf16.astype(np.float32), want)                   # exact in bf16
+
+
+def test_fp8_decode_with_e8m0_scales_is_exact_for_every_code_and_scale():
+    """The window rows' format (E4M3 codes, E8M0 scales in groups of 32) decoded in registers
+    against the loader's table decode: all 256 codes under all 256 scale codes (2^-127, a
+    subnormal, and NaN included), in fp32, and in bf16 where the value is a normal bf16."""
+    codes = jnp.tile(jnp.repeat(jnp.arange(256, dtype=jnp.uint8), 1), (256, 1))  # [256, 256]
+    scale = jnp.repeat(jnp.arange(256, dtype=jnp.uint8)[:, None], 8, axis=1)     # [256, 8]
+    got = np.asarray(_codecs.fp8_values(codes, scale, jnp.float32))
+    want = np.asarray(dequant_fp8_rows(codes, scale, dtype=jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got[255]).all()         # (code 0's 2^-127 is a subnormal XLA:CPU flushes, both ways)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -45,15 +45,16 @@ def _triton_calls(exported) -> int:
                                                          value_parts=2)),
                                             (64, 2, dict(head_block=64, num_stages=3, prefetch_ids=False,
                                                          value_parts=2))])
-@pytest.mark.parametrize("window_rows", ["bf16", "fp8"])
-def test_sparse_attn_lowers_for_rocm(t, splits, loads, window_rows):
+@pytest.mark.parametrize("kv_rows", ["bf16", "packed"])
+def test_sparse_attn_lowers_for_rocm(t, splits, loads, kv_rows):
     # H=64, Dh=512, window 128 + 512 compressed ids; both launch configs (16- and 64-head programs),
-    # the load-placement variants and the value halves; window rows typed or packed FP8
+    # the load-placement variants and the value halves; rows typed, or packed (window FP8,
+    # compressed FP4)
     f = functools.partial(_sparse_attn_pallas, scale=512 ** -0.5, bf16_probs=True,
                           num_splits=splits, interpret=False, **{**launch_config(t), **loads})
-    window = S((4096, 512), BF16) if window_rows == "bf16" else S((4096, 512 + 16), U8)
-    e = _export_rocm(f, S((t, 64, 512), BF16), S((64,), F32),
-                     (window, S((65536, 512), BF16)), (S((t, 128), I32), S((t, 512), I32)))
+    rows = ((S((4096, 512), BF16), S((65536, 512), BF16)) if kv_rows == "bf16"
+            else (S((4096, 512 + 16), U8), S((65536, 256 + 32), U8)))
+    e = _export_rocm(f, S((t, 64, 512), BF16), S((64,), F32), rows, (S((t, 128), I32), S((t, 512), I32)))
     assert e.platforms == ("rocm",)
     assert _triton_calls(e) == 1
 

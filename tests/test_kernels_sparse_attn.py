@@ -14,8 +14,9 @@ import pytest
 
 from kernels_common import assert_close, fp4_rows, fp8_rows, fresh_rng, load_fixture
 from kernels_pallas import backend
-from kernels_pallas.sparse_attn import BF16_TOL, FP4_E4M3_GROUP, FP8_GROUP, default_splits, sparse_attn_paged
-from v41_jax.quant import dequant_fp4_e4m3_rows, dequant_fp8_rows, quant_fp4_e4m3, quant_fp8_ue8m0
+from kernels_pallas.sparse_attn import BF16_TOL, _merge_splits, default_splits, sparse_attn_paged
+from v41_jax.quant import (KV_FP4_GROUP, KV_FP8_GROUP, dequant_fp4_e4m3_rows, dequant_fp8_rows, quant_fp4_e4m3,
+                           quant_fp8_ue8m0)
 from v41_jax.model.numerics import Numerics
 
 REF = Numerics.reference()
@@ -99,14 +100,19 @@ def _packed(sources, formats):
     """The sources with rows packed per `formats` ("fp8" window format, "fp4" compressed format,
     None: typed), and the same with typed rows holding the packed rows' values."""
     packed, typed = [], []
+    rng = np.random.default_rng(0)
     for fmt, (kv, idx) in zip(formats, sources):
+        # every 16-lane group at its own magnitude, 2^-14..2^5: each scale column differs, and
+        # some E4M3 scales are subnormal
         x = kv.astype(jnp.float32)
+        x = x * jnp.repeat(jnp.asarray(2.0 ** rng.integers(-14, 6, (x.shape[0], x.shape[1] // 16)),
+                                       jnp.float32), 16, axis=1)
         if fmt == "fp8":
-            codes, scale = quant_fp8_ue8m0(x, FP8_GROUP)
-            values = dequant_fp8_rows(codes, scale, FP8_GROUP, kv.dtype)
+            codes, scale = quant_fp8_ue8m0(x, KV_FP8_GROUP)
+            values = dequant_fp8_rows(codes, scale, KV_FP8_GROUP, kv.dtype)
         elif fmt == "fp4":
-            codes, scale = quant_fp4_e4m3(x, FP4_E4M3_GROUP)
-            values = dequant_fp4_e4m3_rows(codes, scale, FP4_E4M3_GROUP, kv.dtype)
+            codes, scale = quant_fp4_e4m3(x, KV_FP4_GROUP)
+            values = dequant_fp4_e4m3_rows(codes, scale, KV_FP4_GROUP, kv.dtype)
         else:
             packed.append((kv, idx))
             typed.append((kv, idx))
@@ -138,6 +144,34 @@ def test_packed_rows(splits, value_parts):
     bad = [(r[:, :-1], i) if n == 0 else (r, i) for n, (r, i) in enumerate(packed)]
     with pytest.raises(ValueError, match=r"66 \(FP8\) or 36 \(FP4\) bytes, got 65"):
         run(bad)
+
+
+def test_packed_rows_narrower_than_a_scale_group_are_refused():
+    rng, _ = fresh_rng()
+    q, sink, sources = _case(rng, d=32)
+    packed, _ = _packed(sources, ("fp8", None))
+    with pytest.raises(ValueError, match="packed fp8 rows: D/value_parts = 16 lanes"):
+        _both(q, sink, packed, value_parts=2)
+
+
+def test_split_merge_takes_each_value_parts_own_statistics():
+    """`_merge_splits` with two value parts whose statistics differ: each half of the columns is
+    merged with its own part's (max, denominator), as a per-half numpy merge."""
+    rng = np.random.default_rng(1)
+    t, p, h, v, d = 3, 2, 4, 2, 8
+    acc = rng.standard_normal((t, p, h, d)).astype(np.float32)
+    run_max = rng.standard_normal((t, p, v, h)).astype(np.float32)
+    denom = rng.uniform(1, 2, (t, p, v, h)).astype(np.float32)
+    sink = rng.standard_normal(h).astype(np.float32)
+    got = np.asarray(_merge_splits(*map(jnp.asarray, (acc, run_max, denom, sink)), jnp.float32))
+    for part in range(v):
+        cols = slice(part * d // v, (part + 1) * d // v)
+        m = run_max[:, :, part]                                        # [T, P, H]
+        top = m.max(1)
+        w = np.exp(m - top[:, None])
+        den = (denom[:, :, part] * w).sum(1) + np.exp(sink[None] - top)
+        want = (acc[..., cols] * w[..., None]).sum(1) / den[..., None]
+        np.testing.assert_allclose(got[..., cols], want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("splits", [1, 3])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.sparse_attn import decode_rows
-from tests.engine_common import SETTINGS, build_model, make_engine
+from tests.engine_common import SETTINGS, assert_packed_runs_typed, build_model, make_engine
 from v41_jax.cache.geometry import KV_PACKED, row_formats
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.request import Request
@@ -55,16 +55,9 @@ def test_packed_kv_rows_run_the_typed_computation_bit_for_bit(model, kernels, mo
     assert packed.cache.main[0].dtype == jnp.uint8 and packed.cache.window.dtype == jnp.uint8
     assert typed.cache.main[0].dtype == jnp.bfloat16
     reqs = _requests(typed.cfg.vocab_size, speculative=kernels == "xla")   # DSpark's rings on one path
-    want, got = typed.generate(reqs), packed.generate(reqs)
-    for w, g in zip(want, got):
-        assert g.tokens == w.tokens
-        np.testing.assert_array_equal(np.asarray(g.logprobs, np.float32), np.asarray(w.logprobs, np.float32))
-    d, written = typed.cfg.head_dim, 0
-    for a, b in [*zip(typed.cache.main, packed.cache.main), (typed.cache.window, packed.cache.window)]:
-        decoded = np.asarray(decode_rows(b, d, jnp.float32), np.float32)
-        np.testing.assert_array_equal(decoded.view(np.uint32), np.asarray(a, np.float32).view(np.uint32))
-        written += int(np.count_nonzero(np.asarray(a, np.float32)))
-    assert written > 0                                    # the planes hold rows, not only zeros
+    decode = lambda b: decode_rows(b, typed.cfg.head_dim, jnp.float32)
+    assert_packed_runs_typed(typed, packed, reqs, lambda: [
+        (a, b, decode) for a, b in [*zip(typed.cache.main, packed.cache.main), (typed.cache.window, packed.cache.window)]])
 
 
 def test_packed_kv_rows_are_refused_without_fake_quant(model):

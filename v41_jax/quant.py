@@ -351,7 +351,24 @@ def pack_fp4_ue8m0_rows(x, group: int = FP4_GROUP) -> jax.Array:
     return jnp.concatenate([codes, scale], axis=-1)
 
 
-def pack_fp8_ue8m0_rows(x, group: int = 32) -> jax.Array:
+# The reference's KV round trips, and the cache's packed rows of them (docs/CACHE.md §1.3): window
+# (and draft) rows FP8 with one E8M0 scale per 32 lanes, compressed rows FP4 with one E4M3 scale
+# per 16 lanes.
+KV_FP8_GROUP = 32
+KV_FP4_GROUP = 16
+
+
+def packed_fp8_row_bytes(d: int) -> int:
+    """A packed window row of d lanes: d E4M3 codes + d/32 E8M0 scale codes."""
+    return d + d // KV_FP8_GROUP
+
+
+def packed_fp4_row_bytes(d: int) -> int:
+    """A packed compressed row of d lanes: d/2 bytes of E2M1 pairs + d/16 E4M3 scale codes."""
+    return d // 2 + d // KV_FP4_GROUP
+
+
+def pack_fp8_ue8m0_rows(x, group: int = KV_FP8_GROUP) -> jax.Array:
     """Rows an `fp8_act_qdq` put on its grid [..., n] -> packed rows uint8 [..., n + n/group]: the
     E4M3 codes, then the E8M0 codes (the cache's packed window rows, docs/CACHE.md §1.3). Exact
     for such rows: re-quantized, a group keeps its power-of-two scale or takes a smaller one,
@@ -359,7 +376,7 @@ def pack_fp8_ue8m0_rows(x, group: int = 32) -> jax.Array:
     return jnp.concatenate(quant_fp8_ue8m0(x, group), axis=-1)
 
 
-def pack_fp4_e4m3_rows(x, group: int = 16) -> jax.Array:
+def pack_fp4_e4m3_rows(x, group: int = KV_FP4_GROUP) -> jax.Array:
     """Rows [..., n] -> their FP4 round trip packed, uint8 [..., n/2 + n/group]: the E2M1 bytes,
     then the E4M3 scale codes (the cache's packed compressed rows). Pass the rows *before* the
     round trip: re-quantizing on-grid values is not exact where the scale is an E4M3 subnormal

@@ -39,7 +39,7 @@ import numpy as np
 
 from v41_jax.config import ModelConfig, exit_2_on_refusal
 from v41_jax.numerics import Numerics
-from v41_jax.quant import FP4_GROUP
+from v41_jax.quant import FP4_GROUP, packed_fp4_row_bytes, packed_fp8_row_bytes
 from v41_jax.topology import Mode, resolve_topology
 
 # Row formats (docs/CACHE.md §1.3). "bf16"/"f32" rows are typed arrays; packed rows are uint8 bytes
@@ -84,12 +84,12 @@ def _align(n: int, a: int) -> int:
 
 def main_row_bytes(fmt: str, d: int) -> int:
     """Compressed main row of d lanes: typed, or packed FP4 (d/2 E2M1 bytes + d/16 E4M3 scales)."""
-    return d * _TYPED[fmt].itemsize if fmt in _TYPED else d // 2 + d // 16
+    return d * _TYPED[fmt].itemsize if fmt in _TYPED else packed_fp4_row_bytes(d)
 
 
 def window_row_bytes(fmt: str, d: int) -> int:
     """Window row of d lanes: typed, or packed FP8 (d E4M3 bytes + d/32 E8M0 scales)."""
-    return d * _TYPED[fmt].itemsize if fmt in _TYPED else d + d // 32
+    return d * _TYPED[fmt].itemsize if fmt in _TYPED else packed_fp8_row_bytes(d)
 
 
 def index_row_bytes(fmt: str, di: int) -> int:

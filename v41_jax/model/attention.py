@@ -58,10 +58,9 @@ from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.model.window import draft_context_idx, window_idx
-from v41_jax.quant import fp8_act_qdq
+from v41_jax.quant import KV_FP8_GROUP, fp8_act_qdq
 from v41_jax.topology import Candidates, LayerTopology, Mode
 
-WINDOW_FP8_BLOCK = 32  # window / draft KV rows: fp8 with one ue8m0 scale per 32 lanes
 
 
 class AttnContext(NamedTuple):
@@ -93,7 +92,7 @@ def window_kv(p: dict, cfg: ModelConfig, h: jax.Array, cos: jax.Array, sin: jax.
     kv = rms_norm(lin8(h, p["wkv"]["weight"], numerics), p["kv_norm"]["weight"], cfg.norm_eps, numerics)
     kv = apply_rope(kv, cos, sin)
     # the whole row, RoPE lanes included
-    return fp8_act_qdq(kv, WINDOW_FP8_BLOCK) if numerics.fake_quant else kv
+    return fp8_act_qdq(kv, KV_FP8_GROUP) if numerics.fake_quant else kv
 
 
 def output_proj(p: dict, cfg: ModelConfig, o: jax.Array, cos: jax.Array, sin: jax.Array,

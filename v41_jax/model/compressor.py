@@ -37,9 +37,8 @@ from v41_jax.model.linear import lin_bf, lin_f32
 from v41_jax.model.norm import rms_norm
 from v41_jax.model.numerics import Numerics, rounded
 from v41_jax.model.rope import apply_rope, rope_cos_sin
-from v41_jax.quant import fp4_qdq_e4m3, pack_fp4_e4m3_rows
+from v41_jax.quant import KV_FP4_GROUP, fp4_qdq_e4m3, pack_fp4_e4m3_rows
 
-KV_FP4_GROUP = 16  # compressed rows: fp4 with one e4m3 scale per 16 lanes
 
 
 class CompressorState(NamedTuple):
