@@ -16,12 +16,20 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures/dsv41_official"
 # small_a's schedule runs through the engine in the whole-farm run (f04 and v1, v2: its shape, other
 # seeds and weights; V41_FARM=all); by default only small_b's (~1 min of CPU each: the suite's budget)
 @pytest.mark.parametrize("name", ["small_a", "small_b"] if os.environ.get("V41_FARM") == "all" else ["small_b"])
-def test_engine_replay_passes_the_checker(name, capsys):
-    """`check_reference DIR --engine` (CPU tolerance profile, as on the machine running it)."""
-    code = main([str(FIXTURES / name), "--engine", "--json", "--tolerance", "cpu"])
+@pytest.mark.parametrize("kv_format", ["typed", "packed"])
+def test_engine_replay_passes_the_checker(name, kv_format, capsys):
+    """`check_reference DIR --engine` (CPU tolerance profile, as on the machine running it), the
+    cache's main and window rows typed or packed (FP4 / FP8: the same values)."""
+    code = main([str(FIXTURES / name), "--engine", "--json", "--tolerance", "cpu", "--kv-format", kv_format])
     report = json.loads(capsys.readouterr().out)
     failed = [(c["key"], c["stats"]) for c in report["checks"] if not c["passed"]]
     assert code == 0 and not failed
     keys = {c["key"] for c in report["checks"]}
     # the incremental path was compared, not only the prompt
     assert {"decode.logits", "decode.output_ids", "decode.block_out", "decode.engram_hash_ids"} <= keys
+
+
+def test_kv_format_needs_the_engine(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(FIXTURES / "small_b"), "--kv-format", "packed"])
+    assert e.value.code == 2 and "--kv-format packed: a cache format, so only with --engine" in capsys.readouterr().err

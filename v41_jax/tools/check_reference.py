@@ -69,6 +69,7 @@ Tolerances (the arithmetic behind them)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -993,6 +994,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numerics", choices=("reference", "fast"), default="reference")
     ap.add_argument("--engine", action="store_true",
                     help="run prefill + decode through the cache and the jitted step (no DSpark checks)")
+    ap.add_argument("--kv-format", choices=("typed", "packed"), default="typed",
+                    help="with --engine: the cache's main and window rows (packed: FP4 / FP8, the same values)")
     ap.add_argument("--tolerance", choices=("auto", "cpu", "gpu"), default="auto",
                     help="tolerance profile; auto = by the default JAX backend")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto", help="how the routed experts are held")
@@ -1001,9 +1004,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--free-running", action="store_true", help="also compare free-running greedy tokens")
     args = ap.parse_args(argv)
     runner = None
+    if args.kv_format != "typed" and not args.engine:
+        ap.error(f"--kv-format {args.kv_format}: a cache format, so only with --engine")
     if args.engine:
         from v41_jax.tools.engine_replay import run_engine  # imports this module: bind late
-        runner = run_engine
+        runner = functools.partial(run_engine, kv_format=args.kv_format)
     tol = {"auto": None, "cpu": CPU, "gpu": GPU}[args.tolerance]
     fx, numerics = load_fixture(args.folder, args.experts), getattr(Numerics, args.numerics)()
     cond = selection_conditioning(fx, numerics, args.conditioning)

@@ -50,14 +50,15 @@ def _stack_rows(parts: list[dict]) -> dict:
     return out
 
 
-def run_engine(cfg, params, z, hasher: EngramHasher | None, numerics: Numerics) -> dict:
-    """`check_reference.run_model`'s result, computed through the cache."""
+def run_engine(cfg, params, z, hasher: EngramHasher | None, numerics: Numerics, kv_format: str = "typed") -> dict:
+    """`check_reference.run_model`'s result, computed through the cache (its main and window rows
+    typed or packed, `geometry.row_formats`)."""
     prompt = z["prompt_ids"].astype(np.int32)
     inputs = z["decode.input_ids"].astype(np.int32)
     s, n = len(prompt), len(inputs)
     pages = -(-(s + n) // PAGE_TOKENS)
     settings = EngineSettings(page_tokens=PAGE_TOKENS, num_pages=pages + 1, slots=1, max_context=cfg.max_seq_len,
-                              **row_formats(numerics))
+                              **row_formats(numerics, kv_format=kv_format))
     engine = Engine(params, cfg, settings=settings, buckets=BucketSet((Bucket(s, 1, s), Bucket(1, 1, 1))),
                     numerics=numerics, token_map=None if hasher is None else hasher.token_map, record=True)
     forced = check_reference._forced(z, cfg)
