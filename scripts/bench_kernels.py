@@ -43,7 +43,7 @@ from v41_jax.linear import lin_f32  # noqa: E402
 from v41_jax.model.numerics import HIGHEST, Numerics  # noqa: E402
 from v41_jax.checkpoint.load import held_bytes  # noqa: E402
 from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, pack_fp4_ue8m0_rows,  # noqa: E402
-                           quant_fp4_e4m3, quant_fp8_ue8m0)
+                           pack_fp4_e4m3_rows, pack_fp8_ue8m0_rows)
 
 REF = Numerics.reference()
 FAST = Numerics.fast()
@@ -152,8 +152,8 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
     sink = jax.random.normal(jax.random.key(4), (h,), jnp.float32)
     pools = {"bf16": (ring, comp)}
 
-    fp8 = jax.jit(lambda x: jnp.concatenate(quant_fp8_ue8m0(x.astype(jnp.float32)), axis=-1))
-    fp4 = jax.jit(lambda x: jnp.concatenate(quant_fp4_e4m3(x.astype(jnp.float32)), axis=-1))
+    fp8 = jax.jit(lambda x: pack_fp8_ue8m0_rows(x.astype(jnp.float32)))
+    fp4 = jax.jit(lambda x: pack_fp4_e4m3_rows(x.astype(jnp.float32)))
 
     def pool(rows):
         """The (ring, compressed) pools, the same random rows typed bf16 ("bf16"), both packed
