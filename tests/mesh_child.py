@@ -16,19 +16,22 @@ import json
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from kernels_pallas.sparse_attn import decode_rows
 from scripts.make_checkpoint import make_checkpoint
-from v41_jax.cache.geometry import EngineSettings
+from v41_jax.cache.geometry import KV_PACKED, EngineSettings, row_formats
 from v41_jax.checkpoint import load as load_mod
 from v41_jax.engram_hash import load_token_map
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.engine import Engine, Stats
 from v41_jax.runtime.metadata import Bucket, BucketSet
 from v41_jax.runtime.request import Request
+from v41_jax.runtime.sampling import SamplingParams
 from tests.engine_common import ROOT  # also: the suite's persistent compilation cache
 
 
@@ -160,6 +163,31 @@ def main(out: Path) -> dict:
                    "logits_max_abs": float(np.abs(logits - want_logits).max()), **split(eng, before)}
         lap(f"tiny/{n}")
     report["tiny"] = {"want_tokens": want_tokens, "meshes": tiny}
+
+    # ---- main and window rows packed on a mesh of 2: the typed mesh's computation bit for bit -
+    # (tests/test_kv_rows_packed.py's property, each rank's cache shard packed: FP4 main, FP8
+    # window rows need the fake-quant numerics, so bf16 ones here)
+    fast = Numerics.fast()
+    row_engine = lambda kv: Engine(params, cfg, settings=replace(SETTINGS, **row_formats(fast, kv_format=kv)),
+                                   buckets=ONE_BUCKET, numerics=fast, token_map=token_map, prefill_chunk=16,
+                                   speculative=False, mesh=make_mesh(2))
+    typed, packed = row_engine(None), row_engine(KV_PACKED)
+    prompts = [rng.integers(3, cfg.vocab_size - 1, n).tolist() for n in PROMPT_LENGTHS]
+    reqs = lambda: [Request(p, 6, SamplingParams(temperature=0.8, seed=i) if i % 2 else SamplingParams(),
+                            ignore_eos=True, request_id=i, logprobs=True) for i, p in enumerate(prompts)]
+    want_r, got_r = typed.generate(reqs()), packed.generate(reqs())
+    planes = [*zip(typed.cache.main, packed.cache.main), (typed.cache.window, packed.cache.window)]
+    bits = lambda x: np.asarray(x, np.float32).view(np.uint32)
+    report["packed"] = {
+        "tokens_equal": [g.tokens for g in got_r] == [w.tokens for w in want_r],
+        "logprobs_equal": all(np.array_equal(bits(g.logprobs), bits(w.logprobs)) for g, w in zip(got_r, want_r)),
+        "planes_equal": all(np.array_equal(bits(decode_rows(b, cfg.head_dim, jnp.float32)), bits(a))
+                            for a, b in planes),
+        "rows_written": sum(int(np.count_nonzero(np.asarray(a, np.float32))) for a, _ in planes),
+        "packed_dtypes": sorted({str(b.dtype) for _, b in planes}),
+        "cache_split": all(b.sharding.is_equivalent_to(NamedSharding(packed.runner.mesh, P(AXIS)), b.ndim)
+                           for _, b in planes)}
+    lap("tiny/2 packed rows")
 
     # ---- loading: each device's experts read alone, values equal, bytes as the plan ----------
     reads = []

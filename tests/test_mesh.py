@@ -141,6 +141,16 @@ def test_cache_and_experts_stay_split_and_the_cache_donated(report, model, n):
     assert r["donated"] and r["cache_split"] and r["experts_split"]
 
 
+def test_packed_rows_on_a_mesh_run_the_typed_computation_bit_for_bit(report):
+    """Main rows FP4 and window rows FP8 (`kv_format="packed"`) in a cache split over 2 devices,
+    bf16 numerics: greedy and sampled requests give the typed mesh's tokens and log-probabilities
+    bit for bit, the packed planes stay split and decode to the typed planes, which hold rows."""
+    r = report["packed"]
+    assert r["packed_dtypes"] == ["uint8"] and r["cache_split"]
+    assert r["tokens_equal"] and r["logprobs_equal"] and r["planes_equal"]
+    assert r["rows_written"] > 0
+
+
 def test_each_device_reads_only_its_experts(report):
     """tiny over 8 devices: the 8 experts of a backbone MoE are read one at a time (the draft
     stages' 4 do not split over 8 and are read whole, replicated); the values equal a one-device
