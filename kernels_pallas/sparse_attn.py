@@ -107,7 +107,9 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         """A chunk's rows, lanes [start, start + D/V) [C, D/V] in q's dtype: masked, so skipped ids
         read nothing and give 0 rows (no NaN from unused pages); two broadcast index arrays, not
         (ids, :): interpret mode cannot mix them. Packed rows are decoded exactly (an E4M3 code
-        times 2^(s - 127), an E2M1 code times an E4M3 scale: 4 and 6 significant bits, bf16s)."""
+        times 2^(s - 127), an E2M1 code times an E4M3 scale: 4 and 6 significant bits, bf16s).
+        (Loading each lane's code and scale bytes at its own column instead, with no broadcast
+        or interleave, was 2.5-10x slower: byte loads; H100, 2026-12-06 p2.)"""
         at, valid = jnp.maximum(ids, 0)[:, None], (ids >= 0)[:, None]
 
         def cols(first, n):                                            # byte columns, 0 if skipped
@@ -197,21 +199,26 @@ def _merge_splits(acc, run_max, denom, sink, dtype):
     return out.reshape(t, h, d).astype(dtype)
 
 
-def launch_config(tokens: int) -> dict:
+def launch_config(tokens: int, packed: bool = False) -> dict:
     """Heads per program, warps, pipeline depth and value halves, measured (BENCHMARKS.md): up to
-    64 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
+    32 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
     [16, 512] fp32 accumulator needs no spills; H200, 2026-11-30), loading each chunk's ids a
-    loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32 equal; 2026-12-05). From 128 tokens every
+    loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32 equal; 2026-12-05). From 33 to 64 tokens
+    64-head programs in value halves on 4 warps, 3 stages (H100 at 64 tokens: 0.0390-0.0398 ms
+    against 0.0420-0.0443, three runs; slower at 32; 2026-12-06 y2, p). From 128 tokens every
     head in one 8-warp program with 3 stages (each row read once per token; the grid fills the
-    GPU anyway). Value halves on 4 warps, 3 stages were faster at 64 tokens (H100: 0.0397-0.0398
-    ms against 0.0425-0.0443, equal at 32; 2026-12-06 y2) but wait for the kernel tests to pass
-    compiled on a GPU before they become the default there (interpret mode and the ROCm export
-    pass). Slower wherever tried (H100, 2026-12-06 t, w-z): 16 warps for 64 heads, the next
+    GPU anyway). Slower wherever tried (H100, 2026-12-06 t, w-z): 16 warps for 64 heads, the next
     chunk's rows carried in registers, a gather per product, the output's columns in 2-4
-    programs each gathering whole rows, and the one-product 64-head program at 32 / 64 tokens."""
-    if tokens <= 64:
+    programs each gathering whole rows, and the one-product 64-head program at 32 / 64 tokens.
+    Packed rows (any source) from 32 tokens: every head in one 8-warp program with 3 stages, so a
+    row is gathered and decoded once per token, not once per head block (H100 at 32 / 64 / 128
+    tokens: 0.061 / 0.118 / 0.134 ms against 0.143 / 0.244 / 0.134 with the typed rows' choice;
+    2026-12-06 p; below 32 tokens not measured)."""
+    if tokens > 64 or (packed and tokens >= 32):
+        return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
+    if tokens <= 32:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
-    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
+    return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -343,7 +350,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     lead, q2, rows, idx = _flatten(q, sources)
     n_chunks = sum(-(-i.shape[1] // CHUNK) for i in idx)
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
-    launch = launch_config(q2.shape[0])
+    launch = launch_config(q2.shape[0], packed=any(r.dtype == jnp.uint8 for r in rows))
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
                                      ("num_stages", num_stages), ("prefetch_ids", prefetch_ids),
                                      ("value_parts", value_parts))

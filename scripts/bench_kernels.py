@@ -217,6 +217,10 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
 
     if sweep_only:
         variants = [("auto", {}), ("h16w4", dict(head_block=16, num_warps=4)),
+                    # the <= 32-token programs spelled out (a partial variant takes the rest from
+                    # `launch_config`), for the token counts where the defaults differ
+                    ("h16w4s2-ids", dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True,
+                                         value_parts=1)),
                     ("h32w4", dict(head_block=32, num_warps=4)), ("h32w8", dict(head_block=32, num_warps=8)),
                     ("h64w8", dict(head_block=64, num_warps=8)),
                     ("h64w8s3", dict(head_block=64, num_warps=8, num_stages=3)),

@@ -122,24 +122,54 @@ def _packed(sources, formats):
     return packed, typed
 
 
+def _weighted_magnitude(q, sink, sources, scale) -> np.ndarray:
+    """sum_j p_j |v_j| / den per output element [T, H, D], in float64: the attention's output with
+    every value row replaced by its magnitudes (the probabilities still from the real rows)."""
+    q = np.asarray(q, np.float64)
+    out = np.zeros(q.shape)
+    for t in range(q.shape[0]):
+        rows = np.concatenate([np.asarray(kv, np.float64)[np.asarray(idx)[t][np.asarray(idx)[t] >= 0]]
+                               for kv, idx in sources])                                   # [K, D]
+        logits = q[t] @ rows.T * scale                                                    # [H, K]
+        top = np.maximum(logits.max(axis=1), np.asarray(sink, np.float64))
+        p = np.exp(logits - top[:, None])
+        den = p.sum(axis=1) + np.exp(np.asarray(sink, np.float64) - top)
+        out[t] = p @ np.abs(rows) / den[:, None]
+    return out
+
+
 @pytest.mark.parametrize("value_parts", [1, 2])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_packed_rows(splits, value_parts):
     """Sources held as packed rows, the window's FP8 (D E4M3 codes + D/32 E8M0 scales) and the
-    compressed rows' FP4 (D/2 bytes of E2M1 pairs + D/16 E4M3 scales): the kernel decodes them
-    to the very values a typed row of them holds, so its output equals the typed rows' bit for
-    bit, mixed with a typed source, skipped ids (which read no bytes) included; so does the XLA
-    path, which decodes after its gather. A width no format has is refused."""
+    compressed rows' FP4 (D/2 bytes of E2M1 pairs + D/16 E4M3 scales), mixed with a typed source,
+    skipped ids (which read no bytes) included: the XLA path decodes after its gather to the
+    typed rows' output bit for bit; the kernel decodes them to the very values a typed row holds,
+    so in interpret mode it equals its typed run bit for bit. Compiled, the packed and typed
+    kernels are two programs (on an H100 not bit-equal at 3 splits, 2026-12-06), so the kernel is
+    held to the XLA path by a bound derived for these rows of spread magnitudes (every 16 lanes at
+    2^-14..2^5, where `BF16_TOL` around |o| does not hold: outputs cancel): each side rounds every
+    probability to bf16 within 2^-8 of its exact value (relative to any running max), so their
+    value sums differ by at most 2^-7 sum_j p_j |v_j| / den, and each bf16 output adds 2^-8 |o| <=
+    2^-8 of that weighted magnitude: 2^-6 of it, plus 2^-12 of it for the fp32 logits' and
+    exponentials' rounding (logits up to ~10^3 here: 2^-14 relative in p). A width no format has is
+    refused."""
     rng, seed = fresh_rng()
     q, sink, sources = _case(rng, h=32, rows=(40, 150, 30), k=(20, 70, 64))
     packed, typed = _packed(sources, ("fp8", "fp4", None))
+    scale = q.shape[-1] ** -0.5
     run = lambda src, backend="pallas": np.asarray(sparse_attn_paged(
-        q, sink, src, q.shape[-1] ** -0.5, numerics=REF, backend=backend, num_splits=splits,
+        q, sink, src, scale, numerics=REF, backend=backend, num_splits=splits,
         head_block=16, value_parts=value_parts), np.float32)
-    got = run(packed)
+    got, want = run(packed), run(typed, "xla")
     assert np.isfinite(got).all() and np.abs(got).max() > 0, f"seed {seed}"
-    np.testing.assert_array_equal(got, run(typed), err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(run(packed, "xla"), run(typed, "xla"), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(run(packed, "xla"), want, err_msg=f"seed {seed}")
+    if backend.interpret():
+        np.testing.assert_array_equal(got, run(typed), err_msg=f"seed {seed}")
+    bound = (2.0 ** -6 + 2.0 ** -12) * _weighted_magnitude(q, sink, typed, scale)
+    excess = np.abs(got.astype(np.float64) - want) - bound
+    assert excess.max() <= 0, (f"seed {seed}: {int((excess > 0).sum())} elements past the bound, "
+                               f"worst by {excess.max():.3g}")
     bad = [(r[:, :-1], i) if n == 0 else (r, i) for n, (r, i) in enumerate(packed)]
     with pytest.raises(ValueError, match=r"66 \(FP8\) or 36 \(FP4\) bytes, got 65"):
         run(bad)
