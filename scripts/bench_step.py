@@ -122,6 +122,7 @@ from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  #
 from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables, held_as,  # noqa: E402
                                      held_bytes, nest, param_units)
 from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, packed_fp4_lanes,  # noqa: E402
+                           packed_fp4_row_bytes, packed_fp8_row_bytes,
                            pack_fp4_e4m3_rows, pack_fp4_ue8m0_rows, pack_fp8_ue8m0_rows)
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
@@ -353,7 +354,9 @@ def _random_packed_kv(key, plane: jax.Array, window: bool) -> jax.Array:
     """A packed main plane [..., D/2 + D/16] (FP4, E4M3 scales) or window ring [..., D + D/32]
     (FP8, E8M0 scales) of N(0, 1) rows' round trips."""
     w = plane.shape[-1]
-    d = w * 32 // 33 if window else w * 16 // 9
+    d = w * 32 // 33 if window else w * 16 // 9            # the inverses of quant's row widths
+    if (packed_fp8_row_bytes if window else packed_fp4_row_bytes)(d) != w:
+        raise ValueError(f"{w} B is no packed {'window' if window else 'main'} row")
     rows = jax.random.normal(key, (*plane.shape[:-1], d), jnp.bfloat16)
     return pack_fp8_ue8m0_rows(fp8_act_qdq(rows)) if window else pack_fp4_e4m3_rows(rows)
 
