@@ -262,7 +262,7 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                                       ("h32w4", dict(head_block=32, num_warps=4)),
                                       ("h64w8", dict(head_block=64, num_warps=8)),
                                       ("h64w16", dict(head_block=64, num_warps=16)))]
-        for kind, t, wkind in (("decode", 32, "ring"), ("decode", 48, "ring"), ("decode", 64, "ring"),
+        for kind, t, wkind in (("decode", 1, "ring"), ("decode", 8, "ring"), ("decode", 32, "ring"), ("decode", 48, "ring"), ("decode", 64, "ring"),
                                ("decode", 96, "ring"), ("decode", 128, "ring"),
                                ("verify", 192, "ring"), ("prefill", 4096, "extend")):
             if b.left() < 0:
