@@ -39,19 +39,17 @@ def _triton_calls(exported) -> int:
     return exported.mlir_module().count(f"custom_call @{TRITON_CUSTOM_CALL}")
 
 
-@pytest.mark.parametrize("t,splits,loads", [(8, 1, {}), (8, 2, {}), (128, 1, {}),
-                                            (128, 2, dict(prefetch_ids=True)),
-                                            (64, 1, dict(head_block=64, num_stages=3, prefetch_ids=False,
-                                                         value_parts=2)),
-                                            (64, 2, dict(head_block=64, num_stages=3, prefetch_ids=False,
-                                                         value_parts=2))])
+@pytest.mark.parametrize("t,splits,loads", [(8, 1, {}), (8, 2, {}), (32, 2, {}), (128, 1, {}),
+                                            (128, 2, dict(prefetch_ids=True)), (64, 1, {}), (64, 2, {})])
 @pytest.mark.parametrize("kv_rows", ["bf16", "packed"])
 def test_sparse_attn_lowers_for_rocm(t, splits, loads, kv_rows):
-    # H=64, Dh=512, window 128 + 512 compressed ids; both launch configs (16- and 64-head programs),
-    # the load-placement variants and the value halves; rows typed, or packed (window FP8,
+    # H=64, Dh=512, window 128 + 512 compressed ids; every launch config `launch_config` gives
+    # (16-head programs, value halves at 64 tokens, 64-head 8-warp programs, and for packed rows
+    # those from 32 tokens) and a load-placement variant; rows typed, or packed (window FP8,
     # compressed FP4)
+    launch = {**launch_config(t, packed=kv_rows == "packed"), **loads}
     f = functools.partial(_sparse_attn_pallas, scale=512 ** -0.5, bf16_probs=True,
-                          num_splits=splits, interpret=False, **{**launch_config(t), **loads})
+                          num_splits=splits, interpret=False, **launch)
     rows = ((S((4096, 512), BF16), S((65536, 512), BF16)) if kv_rows == "bf16"
             else (S((4096, 512 + 16), U8), S((65536, 256 + 32), U8)))
     e = _export_rocm(f, S((t, 64, 512), BF16), S((64,), F32), rows, (S((t, 128), I32), S((t, 512), I32)))
