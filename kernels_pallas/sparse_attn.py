@@ -201,22 +201,23 @@ def _merge_splits(acc, run_max, denom, sink, dtype):
 
 def launch_config(tokens: int, packed: bool = False) -> dict:
     """Heads per program, warps, pipeline depth and value halves, measured (BENCHMARKS.md): up to
-    32 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
+    48 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
     [16, 512] fp32 accumulator needs no spills; H200, 2026-11-30), loading each chunk's ids a
-    loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32 equal; 2026-12-05). From 33 to 64 tokens
-    64-head programs in value halves on 4 warps, 3 stages (H100 at 64 tokens: 0.0390-0.0398 ms
-    against 0.0420-0.0443, three runs; slower at 32; 2026-12-06 y2, p). From 128 tokens every
+    loop step ahead (64 tokens 0.0449 -> 0.0418 ms, 32 equal; 2026-12-05). From 49 to 64 tokens
+    64-head programs in value halves on 4 warps, 3 stages (H100 at 64 tokens: 0.0390-0.0399 ms
+    against 0.0420-0.0443, four runs; equal at 48, slower at 32, 33-47 not measured; 2026-12-06
+    y2, p). From 65 tokens every
     head in one 8-warp program with 3 stages (each row read once per token; the grid fills the
     GPU anyway). Slower wherever tried (H100, 2026-12-06 t, w-z): 16 warps for 64 heads, the next
     chunk's rows carried in registers, a gather per product, the output's columns in 2-4
     programs each gathering whole rows, and the one-product 64-head program at 32 / 64 tokens.
     Packed rows (any source) from 32 tokens: every head in one 8-warp program with 3 stages, so a
     row is gathered and decoded once per token, not once per head block (H100 at 32 / 64 / 128
-    tokens: 0.061 / 0.118 / 0.134 ms against 0.143 / 0.244 / 0.134 with the typed rows' choice;
-    2026-12-06 p; below 32 tokens not measured)."""
+    tokens: 0.061 / 0.118 / 0.134 ms against 0.143 / 0.244 / 0.440 for 16-head programs and
+    0.121 / 0.183 / 0.362 for value halves; 2026-12-06 p; below 32 tokens not measured)."""
     if tokens > 64 or (packed and tokens >= 32):
         return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
-    if tokens <= 32:
+    if tokens <= 48:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
     return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2)
 
@@ -351,6 +352,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     n_chunks = sum(-(-i.shape[1] // CHUNK) for i in idx)
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
     launch = launch_config(q2.shape[0], packed=any(r.dtype == jnp.uint8 for r in rows))
+    if q.shape[-1] // 2 < 16:                      # value halves need 16 lanes each: whole rows
+        launch["value_parts"] = 1
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
                                      ("num_stages", num_stages), ("prefetch_ids", prefetch_ids),
                                      ("value_parts", value_parts))

@@ -139,6 +139,18 @@ def _attn_inputs(key, layers, t, h, d, n_win, n_comp, ring_rows, comp_rows, ctx,
     return tuple(qs), tuple(wids), tuple(cids)
 
 
+LAUNCH_KEYS = {"head_block", "num_warps", "num_stages", "prefetch_ids", "value_parts"}
+
+
+def _variant_base(tokens: int) -> dict:
+    """What a sweep variant naming some launch parameters takes the rest from: `launch_config` as
+    it stood on 2026-12-05, fixed, so a variant's name means one program in every run's JSON
+    (variants naming none, "auto", "packed-auto", take today's `launch_config`)."""
+    if tokens <= 64:
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
+    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
+
+
 def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
     h, d, w, k = cfg["num_attention_heads"], cfg["head_dim"], cfg["sliding_window"], cfg["index_topk"]
     if b.smoke:
@@ -203,6 +215,8 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
         times = {}
         for label, kw in variants:
             rows = kw.get("rows", "bf16")
+            if LAUNCH_KEYS & set(kw):                  # a named program: the same one in every run
+                kw = {**_variant_base(t), **kw}
             times[label] = b.case(f"attn/{kind}{t}/pallas[{label}]", runner("pallas", **kw), ins,
                                   layers=layers, flops=flops, bytes_=bytes_(rows), check=agrees(rows),
                                   variant=label, rows=rows, **meta)

@@ -43,8 +43,8 @@ INDEX_CHOICES = ("typed", INDEX_PACKED)
 KV_CHOICES = ("typed", KV_PACKED)
 KV_HELP = ("the cache's main and window rows: typed = the activation dtype (default); packed = FP4 main and "
            "FP8 window rows, exact under fast / reference numerics (their own grids): 0.28 / 0.52 of bf16's "
-           "bytes (2.35x the tokens a cache holds), the same values read back; decode steps at 32K context 3-6 %% slower "
-           "on an H100 (the sparse attention decodes the rows after its gather)")
+           "bytes (2.35x the tokens a cache holds), the same values read back; decode steps of the bench slice at 32K "
+           "context 2.5-5.5 %% slower on an H100 (the sparse attention decodes the rows after its gather)")
 INDEX_HELP = ("the cache's index rows: typed = the activation dtype (default); fp4 = packed FP4, exact under "
               "fast / reference numerics (the keys' own grid): a quarter of the index bytes, 15 %% less cache, "
               "the indexer's scoring up to 21 %% slower")
