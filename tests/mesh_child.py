@@ -172,8 +172,10 @@ def main(out: Path) -> dict:
                                    buckets=ONE_BUCKET, numerics=fast, token_map=token_map, prefill_chunk=16,
                                    speculative=False, mesh=make_mesh(2))
     typed, packed = row_engine(None), row_engine(KV_PACKED)
-    prompts = [rng.integers(3, cfg.vocab_size - 1, n).tolist() for n in PROMPT_LENGTHS]
-    reqs = lambda: [Request(p, 6, SamplingParams(temperature=0.8, seed=i) if i % 2 else SamplingParams(),
+    # two prompts past the window and several compressed rows (a chunked prefill), one greedy, one
+    # sampled; 4 new tokens (the two engines' compiles are most of this section's time)
+    prompts = [rng.integers(3, cfg.vocab_size - 1, n).tolist() for n in (23, 40)]
+    reqs = lambda: [Request(p, 4, SamplingParams(temperature=0.8, seed=i) if i % 2 else SamplingParams(),
                             ignore_eos=True, request_id=i, logprobs=True) for i, p in enumerate(prompts)]
     want_r, got_r = typed.generate(reqs()), packed.generate(reqs())
     planes = [*zip(typed.cache.main, packed.cache.main), (typed.cache.window, packed.cache.window)]
