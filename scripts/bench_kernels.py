@@ -231,10 +231,6 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
 
     if sweep_only:
         variants = [("auto", {}), ("h16w4", dict(head_block=16, num_warps=4)),
-                    # the <= 32-token programs spelled out (a partial variant takes the rest from
-                    # `launch_config`), for the token counts where the defaults differ
-                    ("h16w4s2-ids", dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True,
-                                         value_parts=1)),
                     ("h32w4", dict(head_block=32, num_warps=4)), ("h32w8", dict(head_block=32, num_warps=8)),
                     ("h64w8", dict(head_block=64, num_warps=8)),
                     ("h64w8s3", dict(head_block=64, num_warps=8, num_stages=3)),
@@ -276,7 +272,8 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                                       ("h32w4", dict(head_block=32, num_warps=4)),
                                       ("h64w8", dict(head_block=64, num_warps=8)),
                                       ("h64w16", dict(head_block=64, num_warps=16)))]
-        for kind, t, wkind in (("decode", 1, "ring"), ("decode", 8, "ring"), ("decode", 32, "ring"), ("decode", 48, "ring"), ("decode", 64, "ring"),
+        for kind, t, wkind in (("decode", 1, "ring"), ("decode", 8, "ring"), ("decode", 32, "ring"),
+                               ("decode", 48, "ring"), ("decode", 64, "ring"),
                                ("decode", 96, "ring"), ("decode", 128, "ring"),
                                ("verify", 192, "ring"), ("prefill", 4096, "extend")):
             if b.left() < 0:
