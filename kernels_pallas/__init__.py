@@ -3,6 +3,8 @@
 Entry points (each takes `backend=`; the process-wide switch is `kernels_pallas.backend`, env
 V41_KERNELS = xla | pallas | auto):
   sparse_attn.sparse_attn_paged   sparse latent attention with sink over cache row views
+                                  (impl="mgpu": `sparse_attn_mgpu`, an optional NVIDIA Hopper
+                                  kernel with rows copied by TMA; not the default, not faster yet)
   indexer.index_scores_paged      lightning-indexer scores from the paged index plane
   indexer.index_scores_tokens     ... of a step's flat token list (one query a block by default)
   indexer.index_topk_paged        ... plus the top-k (full scan, or REINDEX candidate columns)

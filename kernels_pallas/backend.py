@@ -11,20 +11,25 @@ function was jitted needs a re-trace, e.g. a new jit or `jax.clear_caches()`):
 
 On a machine without a GPU a "pallas" request runs the kernels in Pallas interpret mode (the
 CPU CI does this on small shapes); V41_PALLAS_INTERPRET=1 forces interpret mode on a GPU too.
-On NVIDIA Hopper the MoE grouped GEMM from 2K tokens takes the optional Mosaic GPU path
-(`kernels_pallas.moe_mgpu`); V41_MOSAIC_GPU=0 keeps it on the portable Triton kernels.
+On NVIDIA Hopper (`mosaic_gpu()`) the MoE grouped GEMM from 2K tokens and the sparse attention
+take optional Mosaic GPU paths (`kernels_pallas.moe_mgpu`, `kernels_pallas.sparse_attn_mgpu`);
+V41_MOSAIC_GPU=0 keeps them on the portable Triton kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from typing import Iterator
+
+import jax
 
 from kernels_pallas._compat import on_gpu
 
 ENV_BACKEND = "V41_KERNELS"
 ENV_INTERPRET = "V41_PALLAS_INTERPRET"
+ENV_MOSAIC = "V41_MOSAIC_GPU"     # "0": never take the Mosaic GPU paths (the Triton kernels run instead)
 CHOICES = ("xla", "pallas")
 KERNELS = ("sinkhorn", "rmsnorm", "select", "rope", "hc_expand")  # the names `resolve(kernel=...)` is called with
 
@@ -71,3 +76,14 @@ def resolve(backend: str | None = None, kernel: str | None = None) -> str:
 
 def interpret() -> bool:
     return (not on_gpu()) or os.environ.get(ENV_INTERPRET, "0") == "1"
+
+
+def mosaic_gpu() -> bool:
+    """True where the optional Mosaic GPU kernels can run: an NVIDIA GPU of compute capability 9.x
+    (wgmma, TMA) and a jax with Mosaic GPU, unless V41_MOSAIC_GPU=0."""
+    if os.environ.get(ENV_MOSAIC, "1") == "0" or not on_gpu():
+        return False
+    if importlib.util.find_spec("jax.experimental.pallas.mosaic_gpu") is None:
+        return False   # pragma: no cover - a jax without Mosaic GPU
+    dev = jax.devices()[0]
+    return getattr(dev, "platform", "") == "gpu" and str(getattr(dev, "compute_capability", "0")).startswith("9")

@@ -570,7 +570,7 @@ def mgpu_ok(w1, w3, w2, numerics: Numerics) -> bool:
 def auto_impl(tokens: int, w1, w3, w2, numerics: Numerics) -> str:
     """What `routed_experts` runs for impl=None: `choose_impl`, with the Mosaic path where it can
     run on this machine and takes these experts."""
-    return choose_impl(tokens, moe_mgpu.available() and mgpu_ok(w1, w3, w2, numerics))
+    return choose_impl(tokens, _backend.mosaic_gpu() and mgpu_ok(w1, w3, w2, numerics))
 
 
 def launch_config(block_m: int, coded: bool = False) -> dict:
@@ -647,7 +647,7 @@ def routed_pairs(x: jax.Array, idx: jax.Array, w: jax.Array, w1: jax.Array, w3: 
                              "experts and fp32 numerics take impl='pallas'")
         # off an NVIDIA Hopper GPU (CPU tests) the GEMMs run as their jnp reference
         return _routed_mgpu(x, idx, w, w1, w3, w2, base, **kw, tile_m=block_m or 256, steps=num_stages or 3,
-                            reference=not moe_mgpu.available())
+                            reference=not _backend.mosaic_gpu())
     d, f = x.shape[1], w1.shape[1]
 
     def fit(default: int) -> int:

@@ -24,7 +24,6 @@ bf16 experts only (held FP8 / FP4 experts take the Triton path, which decodes th
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -38,16 +37,6 @@ except ImportError:  # pragma: no cover - a jax without Mosaic GPU
     plgpu = None
 
 _N_MINOR = 1   # planar_snake: the column index runs fastest (a tile's rows stay in L2)
-ENV_SWITCH = "V41_MOSAIC_GPU"   # "0": never take this path (the Triton kernels run instead)
-
-
-def available() -> bool:
-    """True where this path can run: an NVIDIA GPU of compute capability 9.x (wgmma, TMA), unless
-    V41_MOSAIC_GPU=0."""
-    if plgpu is None or jax.default_backend() != "gpu" or os.environ.get(ENV_SWITCH, "1") == "0":
-        return False
-    dev = jax.devices()[0]
-    return getattr(dev, "platform", "") == "gpu" and str(getattr(dev, "compute_capability", "0")).startswith("9")
 
 
 def _num_sms() -> int:

@@ -41,9 +41,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
+from kernels_pallas import sparse_attn_mgpu
 from kernels_pallas._codecs import fp4_values, fp8_values
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from kernels_pallas.reference import CHUNK, NO_MAX, sparse_attn
+from kernels_pallas.split_merge import merge_splits
 from v41_jax.quant import (KV_FP4_GROUP, KV_FP8_GROUP, dequant_fp4_e4m3_rows, dequant_fp8_rows,
                            packed_fp4_row_bytes, packed_fp8_row_bytes)
 from v41_jax.numerics import HIGHEST, Numerics
@@ -185,20 +187,6 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         den_ref[...] = denom
 
 
-def _merge_splits(acc, run_max, denom, sink, dtype):
-    """acc [T, P, H, D], run_max/denom [T, P, V, H] partials (V value parts, each with its own
-    statistics for its D/V columns) -> [T, H, D] with the sink folded in."""
-    t, p, h, d = acc.shape
-    v = run_max.shape[2]
-    acc = acc.reshape(t, p, h, v, d // v)
-    run_max, denom = run_max.swapaxes(2, 3), denom.swapaxes(2, 3)      # [T, P, H, V]
-    top = run_max.max(axis=1)                                          # [T, H, V]
-    w = jnp.exp(run_max - top[:, None])                                # [T, P, H, V]
-    den = (denom * w).sum(1) + jnp.exp(sink[None, :, None] - top)
-    out = (acc * w[..., None]).sum(1) / den[..., None]                 # [T, H, V, D/V]
-    return out.reshape(t, h, d).astype(dtype)
-
-
 def launch_config(tokens: int, packed: bool = False) -> dict:
     """Heads per program, warps, pipeline depth and value halves, measured (BENCHMARKS.md): up to
     48 query tokens 16-head programs on 4 warps (more programs to hide the gather latency; a
@@ -211,11 +199,12 @@ def launch_config(tokens: int, packed: bool = False) -> dict:
     GPU anyway). Slower wherever tried (H100, 2026-12-06 t, w-z): 16 warps for 64 heads, the next
     chunk's rows carried in registers, a gather per product, the output's columns in 2-4
     programs each gathering whole rows, and the one-product 64-head program at 32 / 64 tokens.
-    Packed rows (any source) from 32 tokens: every head in one 8-warp program with 3 stages, so a
-    row is gathered and decoded once per token, not once per head block (H100 at 32 / 64 / 128
-    tokens: 0.061 / 0.118 / 0.134 ms against 0.143 / 0.244 / 0.440 for 16-head programs and
-    0.121 / 0.183 / 0.362 for value halves; 2026-12-06 p; below 32 tokens not measured)."""
-    if tokens > 64 or (packed and tokens >= 32):
+    Packed rows (any source) at every token count: every head in one 8-warp program with 3
+    stages, so a row is gathered and decoded once per token, not once per head block (H100 at 1 /
+    8 / 32 / 64 / 128 tokens: 0.036 / 0.041 / 0.061 / 0.118 / 0.134 ms against 0.046 / 0.068 /
+    0.143 / 0.244 / 0.440 for 16-head programs and 0.057 / 0.080 / 0.121 / 0.183 / 0.362 for
+    value halves; 2026-12-06 p and g2; 9-31 tokens not measured)."""
+    if tokens > 64 or packed:
         return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
     if tokens <= 48:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
@@ -287,7 +276,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
         name="sparse_latent_attn",
     )(q, sink_p, *idx, *rows)
     if n_splits > 1:
-        out = _merge_splits(*out, sink_p, q.dtype)
+        out = merge_splits(*out, sink_p, q.dtype)
     return out[:, :h]
 
 
@@ -332,7 +321,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                       numerics: Numerics, backend: str | None = None,
                       num_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, head_block: int | None = None,
-                      prefetch_ids: bool | None = None, value_parts: int | None = None) -> jax.Array:
+                      prefetch_ids: bool | None = None, value_parts: int | None = None,
+                      impl: str | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -345,11 +335,26 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     num_warps, num_stages (Triton launch parameters), prefetch_ids (each chunk's ids loaded one
     loop step ahead of its gather) and value_parts (1, or 2: the output's columns in two programs,
     each computing the logits over all of D from the rows' two halves): None = `launch_config`.
+    impl: None / "triton" (the portable kernel) or "mgpu" (`sparse_attn_mgpu`, NVIDIA Hopper:
+    warp specialised, rows copied by TMA; num_splits None = its `default_splits`). Not the
+    default: measured equal to the Triton kernel at 128 tokens and slower at 32 / 64 (H100,
+    2026-12-06 g3, BENCHMARKS.md).
     """
     if _backend.resolve(backend) == "xla":
         return sparse_attn_paged_xla(q, sink, sources, scale, numerics=numerics)
     lead, q2, rows, idx = _flatten(q, sources)
     n_chunks = sum(-(-i.shape[1] // CHUNK) for i in idx)
+    if impl == "mgpu":
+        q2 = q2.astype(numerics.act_dtype)
+        if not (numerics.attn_probs_bf16 and sparse_attn_mgpu.supported(q2, rows)):
+            raise ValueError("impl='mgpu' takes bf16 queries and typed bf16 rows of 512 lanes, at most "
+                             "64 heads, bf16 probabilities (reference or fast numerics)")
+        splits = num_splits or sparse_attn_mgpu.default_splits(q2.shape[0], n_chunks)
+        out = sparse_attn_mgpu.sparse_attn_mgpu(q2, sink, rows, tuple(_pad_ids(i) for i in idx),
+                                                scale=float(scale), num_splits=splits)
+        return out.reshape(*lead, *q.shape[-2:])
+    if impl not in (None, "triton"):
+        raise ValueError(f"sparse attention impl {impl!r}: 'triton' (the default) or 'mgpu'")
     splits = default_splits(q2.shape[0], n_chunks) if num_splits is None else num_splits
     launch = launch_config(q2.shape[0], packed=any(r.dtype == jnp.uint8 for r in rows))
     if q.shape[-1] // 2 < 16:                      # value halves need 16 lanes each: whole rows

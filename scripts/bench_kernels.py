@@ -255,6 +255,8 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                                                value_parts=2, num_splits=4)),
                     ("h32w4-v2s2", dict(head_block=32, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=2)),
                     ("h16w4-v2", dict(head_block=16, num_warps=4, value_parts=2)),
+                    # the Mosaic GPU kernel (NVIDIA Hopper): rows copied by TMA, warp specialised
+                    ("mgpu", dict(impl="mgpu")),
                     # rows packed: both FP8 (528 B, not 1 KiB), or the window FP8 and the compressed
                     # rows FP4 (288 B), the formats the reference's round trips allow exactly
                     ("fp8-auto", dict(rows="fp8")),

@@ -22,7 +22,7 @@ import pytest
 from kernels_common import assert_close, fresh_rng, load_fixture
 from kernels_pallas import _codecs
 from kernels_pallas import moe as kmoe
-from kernels_pallas import moe_mgpu
+from kernels_pallas import backend, moe_mgpu
 from v41_jax.model import moe as ref
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import (Fp4Weight, Fp8RowWeight, dequant_fp4_e4m3_rows, dequant_fp4_rows, dequant_fp8_rows,
@@ -292,7 +292,7 @@ def test_mgpu_kernels_lower_for_cuda_at_real_widths(tile_m):
                spec(rows, 2304), spec(4, 5120, 2304), te)
 
 
-@pytest.mark.skipif(not moe_mgpu.available(), reason="needs an NVIDIA Hopper GPU (wgmma, TMA)")
+@pytest.mark.skipif(not backend.mosaic_gpu(), reason="needs an NVIDIA Hopper GPU (wgmma, TMA)")
 @pytest.mark.parametrize("tile_m", [256, 128])
 def test_mgpu_grouped_matmul_matches_its_reference(tile_m):
     """Compiled Mosaic GPU kernel vs its jnp reference on live tiles (skipped tiles are unwritten).

@@ -14,7 +14,8 @@ import pytest
 
 from kernels_common import assert_close, fp4_rows, fp8_rows, fresh_rng, load_fixture
 from kernels_pallas import backend
-from kernels_pallas.sparse_attn import BF16_TOL, _merge_splits, default_splits, launch_config, sparse_attn_paged
+from kernels_pallas.sparse_attn import BF16_TOL, default_splits, launch_config, sparse_attn_paged
+from kernels_pallas.split_merge import merge_splits
 from v41_jax.quant import (KV_FP4_GROUP, KV_FP8_GROUP, dequant_fp4_e4m3_rows, dequant_fp8_rows, quant_fp4_e4m3,
                            quant_fp8_ue8m0)
 from v41_jax.model.numerics import Numerics
@@ -193,7 +194,7 @@ def test_packed_rows_narrower_than_a_scale_group_are_refused():
 
 
 def test_split_merge_takes_each_value_parts_own_statistics():
-    """`_merge_splits` with two value parts whose statistics differ: each half of the columns is
+    """`merge_splits` with two value parts whose statistics differ: each half of the columns is
     merged with its own part's (max, denominator), as a per-half numpy merge."""
     rng = np.random.default_rng(1)
     t, p, h, v, d = 3, 2, 4, 2, 8
@@ -201,7 +202,7 @@ def test_split_merge_takes_each_value_parts_own_statistics():
     run_max = rng.standard_normal((t, p, v, h)).astype(np.float32)
     denom = rng.uniform(1, 2, (t, p, v, h)).astype(np.float32)
     sink = rng.standard_normal(h).astype(np.float32)
-    got = np.asarray(_merge_splits(*map(jnp.asarray, (acc, run_max, denom, sink)), jnp.float32))
+    got = np.asarray(merge_splits(*map(jnp.asarray, (acc, run_max, denom, sink)), jnp.float32))
     for part in range(v):
         cols = slice(part * d // v, (part + 1) * d // v)
         m = run_max[:, :, part]                                        # [T, P, H]
