@@ -349,6 +349,11 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
         if not (numerics.attn_probs_bf16 and sparse_attn_mgpu.supported(q2, rows)):
             raise ValueError("impl='mgpu' takes bf16 queries and typed bf16 rows of 512 lanes, at most "
                              "64 heads, bf16 probabilities (reference or fast numerics)")
+        triton_only = [k for k, v in (("num_warps", num_warps), ("num_stages", num_stages),
+                                      ("head_block", head_block), ("prefetch_ids", prefetch_ids),
+                                      ("value_parts", value_parts)) if v is not None]
+        if triton_only:
+            raise ValueError(f"impl='mgpu' has no Triton launch parameters: {', '.join(triton_only)}")
         splits = num_splits or sparse_attn_mgpu.default_splits(q2.shape[0], n_chunks)
         out = sparse_attn_mgpu.sparse_attn_mgpu(q2, sink, rows, tuple(_pad_ids(i) for i in idx),
                                                 scale=float(scale), num_splits=splits)

@@ -88,6 +88,10 @@ def test_impl_mgpu_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="typed bf16 rows of 512 lanes"):
         sparse_attn_paged(q.astype(jnp.float32), jnp.zeros(4), sources, 0.125, numerics=Numerics.fp32(),
                           backend="pallas", impl="mgpu")
+    rows512 = [(jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32))]
+    with pytest.raises(ValueError, match="no Triton launch parameters: num_warps, head_block"):
+        sparse_attn_paged(jnp.zeros((2, 4, 512), jnp.bfloat16), jnp.zeros(4), rows512, 0.125, numerics=REF,
+                          backend="pallas", impl="mgpu", num_warps=4, head_block=16)
     with pytest.raises(ValueError, match="'triton' \\(the default\\) or 'mgpu'"):
         sparse_attn_paged(q, jnp.zeros(4), sources, 0.125, numerics=REF, backend="pallas", impl="cuda")
 
