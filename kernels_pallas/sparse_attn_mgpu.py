@@ -77,6 +77,28 @@ def _tile_transforms(dtype) -> tuple:
     return plgpu.TilingTransform((8, lanes)), plgpu.SwizzleTransform(128)
 
 
+def ring_views(steps: int) -> tuple:
+    """A `steps`-deep ring of [64, 512] bf16 row tiles, two views of the same bytes for a
+    `plgpu.RefUnion`: the tiled, swizzled tiles wgmma reads, and the untiled [slot, row tile,
+    column tile, row, 64 lanes] a 1-row TMA box writes (`copy_rows`)."""
+    return (plgpu.SMEM((steps, CHUNK, D), jnp.bfloat16, transforms=_tile_transforms(jnp.bfloat16)),
+            plgpu.SMEM((steps, CHUNK // 8, D // SEG, 8, SEG), jnp.bfloat16,
+                       transforms=(plgpu.SwizzleTransform(128),)))
+
+
+def copy_rows(rows_ref, ids_smem, chunk, raw_slot, barrier, first, count: int) -> None:
+    """Rows rows_ref[ids_smem[chunk, j]] for j in [first, first + count) into a ring slot's
+    untiled view `raw_slot` at tile rows j, each row as 8 TMA boxes of [1, 64], all arriving on
+    `barrier`."""
+    @pl.loop(first, first + count)
+    def _(j):
+        row = ids_smem[chunk, j]
+        tile_row, sub = lax.shift_right_logical(j, 3), lax.bitwise_and(j, 7)   # no signed // in warp code
+        for seg in range(D // SEG):
+            plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1), pl.ds(seg * SEG, SEG)],
+                                    raw_slot.at[tile_row, seg, pl.ds(sub, 1), :], barrier)
+
+
 def _kernel(q_ref, sink_ref, ids_ref, bias_ref, *refs, starts: tuple[int, ...], per: int,
             total: int, scale: float, n_splits: int):
     """refs = (*rows_refs, *outs): outs (o [T, 64, D] bf16,) with one split, else (acc [T, P, 64,
@@ -103,14 +125,8 @@ def _kernel(q_ref, sink_ref, ids_ref, bias_ref, *refs, starts: tuple[int, ...], 
 
                     @pl.when((c >= starts[k]) & (c < end))
                     def _():
-                        @pl.loop(first, first + CHUNK // ISSUE_WARPS)
-                        def _(j):
-                            row = ids_smem[i, j]
-                            tile_row, sub = lax.shift_right_logical(j, 3), lax.bitwise_and(j, 7)
-                            for seg in range(D // SEG):
-                                plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(row, 1), pl.ds(seg * SEG, SEG)],
-                                                        raw.at[slot, tile_row, seg, pl.ds(sub, 1), :],
-                                                        rows_bar.at[slot])
+                        copy_rows(rows_ref, ids_smem, i, raw.at[slot], rows_bar.at[slot], first,
+                                  CHUNK // ISSUE_WARPS)
 
         @pl.when(wg == 2)
         def _memory():
@@ -190,14 +206,10 @@ def _kernel(q_ref, sink_ref, ids_ref, bias_ref, *refs, starts: tuple[int, ...], 
         pl.when(wg == 0)(lambda: compute(0))
         pl.when(wg == 1)(lambda: compute(1))
 
-    segs = D // SEG
     pl.run_scoped(
         scoped,
         plgpu.RefUnion(
-            plgpu.SMEM((STEPS, CHUNK, D), jnp.bfloat16, transforms=_tile_transforms(jnp.bfloat16)),
-            # the same bytes untiled: [slot, row tile, column tile, row, 64 lanes], what a box writes
-            plgpu.SMEM((STEPS, CHUNK // 8, segs, 8, SEG), jnp.bfloat16,
-                       transforms=(plgpu.SwizzleTransform(128),)),
+            *ring_views(STEPS),
             plgpu.SMEM((2, HEADS, WG_COLS), jnp.float32, transforms=_tile_transforms(jnp.float32)),
             plgpu.SMEM((2, HEADS, WG_COLS), jnp.bfloat16, transforms=_tile_transforms(jnp.bfloat16))),
         plgpu.SMEM((HEADS, D), jnp.bfloat16, transforms=_tile_transforms(jnp.bfloat16)),
@@ -205,7 +217,7 @@ def _kernel(q_ref, sink_ref, ids_ref, bias_ref, *refs, starts: tuple[int, ...], 
         plgpu.SMEM((per, CHUNK), jnp.float32),
         plgpu.SMEM((HEADS,), jnp.float32),
         plgpu.SMEM((2, HEADS), jnp.float32),
-        plgpu.Barrier(num_arrivals=CHUNK * segs, num_barriers=STEPS),
+        plgpu.Barrier(num_arrivals=CHUNK * (D // SEG), num_barriers=STEPS),
         plgpu.Barrier(num_arrivals=2, num_barriers=STEPS),
         plgpu.Barrier(num_arrivals=4),
         plgpu.Barrier(num_arrivals=2),

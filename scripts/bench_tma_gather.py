@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels_pallas.sparse_attn_mgpu import SEG, _tile_transforms  # noqa: E402
+from kernels_pallas.sparse_attn_mgpu import SEG, copy_rows, ring_views  # noqa: E402
 from scripts.bench_common import kernel_profile  # noqa: E402
 
 C, D, IDS = 64, 512, 640
@@ -48,14 +48,7 @@ def gather(rows, ids, *, splits: int, warps: int, auto_barriers: bool, steps: in
             plgpu.barrier_wait(ibar)
 
             def issue_rows(c, slot, first, n):
-                @pl.loop(first, first + n)
-                def _(j):
-                    row = ids_smem[c, j]
-                    for seg in range(segs):
-                        plgpu.copy_gmem_to_smem(
-                            rows_ref.at[pl.ds(row, 1), pl.ds(seg * SEG, SEG)],
-                            raw.at[slot, lax.shift_right_logical(j, 3), seg, pl.ds(lax.bitwise_and(j, 7), 1), :],
-                            bars.at[slot])
+                copy_rows(rows_ref, ids_smem, c, raw.at[slot], bars.at[slot], first, n)
 
             def issue(c, slot):
                 if warps == 1:
@@ -80,9 +73,7 @@ def gather(rows, ids, *, splits: int, warps: int, auto_barriers: bool, steps: in
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(scoped,
-                      plgpu.RefUnion(plgpu.SMEM((steps, C, D), jnp.bfloat16, transforms=_tile_transforms(jnp.bfloat16)),
-                                     plgpu.SMEM((steps, C // 8, segs, 8, SEG), jnp.bfloat16,
-                                                transforms=(plgpu.SwizzleTransform(128),))),
+                      plgpu.RefUnion(*ring_views(steps)),
                       plgpu.SMEM((per, C), jnp.int32),
                       plgpu.Barrier(num_arrivals=C * segs, num_barriers=steps),
                       plgpu.Barrier(num_arrivals=1))
