@@ -55,6 +55,7 @@ HEADS = 64          # a warpgroup's wgmma M: every head of a token in one CTA
 D = 512             # latent width: 8 column tiles of 64, two warpgroups of 256 output columns
 SEG = 64            # bf16 lanes of one TMA box: one 128-byte swizzle row
 WG_COLS = D // 2
+HALF = CHUNK // 2   # chunk rows whose logits one compute warpgroup computes (the other's read from smem)
 STEPS = 2           # ring depth: q (64 KiB) + 2 x 64 KiB rows fill ~200 of 227 KiB of smem
 ISSUE_WARPS = 4     # warps of the memory warpgroup issuing row copies (4x one thread's rate)
 
@@ -109,8 +110,8 @@ def _kernel(q_ref, sink_ref, ids_ref, bias_ref, *refs, starts: tuple[int, ...], 
     lo = s * per
     n = jnp.minimum(total - lo, per)                                   # this CTA's chunks
 
-    def scoped(ring, q_smem, ids_smem, bias_smem, sink_smem, stat_smem, rows_bar, consumed, in_bar,
-               done_bar):
+    def scoped(ring, q_smem, ids_smem, bias_smem, sink_smem, stat_smem, xchg, rows_bar, consumed, in_bar,
+               done_bar, half_bar, read_bar):
         tiles, raw, stage32, stage16 = ring
 
         def issue(i, slot):
@@ -156,17 +157,31 @@ def _kernel(q_ref, sink_ref, ids_ref, bias_ref, *refs, starts: tuple[int, ...], 
             l = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), row_vec)
             acc = plgpu.layout_cast(jnp.zeros((HEADS, WG_COLS), jnp.float32), plgpu.Layout.WGMMA)
 
+            def own_logits(slot, i):
+                """This warpgroup's half of the chunk's rows: scaled logits [H, 32] fp32 with the bias."""
+                rows = pl.ds(w * HALF, HALF)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(tiles.at[slot, rows], (1, 0)))
+                    return acc_ref[...]
+                logits = pl.run_scoped(qk, plgpu.ACC((HEADS, HALF), jnp.float32))
+                bias = plgpu.load(bias_smem.at[i, rows], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                return logits * scale + lax.broadcast_in_dim(bias, logits.shape, [1])
+
             def step(i, carry):
                 acc, m, l = carry
                 slot = lax.rem(i, STEPS)
                 plgpu.barrier_wait(rows_bar.at[slot])
+                own = own_logits(slot, i)
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(tiles.at[slot], (1, 0)))
-                    return acc_ref[...]
-                logits = pl.run_scoped(qk, plgpu.ACC((HEADS, CHUNK), jnp.float32))   # [H, C]
-                bias = plgpu.load(bias_smem.at[i], (), layout=plgpu.Layout.WGMMA.reduce(0))
-                logits = logits * scale + lax.broadcast_in_dim(bias, logits.shape, [1])
+                @pl.when(i > 0)   # the other warpgroup has read the last chunk's logits
+                def _():
+                    plgpu.barrier_wait(read_bar)
+                xchg.at[:, pl.ds(w * HALF, HALF)][...] = own
+                plgpu.barrier_arrive(half_bar)
+                plgpu.barrier_wait(half_bar)
+                logits = plgpu.load(xchg, (), layout=plgpu.Layout.WGMMA)          # [H, C]
+                plgpu.barrier_arrive(read_bar)
                 new_m = jnp.maximum(m, logits.max(axis=1))
                 rescale = jnp.exp(m - new_m)
                 p = jnp.exp(logits - lax.broadcast_in_dim(new_m, logits.shape, [0]))
@@ -217,9 +232,12 @@ def _kernel(q_ref, sink_ref, ids_ref, bias_ref, *refs, starts: tuple[int, ...], 
         plgpu.SMEM((per, CHUNK), jnp.float32),
         plgpu.SMEM((HEADS,), jnp.float32),
         plgpu.SMEM((2, HEADS), jnp.float32),
+        plgpu.SMEM((HEADS, CHUNK), jnp.float32, transforms=_tile_transforms(jnp.float32)),
         plgpu.Barrier(num_arrivals=CHUNK * (D // SEG), num_barriers=STEPS),
         plgpu.Barrier(num_arrivals=2, num_barriers=STEPS),
         plgpu.Barrier(num_arrivals=4),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )

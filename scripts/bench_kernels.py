@@ -257,6 +257,7 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                     ("h16w4-v2", dict(head_block=16, num_warps=4, value_parts=2)),
                     # the Mosaic GPU kernel (NVIDIA Hopper): rows copied by TMA, warp specialised
                     ("mgpu", dict(impl="mgpu")),
+                    *[(f"mgpu-split{n}", dict(impl="mgpu", num_splits=n)) for n in (1, 2, 4, 8)],
                     # rows packed: both FP8 (528 B, not 1 KiB), or the window FP8 and the compressed
                     # rows FP4 (288 B), the formats the reference's round trips allow exactly
                     ("fp8-auto", dict(rows="fp8")),

@@ -197,23 +197,33 @@ def test_two_stage_decides_rank_keys_and_keeps_the_tie_rule():
     """Stage 1 decides unless a rank key has a row beyond its reach; then stage 2 (the conditioning's
     draws, asked for once) decides those keys, and its numbers are in their stats. Where the
     conditioning took no draws (a device inside the nudges' noise: XLA:CPU) stage 1 stands alone, and
-    a row breaking an exact tie toward the higher index fails whatever stage 2 says."""
+    a row breaking an exact tie toward the higher index fails whatever stage 2 says. Stage 2 counts
+    missed picks too: a device whose furthest miss is within the draws' but that misses many more
+    picks than any draw fails."""
+    from dataclasses import replace
+
     from v41_jax.tools.check_reference import two_stage
 
     # the first 19 draws (stage 1) reach 1.5 k on the index layer, all 99 reach 2.5 k (one draw, 2.0 the
     # next); on the candidate layer both reach 1.0 k
     draw_ranks = {"index_topk.L1": [0.5, 1.0, 1.5] * 6 + [1.0] + [0.5, 2.0] * 39 + [0.5, 2.5],
                   "candidate_blocks.L1": [0.0, 0.5, 1.0] * 33}
+    # each draw misses 1-4 index picks and 0-2 candidate blocks over its rows
+    draw_missed = {"index_topk.L1": [1, 2, 3, 4] * 24 + [1, 2, 3], "candidate_blocks.L1": [0, 1, 2] * 33}
     reach = {k: max(v[:19]) for k, v in draw_ranks.items()}
-    cond = {"rank_reach": reach, "stage2_draws": 99, "draw_ranks": draw_ranks}
+    cond = {"rank_reach": reach, "stage2_draws": 99, "draw_ranks": draw_ranks, "draw_missed": draw_missed}
     asked = []
 
-    def decide(index_missed, blocks_missed=0.0, tie=False, stage2_draws=99):
+    def decide(index_missed, blocks_missed=0.0, tie=False, stage2_draws=99, index_count=None):
         asked.clear()
-        checks = [_rank_check("prefill.index_topk.L1", index_missed, reach["index_topk.L1"], tie),
+        index = _rank_check("prefill.index_topk.L1", index_missed, reach["index_topk.L1"], tie)
+        if index_count is not None:
+            index = replace(index, stats={**index.stats, "missed_picks": index_count})
+        checks = [index,
                   _rank_check("decode.index_topk.L1", 0.0, reach["index_topk.L1"]),
                   _rank_check("decode.candidate_blocks.L1", blocks_missed, reach["candidate_blocks.L1"])]
-        out = two_stage(checks, dict(cond, stage2_draws=stage2_draws), lambda: asked.append(1) or draw_ranks)
+        out = two_stage(checks, dict(cond, stage2_draws=stage2_draws),
+                        lambda: asked.append(1) or (draw_ranks, draw_missed))
         return {c.key: c for c in out}
 
     inside = decide(0.5)                                     # within the reach: stage 1, no draws asked for
@@ -232,3 +242,6 @@ def test_two_stage_decides_rank_keys_and_keeps_the_tie_rule():
     assert not decide(2.0, stage2_draws=0)["prefill.index_topk.L1"].passed and not asked
     tie = decide(2.0, tie=True)["prefill.index_topk.L1"]     # a tie row besides: not rescued by stage 2
     assert asked == [1] and tie.stats["stage2"]["passed"] and not tie.passed
+    assert decide(2.0, index_count=4)["prefill.index_topk.L1"].passed     # as many as the most a draw misses
+    many = decide(2.0, index_count=40)["prefill.index_topk.L1"]           # 2 k deep, but 10x the picks
+    assert not many.passed and many.stats["stage2"]["device_beyond"] == 10.0

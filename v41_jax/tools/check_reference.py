@@ -274,8 +274,9 @@ def compare_selection(key: str, own: np.ndarray, ref: np.ndarray, scores: np.nda
                      for r in range(len(differ))])
     hard = differ & ~near
     picks = ref_c >= 0
-    recall = float((np.array([[i in o for i in r] for o, r in zip(own_c, ref_c)]) & picks).sum() / max(picks.sum(), 1))
-    stats = {"rows": int(len(differ)), "matched": int((~differ).sum()), "recall": recall,
+    hits = int((np.array([[i in o for i in r] for o, r in zip(own_c, ref_c)]) & picks).sum())
+    stats = {"rows": int(len(differ)), "matched": int((~differ).sum()), "recall": hits / max(int(picks.sum()), 1),
+             "missed_picks": int(picks.sum()) - hits,
              "worst_missed_rank_over_k": max([missed_rank(own_c[r], ref_c[r], scores[r])
                                               for r in np.flatnonzero(differ)], default=0.0),
              "near_tie_mismatches": int((differ & near).sum()), "mismatches_beyond_near_tie": int(hard.sum()),
@@ -637,13 +638,13 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
         runs_at = []
         for seed in seeds:
             out = run_model(cfg, nudged_params(params, seed, ulps), z, hasher, numerics)
-            worst = {}
-            for key, (rows, w) in _rank_draw(cfg, out, own).items():
+            worst, missed = {}, {}
+            for key, (rows, w, n) in _rank_draw(cfg, out, own).items():
                 moved[key] |= rows
-                worst[key], reach[key] = w, max(reach[key], w)
+                worst[key], reach[key], missed[key] = w, max(reach[key], w), n
             nudged = tensors(out)
             moved_tensors = _tensor_moves(nudged, base_tensors)
-            runs_at.append((mean_row_ulps(_recorded(nudged), recorded), worst, moved_tensors))
+            runs_at.append((mean_row_ulps(_recorded(nudged), recorded), worst, moved_tensors, missed))
             for l, sc in _gate_scores(out).items():
                 noise[l] = max(noise[l], float(np.abs(sc.astype(np.float64) - gates[l]).max()))
             if head is not None:
@@ -680,7 +681,8 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
     return {"runs": runs, "deviation_mean_row_ulps": deviation, "inside": bool(inside), "ulps": ulps,
             "draws": levels[-1]["runs"], "levels": levels, "rank_reach": reach, "gate_noise": noise, "head": head,
             "tensor_noise": tensor_noise, "rows_moved": {k: [int(v.sum()), int(v.size)] for k, v in moved.items()},
-            "stage2_draws": stage2, "draw_ranks": {k: [r[1][k] for r in runs_at] for k in picks}, "picks": own,
+            "stage2_draws": stage2, "draw_ranks": {k: [r[1][k] for r in runs_at] for k in picks},
+            "draw_missed": {k: [r[3][k] for r in runs_at] for k in picks}, "picks": own,
             # each run's tensor statistics, and what a further draw is compared with (`extend_draws`)
             "draw_tensors": draw_tensors,
             "base_tensors": base_tensors, "tap_rows": tap_rows}
@@ -688,12 +690,13 @@ def selection_conditioning(fx: Fixture, numerics: Numerics, runs: int, base: dic
 
 def _rank_draw(cfg, out: dict, own: dict) -> dict:
     """One nudged run against the unnudged run's picks `own`, per rank rule: the rows whose picks
-    moved and the worst rank (in units of k, in the nudged scores) of an unnudged pick it dropped."""
+    moved, the worst rank (in units of k, in the nudged scores) of an unnudged pick it dropped, and
+    how many unnudged picks it dropped over all rows (`compare_selection`'s `missed_picks`)."""
     res = {}
     for key, (ids, sc) in _picks(cfg, out).items():
         b = own[key]
         worst = max([missed_rank(ids[r], b[r], sc[r]) for r in range(len(b))], default=0.0)
-        res[key] = ((ids != b).any(-1), worst)
+        res[key] = ((ids != b).any(-1), worst, sum(len(_only(b[r], ids[r])) for r in range(len(b))))
     return res
 
 
@@ -703,31 +706,35 @@ def _tensor_moves(tensors: dict, base: dict) -> dict[str, list[float]]:
     return {k: [compare_bf16(k, v, base[k], CPU).stats["row_ulps"][q] for q in TENSOR_STATS] for k, v in tensors.items()}
 
 
-def extend_draws(fx: Fixture, numerics: Numerics, cond: dict) -> dict:
+def extend_draws(fx: Fixture, numerics: Numerics, cond: dict) -> tuple[dict, dict]:
     """The second stage's draws: the conditioning's draws at its final size, extended by nudges of
     that size (the next seeds) to `stage2_draws` in all -> per rank rule the worst missed rank of
-    each (and, in `cond["draw_tensors"]`, each draw's bf16 tensor statistics against the unnudged
-    run). Kept in `cond`: a second mode checked against the same conditioning reuses them. No
-    draft head is run (its eager context projection costs several forwards)."""
+    each and how many picks each missed (and, in `cond["draw_tensors"]`, each draw's bf16 tensor
+    statistics against the unnudged run). Kept in `cond`: a second mode checked against the same
+    conditioning reuses them. No draft head is run (its eager context projection costs several
+    forwards)."""
     cfg, params, z, hasher = fx
-    ranks, tensors, s = cond["draw_ranks"], cond["draw_tensors"], len(z["prompt_ids"])
+    ranks, missed, tensors = cond["draw_ranks"], cond["draw_missed"], cond["draw_tensors"]
+    s = len(z["prompt_ids"])
     for seed in range(len(next(iter(tensors.values()))), cond["stage2_draws"]):
         out = run_model(cfg, nudged_params(params, seed, cond["ulps"]), z, hasher, numerics, draft=False)
-        for key, (_, worst) in _rank_draw(cfg, out, cond["picks"]).items():
+        for key, (_, worst, n) in _rank_draw(cfg, out, cond["picks"]).items():
             ranks[key].append(worst)
+            missed[key].append(n)
         moved = _tensor_moves(bf16_tensors(cfg, out, s, taps=True, tap_rows=cond["tap_rows"]), cond["base_tensors"])
         for key, v in moved.items():
             tensors[key].append(v)
-    return ranks
+    return ranks, missed
 
 
 def beyond_others(x: np.ndarray) -> np.ndarray:
-    """Runs' worst missed ranks [runs >= 2, K rules] -> per run, how many times the largest of every
-    other run's (at least 1 k) it reaches on its furthest rule (inf / inf: a tie, 1). A function of
-    one run and the others as a set: for exchangeable runs the results are exchangeable, whatever
-    the rules' scales, so one comparison covers the K rules. The floor is the least a miss can be
-    (a pick outside the own top k ranks k-th or lower): on a rule that no other run moves, a run's
-    miss counts against that, not against 0."""
+    """Runs' statistics [runs >= 2, columns] (per rank rule its worst missed rank and its count of
+    missed picks) -> per run, how many times the largest of every other run's (at least 1) it
+    reaches on its furthest column (inf / inf: a tie, 1). A function of one run and the others as
+    a set: for exchangeable runs the results are exchangeable, whatever the columns' scales, so one
+    comparison covers them all. The floor is the least a miss can be (a pick outside the own top k
+    ranks k-th or lower, 1 k; one pick): on a column that no other run moves, a run's miss counts
+    against that, not against 0."""
     top = x.max(0)
     alone = (x == top) & ((x == top).sum(0) == 1)
     others = np.maximum(np.where(alone, np.sort(x, 0)[-2], top), 1.0)
@@ -750,9 +757,11 @@ def two_stage(checks: list[Check], cond: dict, more_draws) -> list[Check]:
     """The rank rules' two stages (docs/MODEL.md §6.3). Stage 1 (each row within its layer's reach)
     decides unless a rank key has a row beyond it that breaks no exact tie; then, where the
     conditioning took draws (`stage2_draws`), stage 2 decides those keys: `more_draws()` gives the
-    draws' worst missed ranks per rule, the device's per rule is the worst over its prefill and
-    decode keys, and `stage2_passes` compares them over all rules at once. Passing, a key keeps
-    only the tie rule. Fixture false-fail <= P(stage 2 fails) <= 1 / (stage2_draws + 1)."""
+    draws' worst missed ranks and missed-pick counts per rule, the device's per rule are the worst
+    rank and the summed count over its prefill and decode keys, and `stage2_passes` compares them
+    over all rules and both statistics at once. The count is there for a defect that moves many
+    picks not far (each a near-tie's distance, all together far more than noise moves). Passing,
+    a key keeps only the tie rule. Fixture false-fail <= P(stage 2 fails) <= 1 / (stage2_draws + 1)."""
     rule = lambda c: c.key.split(".", 1)[1]
     rank = {c.key: c for c in checks if rule(c) in cond["rank_reach"]}
     # tie rows always fail (NearTie.holds): the rest of the rows beyond the near-tie rule are beyond the reach
@@ -760,16 +769,17 @@ def two_stage(checks: list[Check], cond: dict, more_draws) -> list[Check]:
                if c.stats["mismatches_beyond_near_tie"] > c.stats["ties_to_higher_index"]}
     decided = {k: replace(c, stats={**c.stats, "stage": 1}) for k, c in rank.items()}
     if flagged and cond["stage2_draws"]:
-        draws = more_draws()
-        rules = sorted(draws)
-        device = np.array([max([c.stats["worst_missed_rank_over_k"] for c in rank.values() if rule(c) == r],
-                               default=0.0) for r in rules])
-        passed, dev_t, draws_t = stage2_passes(device, np.array([draws[r] for r in rules]).T)
-        verdict = {"passed": passed, "draws": len(draws[rules[0]]), "device_beyond": dev_t,
-                   "draws_beyond_max": draws_t}
+        ranks, missed = more_draws()
+        rules = sorted(ranks)
+        of = lambda r: [c.stats for c in rank.values() if rule(c) == r]
+        device = np.array([max([st["worst_missed_rank_over_k"] for st in of(r)], default=0.0) for r in rules]
+                          + [sum(st["missed_picks"] for st in of(r)) for r in rules])
+        draws = np.array([ranks[r] for r in rules] + [missed[r] for r in rules], np.float64).T
+        passed, dev_t, draws_t = stage2_passes(device, draws)
+        verdict = {"passed": passed, "draws": len(draws), "device_beyond": dev_t, "draws_beyond_max": draws_t}
         why = (f"; beyond that reach, stage 2 over {verdict['draws']} draws of the conditioning: the device's "
-               f"worst missed rank x{dev_t:.3g} the draws' largest on its furthest rule, against at most "
-               f"x{draws_t:.3g} for a draw over the rest: {'within' if passed else 'beyond'}")
+               f"worst missed rank or missed-pick count x{dev_t:.3g} the draws' largest on its furthest rule, "
+               f"against at most x{draws_t:.3g} for a draw over the rest: {'within' if passed else 'beyond'}")
         for k in flagged:
             c = rank[k]
             decided[k] = replace(c, passed=passed and c.stats["ties_to_higher_index"] == 0,
