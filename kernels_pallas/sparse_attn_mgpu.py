@@ -14,19 +14,23 @@ an untiled alias of the tile's memory, 512 boxes a chunk; the memory warpgroup's
 source's end: TMA fills an out-of-bounds box with zeros, so a skipped row is 0, never an unwritten
 page's NaN, and a -inf bias on its logit gives it probability 0.
 
-Measured (H100, 2026-12-06 g3, device µs a layer at the bench's decode shapes, BENCHMARKS.md):
-equal to the Triton kernel at 128 tokens (58.4 vs 58.9), slower at 32 (30.6 with 4 splits vs
-27.3) and 64 (55.9 vs 38.0), so it is not the default (`sparse_attn_paged(impl="mgpu")` asks for
-it). A chunk takes ~5.5 µs a CTA against the pure gather's 2.6-3.8: the two compute warpgroups
-each compute the whole [64, 64] logits (K = 512), so a chunk costs 12.6 MFLOP of wgmma instead of
-8.4, and the copies' issue competes with them; splitting the logits' K between the warpgroups
-(partials exchanged in shared memory) and q held in registers (a 3-deep ring) are the next steps.
+Measured (BENCHMARKS.md g, h; ms a layer at the bench's decode shapes): equal to the Triton
+kernel at 128 tokens (H100 58.4 vs 58.9 µs, H200 60.3 vs 58.4), slower at 32 (H100 30.6 with 4
+splits vs 27.3; H200 35.7 vs 29.1) and 64 (H200 43.0 with 2 splits vs 38.2), so it is not the
+default (`sparse_attn_paged(impl="mgpu")` asks for it). Each compute warpgroup computes the logits
+of half the chunk's rows (both halves meet in a shared-memory tile), which took the wgmma work a
+warpgroup from 6.3 to 4.2 MFLOP a chunk and changed nothing (H200, same call): with its compute
+warpgroups idle the kernel takes as long at 32 tokens (30.1 µs, H100), where the split merge, the
+ids' preparation and the q and partials' traffic decide; at 128 tokens its memory path alone takes
+43.5 µs and the compute adds ~15 on top instead of hiding under it (a 2-deep ring: 64 KiB of q in
+shared memory leave no room for a third slot).
 
 Numerics are the portable kernel's: logits fp32 (wgmma, bf16 products exact), the online softmax
 in fp32 per 64-row chunk in the reference's order, probabilities rounded to bf16 for P.V relative
 to the running max, the sink in the denominator at the end; splits write fp32 partials (m, l, acc)
 that `split_merge.merge_splits` combines. Each compute warpgroup owns 256 of the 512 output
-columns and computes the chunk's logits over all of D itself (the same sums in both).
+columns; the logits of a row are one wgmma over all of D (by the warpgroup owning that row half),
+so both warpgroups read the same values.
 
 Scope: bf16 rows and queries (typed cache rows; packed rows take the Triton kernel), 64 heads
 (fewer are padded), D = 512 (the model's latent), probabilities rounded to bf16 (the reference
@@ -67,9 +71,11 @@ def supported(q: jax.Array, rows: Sequence[jax.Array]) -> bool:
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
-    """Splits: 4 up to 32 tokens (32 tokens x 4 = 128 CTAs for 132 SMs: 30.6 us a layer against
-    36.2 with 2), none from 33 (a CTA a token; H100, 2026-12-06 g3; other counts not measured)."""
-    return max(1, min(4 if tokens <= 32 else 1, n_chunks))
+    """Splits: 4 up to 32 tokens (32 x 4 = 128 CTAs for 132 SMs), 2 up to 64, none past (a CTA a
+    token). H200, 2026-12-06 h1, ms a layer: 32 tokens 0.0574 / 0.0385 / 0.0354 / 0.0526 with
+    1 / 2 / 4 / 8 splits, 64 tokens 0.0579 / 0.0430 / 0.0605 / 0.0865, 128 tokens 0.0597 / 0.0773
+    / 0.1110 / 0.1510; other token counts not measured."""
+    return max(1, min(4 if tokens <= 32 else 2 if tokens <= 64 else 1, n_chunks))
 
 
 def _tile_transforms(dtype) -> tuple:

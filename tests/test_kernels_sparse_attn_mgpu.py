@@ -96,9 +96,10 @@ def test_impl_mgpu_refuses_what_it_cannot_compute():
         sparse_attn_paged(q, jnp.zeros(4), sources, 0.125, numerics=REF, backend="pallas", impl="cuda")
 
 
-def test_default_splits_fill_the_gpu_at_32_tokens_and_stop_past_it():
+def test_default_splits_fill_the_gpu_at_32_tokens_and_stop_past_64():
     assert default_splits(32, 10) == 4 and default_splits(1, 10) == 4 and default_splits(1, 2) == 2
-    assert default_splits(33, 10) == 1 and default_splits(128, 10) == 1
+    assert default_splits(33, 10) == 2 and default_splits(64, 10) == 2 and default_splits(64, 1) == 1
+    assert default_splits(65, 10) == 1 and default_splits(128, 10) == 1
 
 
 def test_the_gather_benchmark_lowers_for_cuda():
