@@ -26,20 +26,23 @@ def test_verdict_reads_each_benchmarks_json_and_says_what_is_missing(tmp_path):
         {"name": "prefill 4096 (b=1, pos 0)", "model_flops_of_in_run_gemm_peak": 0.452},
         {"name": "prefill 8192 (b=1, pos 0)", "model_flops_of_in_run_gemm_peak": 0.449}]))
     _write(tmp_path / "profile.json", dict(dev, cases=[
-        {"name": "decode b=1 ctx=8192", "profile": {"timeline": {"span_ms": 2.0, "busy_ms": 1.9}}}]))
+        {"name": "decode b=1 ctx=8192", "back_to_back_ms": 2.5, "profile": {"timeline": {"span_ms": 2.0, "busy_ms": 1.9}}}]))
     _write(tmp_path / "attn.json", dict(dev, cases=[{"name": "attn/decode32/pallas[auto]", "tflops": 86.3, "ctx": 32768},
                                                     {"name": "attn/decode64/pallas[auto]", "tflops": 210.0},
                                                     {"name": "attn/decode32/pallas[auto]", "tflops": 201.0, "ctx": 131072}]))
     _write(tmp_path / "compile_1x1x1.json", dict(dev, rows=[{"lower_s": 2.1, "compile_s": 8.9}]))
     _write(tmp_path / "compile_4096x1x1.json", dict(dev, rows=[{"lower_s": 2.2, "compile_s": 18.3}]))
-    rows = {(r["target"].split()[0], r["case"]): r for r in bt.verdict(tmp_path)}
-    assert len(rows) == 8 + 2 + 1 + 3 + 4
+    rows = {(r["target"].split()[0], r["case"]): r for r in bt.verdict(tmp_path) if not r["target"].startswith("kernel")}
+    kernel = {r["target"]: r for r in bt.verdict(tmp_path) if r["target"].startswith("kernel")}
+    assert len(rows) == 8 + 2 + 3 + 4 and len(kernel) == 2
     met = {k: r["met"] for k, r in rows.items()}
     assert met[("decode", "b=1 ctx=8192")] is True and rows[("decode", "b=1 ctx=8192")]["measured"] == 1.25
     assert met[("decode", "b=8 ctx=8192")] is False
     assert met[("decode", "b=32 ctx=8192")] is None and met[("decode", "b=64 ctx=32768")] is None
     assert met[("prefill", "4096 tokens")] is True and met[("prefill", "8192 tokens")] is False
-    assert met[("kernel", "b=1 ctx=8192")] is True and rows[("kernel", "b=1 ctx=8192")]["measured"] == 0.95
+    span, queued = kernel["kernel time / step span"], kernel["kernel time / back-to-back step"]
+    assert span["met"] is True and span["measured"] == 0.95 and span["case"] == "b=1 ctx=8192"
+    assert queued["met"] is False and queued["measured"] == 0.76
     assert met[("sparse", "32 decode tokens")] is False and met[("sparse", "64 decode tokens")] is True
     assert rows[("sparse", "32 decode tokens")]["measured"] == 86.3      # the 32K row, not the 128K one
     assert met[("sparse", "128 decode tokens")] is None
