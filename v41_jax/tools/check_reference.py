@@ -218,6 +218,11 @@ def _only(a: np.ndarray, b: np.ndarray) -> list[int]:
     return [int(i) for i in a if i >= 0 and i not in b]
 
 
+def missed_picks(own: np.ndarray, ref: np.ndarray) -> int:
+    """Reference picks the model did not make, summed over rows of [R, k] picks (-1: none)."""
+    return sum(len(_only(r, o)) for o, r in zip(own, ref))
+
+
 def missed_rank(own: np.ndarray, ref: np.ndarray, scores: np.ndarray) -> float:
     """Worst rank, in the model's own scores and in units of k, of a reference pick the model
     missed (0 when it missed none; inf for a pick outside the scored range)."""
@@ -274,9 +279,9 @@ def compare_selection(key: str, own: np.ndarray, ref: np.ndarray, scores: np.nda
                      for r in range(len(differ))])
     hard = differ & ~near
     picks = ref_c >= 0
-    hits = int((np.array([[i in o for i in r] for o, r in zip(own_c, ref_c)]) & picks).sum())
-    stats = {"rows": int(len(differ)), "matched": int((~differ).sum()), "recall": hits / max(int(picks.sum()), 1),
-             "missed_picks": int(picks.sum()) - hits,
+    missed = missed_picks(own_c, ref_c)
+    stats = {"rows": int(len(differ)), "matched": int((~differ).sum()),
+             "recall": (int(picks.sum()) - missed) / max(int(picks.sum()), 1), "missed_picks": missed,
              "worst_missed_rank_over_k": max([missed_rank(own_c[r], ref_c[r], scores[r])
                                               for r in np.flatnonzero(differ)], default=0.0),
              "near_tie_mismatches": int((differ & near).sum()), "mismatches_beyond_near_tie": int(hard.sum()),
@@ -696,7 +701,7 @@ def _rank_draw(cfg, out: dict, own: dict) -> dict:
     for key, (ids, sc) in _picks(cfg, out).items():
         b = own[key]
         worst = max([missed_rank(ids[r], b[r], sc[r]) for r in range(len(b))], default=0.0)
-        res[key] = ((ids != b).any(-1), worst, sum(len(_only(b[r], ids[r])) for r in range(len(b))))
+        res[key] = ((ids != b).any(-1), worst, missed_picks(ids, b))
     return res
 
 
