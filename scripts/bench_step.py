@@ -37,7 +37,8 @@ queued without a wait, each on the previous call's cache, as the engine's loop r
 previous call's logits stay alive here, so each call's outputs land at new addresses and XLA
 re-records its command buffer: at batch 1 that host work, not the device, can bound the figure),
 and `back_to_back_outputs_dropped_ms`, the same with each call's logits dropped at once
-(scripts/bench_runtime.py times the engine's own loop). `--profile N` adds the device time by kernel
+(`step_ms_outputs_dropped_median`: the waited calls so; with `--host-events` its host trace and
+device timeline too) (scripts/bench_runtime.py times the engine's own loop). `--profile N` adds the device time by kernel
 and the device timeline (`bench_common.device_timeline`), `--host-events N` the host's trace. A case timed while other compiles were
 still running (XLA's autotuning runs on the GPU) is timed again at the end when time is left; the
 first figures stay under `during_compiles`. Also per case: the executable's memory analysis and the
@@ -527,11 +528,14 @@ class Clock:
         print(f"[bench_step {self():6.1f}s] {msg}", flush=True)
 
 
-def time_calls(fn, state: dict, iters: int, max_s: float) -> list[float]:
+def time_calls(fn, state: dict, iters: int, max_s: float, drop: bool = False) -> list[float]:
     """Seconds of up to `iters` calls (block_until_ready on logits and cache each), stopping once
-    `max_s` has passed; `state` carries the donated cache from call to call."""
+    `max_s` has passed; `state` carries the donated cache from call to call. `drop`: the previous
+    call's logits are freed before each call (untimed), so its outputs can land where they did."""
     ts, t_case = [], time.perf_counter()
     for _ in range(iters):
+        if drop:
+            state["logits"] = None
         t1 = time.perf_counter()
         state["logits"], state["cache"] = fn(state["cache"])
         jax.block_until_ready((state["logits"], state["cache"]))
@@ -797,6 +801,8 @@ def main(argv=None) -> int:
             row["back_to_back_ms"] = back_to_back_ms(fn, args.iters)
             # the same with each call's logits dropped at once: its outputs then land where the
             # previous call's did, so XLA need not re-record the command buffer
+            dropped = time_calls(fn, state, args.iters, args.case_s, drop=True)
+            row["step_ms_outputs_dropped_median"] = float(np.median(dropped)) * 1e3
             row["back_to_back_outputs_dropped_ms"] = 1e3 * back_to_back_s(
                 lambda: state.update(cache=fn(state["cache"])[1]), lambda: state["cache"], args.iters)
             if not np.isfinite(np.asarray(state["logits"], np.float32)).all():
@@ -895,7 +901,9 @@ def main(argv=None) -> int:
         if args.total_s - clock() < args.case_s + 10:
             break
 
-        def run(fn=fn):
+        def run(fn=fn, drop=False):
+            if drop:
+                state["logits"] = None
             state["logits"], state["cache"] = fn(state["cache"])
             jax.block_until_ready((state["logits"], state["cache"]))
 
@@ -907,6 +915,10 @@ def main(argv=None) -> int:
             row["profile"] = prof = kernel_profile(run, args.profile, top=30, sources=sources)
             if args.host_events:
                 row["host_events"] = host_events(run, args.host_events)
+                row["host_events_outputs_dropped"] = host_events(lambda: run(drop=True), args.host_events)
+                # the device's timeline with the previous logits freed before each call too
+                dropped = kernel_profile(lambda: run(drop=True), args.profile, top=0)
+                row["profile_outputs_dropped"] = {k: dropped.get(k) for k in ("device_ms_per_call", "timeline")}
         except Exception as err:  # noqa: BLE001
             row["profile_error"] = f"{type(err).__name__}: {str(err)[:200]}"
             refill()

@@ -321,7 +321,10 @@ def test_compare_option_times_two_executables_of_one_lowering_on_the_same_inputs
     assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
                     "--iters", "2", "--case-s", "0.2", "--compare-option",
                     "xla_gpu_command_buffer_scheduling_mode=LHS"]) == 0
-    comp = json.loads(out.read_text())["comparisons"]["decode b=1 ctx=32"]
+    data = json.loads(out.read_text())
+    comp = data["comparisons"]["decode b=1 ctx=32"]
+    # every case is also timed waited with the previous call's logits freed first
+    assert all(c["step_ms_outputs_dropped_median"] > 0 for c in data["cases"])
     assert comp["compared"] == "xla_gpu_command_buffer_scheduling_mode"
     assert comp["engine"]["calls"] > 0 and comp["LHS"]["calls"] > 0
     assert len(comp["LHS"]["back_to_back_ms"]) == 5 and min(comp["engine"]["back_to_back_ms"]) > 0
