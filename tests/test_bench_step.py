@@ -372,3 +372,18 @@ def test_differing_counts_and_sizes_what_differs_and_option_sets_every_case(tmp_
                     "--iters", "2", "--case-s", "0.2", "--compare-option", "xla_gpu_enable_command_buffer="]) == 0
     comp = json.loads(out.read_text())["comparisons"]["decode b=1 ctx=32"]
     assert comp["engine"]["calls"] > 0 and comp["''"]["calls"] > 0 and "''_minus_engine_ms" in comp
+
+
+def test_bench_graph_launch_times_straight_and_looped_programs(tmp_path):
+    """scripts/bench_graph_launch.py on tiny arrays: each size straight-line and as a loop, both
+    timed waited and back to back; the loop's program computes what the straight one does."""
+    from scripts import bench_graph_launch as bg
+    out = tmp_path / "g.json"
+    assert bg.main(["--out", str(out), "--kernels", "4,8", "--iters", "2", "--shape", "8,16"]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["kind"], c["pairs"]) for c in cases] == [("straight", 2), ("straight", 4), ("loop", 2), ("loop", 4)]
+    assert all(c["waited_ms"] > 0 and c["back_to_back_ms"] > 0 for c in cases)
+    x = jnp.arange(128, dtype=jnp.float32).reshape(8, 16)
+    np.testing.assert_allclose(np.asarray(bg.looped(x, 3)), np.asarray(bg.straight(x, 3)), rtol=1e-6)
+    with pytest.raises(SystemExit):
+        bg.main(["--out", str(out), "--kernels", "a,b"])

@@ -76,8 +76,9 @@ MUTANT_ON = {"forward": NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"],
 # 2026-12-05; §6.3). None: on m73 (bf16 linears: nothing downstream re-quantizes the window rows)
 # the window rows' fp8 QDQ left out moves the recorded tensors 1.25x as far as the gentlest
 # one-ulp nudge (3.96 mean row ulps; one-ulp runs 3.18-3.55), every tensor inside the profile,
-# while a correct XLA:CPU run reaches 0.47x from one early flip (k64: layers 0-1 exact, then
-# every row past prompt row 5 at nudge level) and the H200 1.02x of the runs' mean: the
+# while one bf16 weight element moved by one ulp at layer 0 moves them 0.76-0.98x (a single
+# last-bit difference, which a correct device may have; XLA:CPU reaches 0.47x on k64 from one
+# flip at layer 2) and the H200 stands at 1.02x of the runs' mean: the
 # conditioning takes it for a device of that size (not inside, nudges of 4 ulps) and every rule
 # passes it at stage 1 (measured 2026-12-07)
 WITHIN_NOISE = {("k64_s9_prompt28_s28", "decode_fix_reverted"): "decode.index_topk.L2",
