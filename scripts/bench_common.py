@@ -279,6 +279,8 @@ def device_timeline(spans: list[tuple], calls: int, top: int = 12) -> dict:
             if ev[1] >= last:
                 last, prev = ev[1], ev
         per_call.append((last - g[0][0], busy))
+    if not groups:           # no kernel events (XLA:CPU): nothing ran on a device
+        return {"calls_found": 0, "calls": calls}
     ms = lambda ns: round(ns / 1e6, 4)
     edges = (0.0,) + GAP_EDGES_US + (float("inf"),)
     bins = []

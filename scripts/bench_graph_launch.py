@@ -6,9 +6,13 @@ while loop, compiled with the engine's XLA options (one command buffer a call).
 Why: a waited decode step at batch 1 spends ~0.9 ms in `cuGraphLaunch` for its ~430 kernels, and
 freeing the previous outputs (no command-buffer update) does not shorten it (BENCHMARKS.md i1).
 A program of n dependent reduce-then-add pairs (2n tiny kernels) is timed waited (each call
-`block_until_ready`) and back to back; their difference is what the launch adds to a waited call.
-The same pairs as a `fori_loop` body (its trip count n) show what a loop costs instead: one body
-graph, and a conditional node per trip — what laying the layer stack out as `lax.scan` would buy.
+`block_until_ready`, its output freed) and back to back (each call's output kept until the next
+returns, as the engine does, so the command buffer is updated every call). Back to back, a
+straight-line program this small is bound by the host's launch (update included): ms per call
+over kernels is the launch cost a kernel; waited, launch and execution overlap. The same pairs as a
+`fori_loop` body (trip count n) show what a loop costs instead: one body graph, launched once, and a
+conditional node per trip — what laying the layer stack out as `lax.scan` would buy. Kernels a
+call, from the profiler, confirm the 2n.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.bench_common import back_to_back_s, host_events  # noqa: E402
+from scripts.bench_common import back_to_back_s, host_events, kernel_profile  # noqa: E402
 from v41_jax.runtime.compile_cache import compiler_options  # noqa: E402
 
 # the host events that tell a graph's update from its launch
@@ -60,10 +64,11 @@ def measure(fn, x: jax.Array, n: int, iters: int) -> dict:
     out = [None]
     b2b = back_to_back_s(lambda: out.__setitem__(0, call()), lambda: out[0], iters)
     events = host_events(lambda: jax.block_until_ready(call()), 5)
-    return {"pairs": n, "waited_ms": 1e3 * float(np.median(waited)), "back_to_back_ms": 1e3 * b2b,
-            "waited_minus_back_to_back_ms": 1e3 * (float(np.median(waited)) - b2b),
-            "host_events": {e["name"]: e["ms_per_call"] for e in events
-                            if any(s in e["name"] for s in GRAPH_EVENTS)}}
+    launches = kernel_profile(lambda: jax.block_until_ready(call()), 3, top=0).get("launches_per_call")
+    return {"pairs": n, "kernels_per_call": launches, "waited_ms": 1e3 * float(np.median(waited)),
+            "back_to_back_ms": 1e3 * b2b,
+            "host_events": {e["name"]: {"ms_per_call": e["ms_per_call"], "per_call": e["per_call"]}
+                            for e in events if any(s in e["name"] for s in GRAPH_EVENTS)}}
 
 
 def main(argv=None) -> int:

@@ -745,6 +745,15 @@ def main(argv=None) -> int:
         return 1e3 * back_to_back_s(lambda: state.update(zip(("logits", "cache"), fn(state["cache"]))),
                                     lambda: (state["logits"], state["cache"]), iters)
 
+    def outputs_dropped(fn) -> dict:
+        """The waited and back-to-back timings again with each call's logits dropped before the next
+        call: its outputs then land where the previous call's did, so XLA need not update the
+        command buffer (BENCHMARKS.md i1)."""
+        waited = time_calls(fn, state, args.iters, args.case_s, drop=True)
+        return {"step_ms_outputs_dropped_median": float(np.median(waited)) * 1e3,
+                "back_to_back_outputs_dropped_ms": 1e3 * back_to_back_s(
+                    lambda: state.update(cache=fn(state["cache"])[1]), lambda: state["cache"], args.iters)}
+
     def refill():
         if any(x.is_deleted() for x in jax.tree_util.tree_leaves(state["cache"])):
             state["cache"] = randomize_cache(allocate(geom), fill_key, jnp.asarray(cursor))
@@ -799,12 +808,7 @@ def main(argv=None) -> int:
             jax.block_until_ready((state["logits"], state["cache"]))
             ts = time_calls(fn, state, args.iters, args.case_s)
             row["back_to_back_ms"] = back_to_back_ms(fn, args.iters)
-            # the same with each call's logits dropped at once: its outputs then land where the
-            # previous call's did, so XLA need not re-record the command buffer
-            dropped = time_calls(fn, state, args.iters, args.case_s, drop=True)
-            row["step_ms_outputs_dropped_median"] = float(np.median(dropped)) * 1e3
-            row["back_to_back_outputs_dropped_ms"] = 1e3 * back_to_back_s(
-                lambda: state.update(cache=fn(state["cache"])[1]), lambda: state["cache"], args.iters)
+            row.update(outputs_dropped(fn))
             if not np.isfinite(np.asarray(state["logits"], np.float32)).all():
                 row["warning"] = "non-finite logits"
         except Exception as err:  # noqa: BLE001
@@ -829,13 +833,14 @@ def main(argv=None) -> int:
         try:
             ts = time_calls(fn, state, args.iters, args.case_s)
             back_to_back = back_to_back_ms(fn, args.iters)
+            dropped = outputs_dropped(fn)
         except Exception as err:  # noqa: BLE001
             row["retime_error"] = f"{type(err).__name__}: {str(err)[:200]}"
             refill()
             continue
         row["during_compiles"] = {k: row[k] for k in ("iters", "step_ms_median", "step_ms_min", "back_to_back_ms",
-                                                      "compiles_running")}
-        row["back_to_back_ms"] = back_to_back
+                                                      *dropped, "compiles_running")}
+        row.update(back_to_back_ms=back_to_back, **dropped)
         _timing(row, ts, next(c for c in cases if c.name == name), cfg, specs, peak_tflops)
         row["compiles_running"] = busy()
         res.save()
@@ -927,7 +932,7 @@ def main(argv=None) -> int:
         clock.log(f"profile {name}: {prof.get('device_ms_per_call')} ms of kernels per step in "
                   f"{prof.get('launches_per_call')} launches; "
                   + ", ".join(f"{k['name']} {k['ms_per_call']:.3f}" for k in prof.get("kernels", [])[:8])
-                  + (f"; device span {tl['span_ms']} ms, idle {tl['idle_ms']} ms" if (tl := prof.get("timeline")) else ""))
+                  + (f"; device span {tl['span_ms']} ms, idle {tl['idle_ms']} ms" if "span_ms" in (tl := prof.get("timeline", {})) else ""))
 
     res.data["wall_s"] = round(clock(), 1)
     res.data["table_md"] = markdown_table(res.data)

@@ -106,7 +106,8 @@ def _by_name(d: dict) -> dict[str, dict]:
 
 
 def verdict(out: Path, smoke: bool = False) -> list[dict]:
-    """One row per target case: what was measured, the limit, whether it is met (None: not measured)."""
+    """One row per target case: what was measured, the limit, whether it is met (None: not
+    measured, or a row reported with no limit)."""
     z, rows = sizes(smoke), []
 
     def row(target, case, value, limit, at_most, device=None, unit=""):
