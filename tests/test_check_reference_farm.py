@@ -73,8 +73,8 @@ MUTANT_ON = {"forward": NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"],
 # 16 decode rows, the furthest 2.25 k deep, while one-ulp draws of the model move 8-10 of that
 # layer's 44 rows with worst misses 1.125-2.125 k and reach 1.1x beyond the rest among themselves
 # (the mutant 1.06x): stage 2 passes it on that key, as it must pass such a draw (measured
-# 2026-12-05; §6.3). None: on m73 (bf16 linears: nothing downstream re-quantizes the window rows)
-# the window rows' fp8 QDQ left out moves the recorded tensors 1.25x as far as the gentlest
+# 2026-12-05; docs/MODEL.md §6.3). None: on m73 (bf16 linears: nothing downstream re-quantizes
+# the window rows) the window rows' fp8 QDQ left out moves the recorded tensors 1.25x as far as the gentlest
 # one-ulp nudge (3.96 mean row ulps; one-ulp runs 3.18-3.55), every tensor inside the profile,
 # while one bf16 weight element moved by one ulp at layer 0 moves them 0.76-0.98x (a single
 # last-bit difference, which a correct device may have; XLA:CPU reaches 0.47x on k64 from one
