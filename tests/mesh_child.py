@@ -120,7 +120,7 @@ def main(out: Path) -> dict:
     report["moe"] = moe
     lap("moe")
 
-    # ---- tiny through generate and teacher-forced runs, meshes of 2 and 8 ---------------------
+    # ---- tiny through generate and teacher-forced runs, a mesh of 8 ------------------------------
     make_checkpoint(str(ROOT / "v41_jax/configs/tiny.config.json"), str(out / "tiny"), 0)
     cfg, params = load_mod.load_params(out / "tiny", progress=False)
     token_map = load_token_map(out / "tiny/engram_token_map.json")
@@ -148,14 +148,13 @@ def main(out: Path) -> dict:
     want_tokens, want_logits = generate(single), teacher_forced(single, SETTINGS.slots - 1)
     lap("tiny one device")
     tiny = {}
-    # 2 and 8 devices: 4 runs the same MeshRunner path (device feedback, one bucket) as 8 and is
-    # covered by the demo model on 4 below (tokens, donation, cache and experts split); each mesh
-    # is a compile of its own (~11 s of the child)
-    for n in (2, 8):
-        # on 2 devices the released model's path: Engram tables on the host, each step's decode
-        # tokens and their Engram rows handed off through it
-        eng = (engine(make_mesh(n), device_engram=False) if n == 2 else
-               tiny_engine(cfg, params, token_map, make_mesh(n)))
+    # 8 devices (the released model's FP8 layout) on the released model's path: Engram tables on
+    # the host, each step's decode tokens and their Engram rows handed off through it. The device
+    # feedback path (Engram on the device) is the demo model's on 4 below; 2 devices ran the host
+    # path here until 2026-12-07 (each mesh is a compile of its own: ~15 s of the child, 20-25 s
+    # of the suite's time on 2 busy cores)
+    for n in (8,):
+        eng = tiny_engine(cfg, params, token_map, make_mesh(n), device_engram=False)   # both buckets
         got = generate(eng)
         before = eng.cache.window
         logits = teacher_forced(eng, SETTINGS.slots - 1)       # the last rank's last slot
@@ -225,7 +224,7 @@ def main(out: Path) -> dict:
     # what a `modes` section on 4 devices did (~44 s of the child); on 4 its 4 draft-stage experts
     # split one a device, as the released model's do over 8 (on 8 they stayed whole, replicated).
     # Its prompts fit one chunk and its window: chunked prefill and window wraps on a mesh are
-    # tiny/2's and tiny/8's.
+    # tiny/8's (and the packed rows on 2).
     # compile_cache_dir "": keep the suite's compilation cache (engine_common), not the user's;
     # decode_sizes (): one bucket, one compile per engine (both engines pad the same steps alike)
     kw = dict(numerics="fp32", max_batch=4, chunk=32, max_context=128, speculative=True, compile_cache_dir="",

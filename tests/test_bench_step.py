@@ -316,21 +316,22 @@ def test_compare_option_times_two_executables_of_one_lowering_on_the_same_inputs
     """`--compare-option KEY=VALUE`: each case compiled with the engine's options and with KEY set
     to VALUE, timed interleaved; both variants fed the same tokens, so their outputs are compared
     byte for byte (on the CPU a GPU-only option changes nothing: no output may differ, the
-    control's nor the variants'). A malformed option stops at the command line."""
+    control's nor the variants'). An empty value (e.g. command buffers off) is a variant of its own,
+    compared like any other. A malformed option stops at the command line."""
     out = tmp_path / "r.json"
     assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
-                    "--iters", "2", "--case-s", "0.2", "--compare-option",
-                    "xla_gpu_command_buffer_scheduling_mode=LHS"]) == 0
+                    "--iters", "2", "--case-s", "0.2", "--compare-option", "xla_gpu_enable_command_buffer="]) == 0
     data = json.loads(out.read_text())
     comp = data["comparisons"]["decode b=1 ctx=32"]
     # every case is also timed waited with the previous call's logits freed first
     assert all(c["step_ms_outputs_dropped_median"] > 0 for c in data["cases"])
-    assert comp["compared"] == "xla_gpu_command_buffer_scheduling_mode"
-    assert comp["engine"]["calls"] > 0 and comp["LHS"]["calls"] > 0
-    assert len(comp["LHS"]["back_to_back_ms"]) == 5 and min(comp["engine"]["back_to_back_ms"]) > 0
-    assert "LHS_minus_engine_back_to_back_ms" in comp
+    assert comp["compared"] == "xla_gpu_enable_command_buffer"
+    assert comp["engine"]["calls"] > 0 and comp["''"]["calls"] > 0
+    assert len(comp["''"]["back_to_back_ms"]) == 5 and min(comp["engine"]["back_to_back_ms"]) > 0
+    assert "''_minus_engine_back_to_back_ms" in comp and "''_minus_engine_ms" in comp
     assert comp["differing_outputs"] == {"control": {}, "control_second": {}, "variants": {}}
     assert bs._option("xla_a=true") == ("xla_a", True) and bs._option("xla_b=-3") == ("xla_b", -3)
+    assert bs._option("xla_c=LHS") == ("xla_c", "LHS") and bs._option("xla_d=") == ("xla_d", "")
     for bad in ("xla_gpu_command_buffer_scheduling_mode", "scheduling=LHS"):
         with pytest.raises(SystemExit):
             bs.parse_args(["--config", TINY, "--out", str(out), "--compare-option", bad])
@@ -367,11 +368,6 @@ def test_differing_counts_and_sizes_what_differs_and_option_sets_every_case(tmp_
                                           for c in res["cases"])
     with pytest.raises(SystemExit):
         bs.main(["--config", TINY, "--out", str(out), "--compare-option", "xla_gpu_command_buffer_scheduling_mode=engine"])
-    # an empty value (e.g. command buffers off) is a variant of its own, compared like any other
-    assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
-                    "--iters", "2", "--case-s", "0.2", "--compare-option", "xla_gpu_enable_command_buffer="]) == 0
-    comp = json.loads(out.read_text())["comparisons"]["decode b=1 ctx=32"]
-    assert comp["engine"]["calls"] > 0 and comp["''"]["calls"] > 0 and "''_minus_engine_ms" in comp
 
 
 def test_bench_graph_launch_times_straight_and_looped_programs(tmp_path):

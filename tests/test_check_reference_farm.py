@@ -40,9 +40,11 @@ ALL = os.environ.get("V41_FARM") == "all"
 # (`NO_DRAFT`) and one with bf16 linears (m73: the reference neither quantizes their inputs nor
 # block-sums them; with the FP8 rules it fails 40 of 42 checks); the farm run in full is reported
 # in docs/MODEL.md §6
+# (g22, whose draft head on the reference's taps takes its measured floor, runs in the whole farm
+# only: ~50 s of the suite; g24 and k64 keep a measured floor each in the suite)
 FORWARD = NAMES if ALL else ["f03_h6_ix8_dspark3_b5_engram0", "f11_h1_ix1_hd64_few_experts",
-                             "g22_h4_og4_ix8_top16_s44", "k64_s9_prompt28_s28", "m72_no_draft_h2_s40",
-                             "m73_bf16_linears_s40", "g24_h8_og4_w8_e16_top16_s62"]
+                             "k64_s9_prompt28_s28", "m72_no_draft_h2_s40", "m73_bf16_linears_s40",
+                             "g24_h8_og4_w8_e16_top16_s62"]
 # a model without a draft (no DSpark stages, no target layers): the reference records no taps,
 # and the check has no draft part (a seventh, unseen batch's m71 failed on the missing taps)
 NO_DRAFT = {"m72_no_draft_h2_s40"}

@@ -29,7 +29,7 @@ def models(tmp_path_factory):
 
 # every scenario on both configs with decode tokens fed back on the device; the host hand-off
 # (device_engram False) on `modes` alone, whose Engram sits on two layers: each case is one more
-# step compile (~50 s of the suite's CPU); tiny takes the hand-off on a mesh of 2 (tests/mesh_child.py)
+# step compile (~50 s of the suite's CPU); tiny takes the hand-off on a mesh of 8 (tests/mesh_child.py)
 CASES = [(c, s, None) for c in ("tiny", "modes") for s in ("chunk16", "chunk7_2buckets", "oneshot")] \
     + [("modes", "chunk7_2buckets", False)]
 
