@@ -3,12 +3,12 @@ fixture passes forward (with the free-running comparison) and through the engine
 on the reference's own taps within its allowance, and injected defects fail wherever they change
 the computation (docs/MODEL.md §6).
 
-Each fixture costs one XLA compile per path and per mutant (~25 s of CPU each), so by default the
-suite runs a small subset (FORWARD / FREE / ENGINE / MUTANT_ON / MUTATE below): ~75 s in CI
-before the cache-path mutant, which adds one engine run under the patch (that test alone: 104 s of
-CPU, with the conditioning and unmutated run the suite shares with test_farm_engine); V41_FARM=all
-runs every fixture on every path and every mutant on every fixture (49 tests, 69 min of wall time on
-2 cores shared with other work, docs/MODEL.md §6.5).
+Each fixture costs XLA compiles per path and per mutant (a forward ~15 s of CPU, its draft head
+~6 s, an engine two buckets of ~20 s each), so by default the suite runs a covering subset
+(FORWARD / FREE / ENGINE / MUTANT_ON / MUTATE below): 367 s of one worker in a clean-clone CI run
+(2026-12-07, the whole suite 23 min on 2 cores); V41_FARM=all runs every fixture on every path and
+every mutant on every fixture (docs/MODEL.md §6.5), with tests/test_step_replay.py's official
+fixtures through the engine.
 """
 
 import contextlib
