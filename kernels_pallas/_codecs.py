@@ -10,6 +10,7 @@ packed in the cache) and the sparse attention (main and window rows held packed;
   fp4_values(codes, scale, dtype) -> [N, K] in dtype, the even and odd inputs back in place
   (scales E8M0 in groups of 32, or E4M3 in groups of 16: `group=16, e4m3_scales=True`)
   fp8_values(codes uint8 [N, K], scale uint8 [N, K/32], dtype) -> [N, K] (E8M0 scales)
+  fp8_halves(codes, scale) -> fp32 (even, odd) [N, K/2] each
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def fp8_values(codes, scale, dtype, *, group: int = KV_FP8_GROUP):
     n, g = scale.shape
     s = jnp.broadcast_to(e8m0_as_f32(scale)[:, :, None], (n, g, group)).reshape(n, g * group)
     return (e4m3_as(codes, jnp.float32) * s).astype(dtype)
+
+
+def fp8_halves(codes, scale, *, group: int = KV_FP8_GROUP):
+    """`fp8_values` as its (even, odd) inputs, fp32 [N, K/2] each, exactly: the codes split in
+    registers (each byte pair stays in one thread), each scale broadcast over its group's pairs."""
+    n, g = scale.shape
+    even, odd = jnp.unstack(codes.reshape(n, codes.shape[1] // 2, 2), axis=-1)
+    s = jnp.broadcast_to(e8m0_as_f32(scale)[:, :, None], (n, g, group // 2)).reshape(n, g * group // 2)
+    return e4m3_as(even, jnp.float32) * s, e4m3_as(odd, jnp.float32) * s
 
 
 def fp4_halves(codes, scale, *, group: int = FP4_GROUP, e4m3_scales: bool = False):

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas import backend as _backend
 from kernels_pallas import sparse_attn_mgpu
-from kernels_pallas._codecs import fp4_values, fp8_values
+from kernels_pallas._codecs import fp4_halves, fp4_values, fp8_halves, fp8_values
 from kernels_pallas._compat import SQUEEZED, compiler_params, load
 from kernels_pallas.reference import CHUNK, NO_MAX, sparse_attn
 from kernels_pallas.split_merge import merge_splits
@@ -90,7 +90,7 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
                  n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool, value_parts: int,
-                 formats: tuple[str, ...]):
+                 lane_pairs: bool, formats: tuple[str, ...]):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
     h, d = q_ref.shape
     split = pl.program_id(2)
@@ -98,11 +98,19 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
     # tile of its own; the logits are own . own + other . other. Each part keeps (and writes) its
     # own softmax statistics: compiled, Triton chains the two products into one accumulation in
     # the part's order, so the two parts' logits may differ in the last fp32 bit
+    # lane pairs: q arrives with its even lanes in columns [0, D/2) and its odd lanes in [D/2, D);
+    # every row is taken as its (even, odd) lanes, two [C, D/2] tiles, and the output leaves in
+    # q's order (the caller puts the lanes back): an FP4 byte already holds an (even, odd) pair,
+    # so nothing is interleaved per chunk
     dv = d // value_parts
     own = pl.program_id(0) % value_parts * dv
     starts = [own, dv - own] if value_parts == 2 else [0]
-    qs = ([q_ref[:, pl.ds(pl.multiple_of(st, dv), dv)] for st in starts] if value_parts == 2
-          else [q_ref[...]])                                           # [H, D / V] each
+    if value_parts == 2:
+        qs = [q_ref[:, pl.ds(pl.multiple_of(st, dv), dv)] for st in starts]   # [H, D / 2] each
+    elif lane_pairs:
+        qs = [q_ref[:, :d // 2], q_ref[:, d // 2:]]
+    else:
+        qs = [q_ref[...]]                                              # [H, D]
     dtype = q_ref.dtype
 
     def gather(kv_ref, ids, start, fmt):
@@ -118,6 +126,15 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
             c = first + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
             return load(kv_ref.at[at, c[None, :]], mask=valid, other=0)
 
+        if lane_pairs:
+            if fmt == "typed":                         # two strided loads (typed rows beside packed)
+                lane = 2 * jax.lax.broadcasted_iota(jnp.int32, (d // 2,), 0)
+                return [load(kv_ref.at[at, (lane + odd)[None, :]], mask=valid, other=0).astype(dtype)
+                        for odd in (0, 1)]
+            if fmt == "fp4":
+                return [x.astype(dtype) for x in fp4_halves(cols(0, d // 2), cols(d // 2, d // KV_FP4_GROUP),
+                                                            group=KV_FP4_GROUP, e4m3_scales=True)]
+            return [x.astype(dtype) for x in fp8_halves(cols(0, d), cols(d, d // KV_FP8_GROUP))]
         if fmt == "typed":
             return cols(start, dv).astype(dtype)                       # fp32 policy: -> fp32
         if fmt == "fp4":
@@ -128,26 +145,27 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
 
     def attend(kv_ref, fmt, carry, ids):
         """One chunk: its ids [C] folded into (run_max, denom, acc)."""
-        run_max, denom, acc = carry                                    # [H], [H], [H, Dv] fp32
+        run_max, denom, accs = carry                                   # [H], [H], ([H, Dv] fp32, ...)
         valid = ids >= 0
-        tiles = [gather(kv_ref, ids, st, fmt) for st in starts]
+        tiles = gather(kv_ref, ids, 0, fmt) if lane_pairs else [gather(kv_ref, ids, st, fmt) for st in starts]
         logits = functools.reduce(jnp.add, [
             jax.lax.dot_general(qh, t, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                 preferred_element_type=jnp.float32) for qh, t in zip(qs, tiles)])   # [H, C]
-        rows = tiles[0]                                                # this program's value columns
+        values = tiles[:1] if value_parts == 2 else tiles              # this program's value columns
         logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
         new_max = jnp.maximum(run_max, logits.max(axis=1))
         rescale = jnp.exp(run_max - new_max)
         p = jnp.exp(logits - new_max[:, None])
         denom = denom * rescale + p.sum(axis=1)
-        if bf16_probs and rows.dtype == jnp.bfloat16:
-            pv, vals = p.astype(jnp.bfloat16), rows                    # exact products, fp32 sum
+        if bf16_probs and dtype == jnp.bfloat16:
+            pv = p.astype(jnp.bfloat16)                                # exact products, fp32 sum
         else:
             pv = p.astype(jnp.bfloat16).astype(jnp.float32) if bf16_probs else p
-            vals = rows.astype(jnp.float32)
-        acc = acc * rescale[:, None] + jax.lax.dot_general(
-            pv, vals, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
-        return new_max, denom, acc
+            values = [v.astype(jnp.float32) for v in values]
+        accs = tuple(acc * rescale[:, None] + jax.lax.dot_general(
+            pv, v, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
+            for acc, v in zip(accs, values))
+        return new_max, denom, accs
 
     def chunk_ids(idx_ref, c, n):
         """Chunk c's ids [C] (c clamped to the source's last chunk: a prefetch past it reads the
@@ -167,22 +185,28 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
             return (*attend(kv_ref, fmt, cr[:3], cr[3]), chunk_ids(idx_ref, c + 1, n))
         return jax.lax.fori_loop(lo, hi, body, (*carry, chunk_ids(idx_ref, lo, n)))[:3]
 
+    n_acc = 2 if lane_pairs else 1
     carry = (jnp.full((h,), NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
-             jnp.zeros((h, dv), jnp.float32))
+             tuple(jnp.zeros((h, dv // n_acc), jnp.float32) for _ in range(n_acc)))
     base = 0
     for idx_ref, kv_ref, fmt, n in zip(idx_refs, kv_refs, formats, n_chunks):
         lo, hi = _split_bounds(split, n, base, per_split, n_splits)
         carry = walk(idx_ref, kv_ref, fmt, n, lo, hi, carry)
         base += n
-    run_max, denom, acc = carry
+    run_max, denom, accs = carry
+    width = dv // n_acc
+
+    def put(ref, parts):
+        for n, part in enumerate(parts):                               # each accumulator its columns
+            ref[:, pl.ds(n * width, width)] = part.astype(ref.dtype)
 
     if n_splits == 1:
         (o_ref,) = out_refs
         denom = denom + jnp.exp(sink_ref[...] - run_max)              # sink: unscaled, denominator only
-        o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+        put(o_ref, [acc / denom[:, None] for acc in accs])
     else:
         acc_ref, max_ref, den_ref = out_refs
-        acc_ref[...] = acc
+        put(acc_ref, accs)
         max_ref[...] = run_max
         den_ref[...] = denom
 
@@ -205,10 +229,13 @@ def launch_config(tokens: int, packed: bool = False) -> dict:
     0.143 / 0.244 / 0.440 for 16-head programs and 0.057 / 0.080 / 0.121 / 0.183 / 0.362 for
     value halves; 2026-12-06 p and g2; 9-31 tokens not measured)."""
     if tokens > 64 or packed:
-        return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
+        return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1,
+                    lane_pairs=False)
     if tokens <= 48:
-        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
-    return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2)
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1,
+                    lane_pairs=False)
+    return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2,
+                lane_pairs=False)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -221,14 +248,16 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
                                              "num_stages", "interpret", "head_block", "prefetch_ids",
-                                             "value_parts"))
+                                             "value_parts", "lane_pairs"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block, prefetch_ids, value_parts):
+                        num_stages, interpret, head_block, prefetch_ids, value_parts, lane_pairs):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
     hp = max(16, 1 << (h - 1).bit_length())                            # dot M: power of two >= 16
     q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+    if lane_pairs:                                     # even lanes, then odd (the kernel's order)
+        q = q.reshape(t, hp, d // 2, 2).swapaxes(-1, -2).reshape(t, hp, d)
     sink_p = jnp.pad(sink.astype(jnp.float32), (0, hp - h))
     formats = tuple(_row_format(r, d) for r in rows)
     idx = [_pad_ids(i) for i in idx]
@@ -246,6 +275,8 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     if value_parts not in (1, 2) or d // value_parts < 16:
         raise ValueError(f"value_parts {value_parts}: 1, or 2 with D/2 >= 16 (got D {d})")
     vp, dv = value_parts, d // value_parts
+    if lane_pairs and vp != 1:
+        raise ValueError("lane_pairs takes value_parts=1 (each program computes every column)")
     for fmt, group in (("fp8", KV_FP8_GROUP), ("fp4", KV_FP4_GROUP)):
         if fmt in formats and dv % group:
             raise ValueError(f"packed {fmt} rows: D/value_parts = {dv} lanes is no whole number of "
@@ -269,7 +300,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
                                bf16_probs=bf16_probs, prefetch_ids=prefetch_ids, value_parts=vp,
-                               formats=formats)
+                               lane_pairs=lane_pairs, formats=formats)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
@@ -277,6 +308,8 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     )(q, sink_p, *idx, *rows)
     if n_splits > 1:
         out = merge_splits(*out, sink_p, q.dtype)
+    if lane_pairs:                                     # lanes back in place
+        out = out.reshape(t, hp, 2, d // 2).swapaxes(-1, -2).reshape(t, hp, d)
     return out[:, :h]
 
 
@@ -322,7 +355,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                       num_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, head_block: int | None = None,
                       prefetch_ids: bool | None = None, value_parts: int | None = None,
-                      impl: str | None = None) -> jax.Array:
+                      lane_pairs: bool | None = None, impl: str | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -334,7 +367,9 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     num_splits None = `default_splits`; head_block (heads per program, a power of two),
     num_warps, num_stages (Triton launch parameters), prefetch_ids (each chunk's ids loaded one
     loop step ahead of its gather) and value_parts (1, or 2: the output's columns in two programs,
-    each computing the logits over all of D from the rows' two halves): None = `launch_config`.
+    each computing the logits over all of D from the rows' two halves), lane_pairs (every row
+    taken as its even and its odd lanes, two half tiles, as an FP4 byte holds them: no interleave
+    after the decode): None = `launch_config`.
     impl: None / "triton" (the portable kernel) or "mgpu" (`sparse_attn_mgpu`, NVIDIA Hopper:
     warp specialised, rows copied by TMA; num_splits None = its `default_splits`). Not the
     default: measured equal to the Triton kernel at 128 tokens and slower at 32 / 64 (H100,
@@ -351,7 +386,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                              "64 heads, bf16 probabilities (reference or fast numerics)")
         triton_only = [k for k, v in (("num_warps", num_warps), ("num_stages", num_stages),
                                       ("head_block", head_block), ("prefetch_ids", prefetch_ids),
-                                      ("value_parts", value_parts)) if v is not None]
+                                      ("value_parts", value_parts), ("lane_pairs", lane_pairs))
+                      if v is not None]
         if triton_only:
             raise ValueError(f"impl='mgpu' has no Triton launch parameters: {', '.join(triton_only)}")
         splits = num_splits or sparse_attn_mgpu.default_splits(q2.shape[0], n_chunks)
@@ -366,7 +402,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
         launch["value_parts"] = 1
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
                                      ("num_stages", num_stages), ("prefetch_ids", prefetch_ids),
-                                     ("value_parts", value_parts))
+                                     ("value_parts", value_parts), ("lane_pairs", lane_pairs))
                    if v is not None})
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,

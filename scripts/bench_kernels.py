@@ -139,7 +139,7 @@ def _attn_inputs(key, layers, t, h, d, n_win, n_comp, ring_rows, comp_rows, ctx,
     return tuple(qs), tuple(wids), tuple(cids)
 
 
-LAUNCH_KEYS = {"head_block", "num_warps", "num_stages", "prefetch_ids", "value_parts"}
+LAUNCH_KEYS = {"head_block", "num_warps", "num_stages", "prefetch_ids", "value_parts", "lane_pairs"}
 
 
 def _variant_base(tokens: int) -> dict:
@@ -147,8 +147,8 @@ def _variant_base(tokens: int) -> dict:
     it stood on 2026-12-05, fixed, so a variant's name means one program in every run's JSON
     (variants naming none, "auto", "packed-auto", take today's `launch_config`)."""
     if tokens <= 64:
-        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1)
-    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1)
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1, lane_pairs=False)
+    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1, lane_pairs=False)
 
 
 def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
@@ -267,7 +267,18 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                     ("packed-h64w8s3", dict(rows="packed", head_block=64, num_warps=8, num_stages=3,
                                             prefetch_ids=False)),
                     ("packed-h64w4-v2s3", dict(rows="packed", head_block=64, num_warps=4, num_stages=3,
-                                               prefetch_ids=False, value_parts=2))]
+                                               prefetch_ids=False, value_parts=2)),
+                    # every row as its even and odd lanes (two half tiles, nothing interleaved after
+                    # the decode), and the decode spread over 16 warps
+                    ("packed-h64w8s3-pairs", dict(rows="packed", head_block=64, num_warps=8, num_stages=3,
+                                                  prefetch_ids=False, lane_pairs=True)),
+                    ("packed-h64w16s3", dict(rows="packed", head_block=64, num_warps=16, num_stages=3,
+                                             prefetch_ids=False)),
+                    ("packed-h64w16s3-pairs", dict(rows="packed", head_block=64, num_warps=16, num_stages=3,
+                                                   prefetch_ids=False, lane_pairs=True)),
+                    ("packed-h64w8s3-pairs-split4", dict(rows="packed", head_block=64, num_warps=8,
+                                                         num_stages=3, prefetch_ids=False, lane_pairs=True,
+                                                         num_splits=4))]
         # more splits for the wide programs: every head of a token in one program reads its rows
         # once, and 4 splits give 32 tokens 128 programs (2 splits left half of the GPU idle)
         variants += [(f"{name}-split{n}", dict(kw, num_splits=n)) for n in (4, 8)
