@@ -113,41 +113,48 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         qs = [q_ref[...]]                                              # [H, D]
     dtype = q_ref.dtype
 
-    def gather(kv_ref, ids, start, fmt):
-        """A chunk's rows, lanes [start, start + D/V) [C, D/V] in q's dtype: masked, so skipped ids
-        read nothing and give 0 rows (no NaN from unused pages); two broadcast index arrays, not
-        (ids, :): interpret mode cannot mix them. Packed rows are decoded exactly (an E4M3 code
-        times 2^(s - 127), an E2M1 code times an E4M3 scale: 4 and 6 significant bits, bf16s).
-        (Loading each lane's code and scale bytes at its own column instead, with no broadcast
-        or interleave, was 2.5-10x slower: byte loads; H100, 2026-12-06 p2.)"""
+    def gather(kv_ref, ids, fmt):
+        """A chunk's rows as the tiles the products take, in q's dtype: [C, D] whole, the value
+        halves (own, other) [C, D/2] each, or the lane pairs (even, odd) [C, D/2] each. Masked, so
+        skipped ids read nothing and give 0 rows (no NaN from unused pages); two broadcast index
+        arrays, not (ids, :): interpret mode cannot mix them. Packed rows are decoded exactly (an
+        E4M3 code times 2^(s - 127), an E2M1 code times an E4M3 scale: 4 and 6 significant bits,
+        bf16s). (Loading each lane's code and scale bytes at its own column instead, with no
+        broadcast or interleave, was 2.5-10x slower: byte loads; H100, 2026-12-06 p2.)"""
         at, valid = jnp.maximum(ids, 0)[:, None], (ids >= 0)[:, None]
 
-        def cols(first, n):                                            # byte columns, 0 if skipped
-            c = first + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-            return load(kv_ref.at[at, c[None, :]], mask=valid, other=0)
+        def cols(lanes):                                               # columns, 0 if skipped
+            return load(kv_ref.at[at, lanes[None, :]], mask=valid, other=0)
+
+        def span(first, n):
+            return cols(first + jax.lax.broadcasted_iota(jnp.int32, (n,), 0))
 
         if lane_pairs:
             if fmt == "typed":                         # two strided loads (typed rows beside packed)
-                lane = 2 * jax.lax.broadcasted_iota(jnp.int32, (d // 2,), 0)
-                return [load(kv_ref.at[at, (lane + odd)[None, :]], mask=valid, other=0).astype(dtype)
-                        for odd in (0, 1)]
+                even = 2 * jax.lax.broadcasted_iota(jnp.int32, (d // 2,), 0)
+                return [cols(even).astype(dtype), cols(even + 1).astype(dtype)]
             if fmt == "fp4":
-                return [x.astype(dtype) for x in fp4_halves(cols(0, d // 2), cols(d // 2, d // KV_FP4_GROUP),
-                                                            group=KV_FP4_GROUP, e4m3_scales=True)]
-            return [x.astype(dtype) for x in fp8_halves(cols(0, d), cols(d, d // KV_FP8_GROUP))]
-        if fmt == "typed":
-            return cols(start, dv).astype(dtype)                       # fp32 policy: -> fp32
-        if fmt == "fp4":
-            return fp4_values(cols(start // 2, dv // 2),
-                              cols(d // 2 + start // KV_FP4_GROUP, dv // KV_FP4_GROUP), dtype,
-                              group=KV_FP4_GROUP, e4m3_scales=True)
-        return fp8_values(cols(start, dv), cols(d + start // KV_FP8_GROUP, dv // KV_FP8_GROUP), dtype)
+                halves = fp4_halves(span(0, d // 2), span(d // 2, d // KV_FP4_GROUP), group=KV_FP4_GROUP,
+                                    e4m3_scales=True)
+            else:
+                halves = fp8_halves(span(0, d), span(d, d // KV_FP8_GROUP))
+            return [x.astype(dtype) for x in halves]
+
+        def part(start):                                               # lanes [start, start + D/V)
+            if fmt == "typed":
+                return span(start, dv).astype(dtype)                   # fp32 policy: -> fp32
+            if fmt == "fp4":
+                return fp4_values(span(start // 2, dv // 2),
+                                  span(d // 2 + start // KV_FP4_GROUP, dv // KV_FP4_GROUP), dtype,
+                                  group=KV_FP4_GROUP, e4m3_scales=True)
+            return fp8_values(span(start, dv), span(d + start // KV_FP8_GROUP, dv // KV_FP8_GROUP), dtype)
+        return [part(st) for st in starts]
 
     def attend(kv_ref, fmt, carry, ids):
         """One chunk: its ids [C] folded into (run_max, denom, acc)."""
         run_max, denom, accs = carry                                   # [H], [H], ([H, Dv] fp32, ...)
         valid = ids >= 0
-        tiles = gather(kv_ref, ids, 0, fmt) if lane_pairs else [gather(kv_ref, ids, st, fmt) for st in starts]
+        tiles = gather(kv_ref, ids, fmt)
         logits = functools.reduce(jnp.add, [
             jax.lax.dot_general(qh, t, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                 preferred_element_type=jnp.float32) for qh, t in zip(qs, tiles)])   # [H, C]
