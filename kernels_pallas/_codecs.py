@@ -40,20 +40,25 @@ def e8m0_as_f32(codes):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _per_lane(scale, lanes: int):
+    """Per-group scales [N, G] -> [N, G * lanes], each repeated over its group's lanes (or its
+    group's byte pairs)."""
+    n, g = scale.shape
+    return jnp.broadcast_to(scale[:, :, None], (n, g, lanes)).reshape(n, g * lanes)
+
+
 def fp8_values(codes, scale, dtype, *, group: int = KV_FP8_GROUP):
     """E4M3 codes uint8 [N, K] x E8M0 scale codes [N, K/group] -> [N, K] in dtype, exactly (an
     E4M3 value times a power of two: 4 significant bits, a bf16 down to 2^-133)."""
-    n, g = scale.shape
-    s = jnp.broadcast_to(e8m0_as_f32(scale)[:, :, None], (n, g, group)).reshape(n, g * group)
+    s = _per_lane(e8m0_as_f32(scale), group)
     return (e4m3_as(codes, jnp.float32) * s).astype(dtype)
 
 
 def fp8_halves(codes, scale, *, group: int = KV_FP8_GROUP):
     """`fp8_values` as its (even, odd) inputs, fp32 [N, K/2] each, exactly: the codes split in
     registers (each byte pair stays in one thread), each scale broadcast over its group's pairs."""
-    n, g = scale.shape
-    even, odd = jnp.unstack(codes.reshape(n, codes.shape[1] // 2, 2), axis=-1)
-    s = jnp.broadcast_to(e8m0_as_f32(scale)[:, :, None], (n, g, group // 2)).reshape(n, g * group // 2)
+    even, odd = jnp.unstack(codes.reshape(codes.shape[0], codes.shape[1] // 2, 2), axis=-1)
+    s = _per_lane(e8m0_as_f32(scale), group // 2)
     return e4m3_as(even, jnp.float32) * s, e4m3_as(odd, jnp.float32) * s
 
 
@@ -68,13 +73,11 @@ def fp4_halves(codes, scale, *, group: int = FP4_GROUP, e4m3_scales: bool = Fals
     fp32 (4 significant bits), and so is its product with an E2M1 value (6 bits)."""
     lo = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
     hi = (codes & 0x80) | ((codes >> 2) & 0x1C)
-    n, g = scale.shape
     if e4m3_scales:
         s = e4m3_as(scale, jnp.float32) * 64.0
     else:
         s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
-    half = group // 2                                                      # a byte holds 2 lanes
-    s = jnp.broadcast_to(s[:, :, None], (n, g, half)).reshape(n, g * half)
+    s = _per_lane(s, group // 2)                                           # a byte holds 2 lanes
     return e4m3_as(lo, jnp.float32) * s, e4m3_as(hi, jnp.float32) * s
 
 

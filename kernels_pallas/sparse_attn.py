@@ -151,7 +151,7 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         return [part(st) for st in starts]
 
     def attend(kv_ref, fmt, carry, ids):
-        """One chunk: its ids [C] folded into (run_max, denom, acc)."""
+        """One chunk: its ids [C] folded into (run_max, denom, accumulators)."""
         run_max, denom, accs = carry                                   # [H], [H], ([H, Dv] fp32, ...)
         valid = ids >= 0
         tiles = gather(kv_ref, ids, fmt)
