@@ -234,10 +234,13 @@ def launch_config(tokens: int, packed: bool = False) -> dict:
     stages, so a row is gathered and decoded once per token, not once per head block (H100 at 1 /
     8 / 32 / 64 / 128 tokens: 0.036 / 0.041 / 0.061 / 0.118 / 0.134 ms against 0.046 / 0.068 /
     0.143 / 0.244 / 0.440 for 16-head programs and 0.057 / 0.080 / 0.121 / 0.183 / 0.362 for
-    value halves; 2026-12-06 p and g2; 9-31 tokens not measured)."""
+    value halves; 2026-12-06 p and g2; 9-31 tokens not measured); from 64 tokens each row as its
+    (even, odd) lanes (`lane_pairs`: 64 / 96 / 128 / 4,096 tokens 0.108 / 0.113 / 0.118 / 3.20 ms
+    against 0.122 / 0.125 / 0.136 / 3.73 whole; at 32 slower, 0.073 against 0.062; H100,
+    2026-12-07 j and k; 33-63 not measured)."""
     if tokens > 64 or packed:
         return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1,
-                    lane_pairs=False)
+                    lane_pairs=packed and tokens >= 64)
     if tokens <= 48:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1,
                     lane_pairs=False)
@@ -376,8 +379,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     loop step ahead of its gather) and value_parts (1, or 2: the output's columns in two programs,
     each computing the logits over all of D from the rows' two halves), lane_pairs (every row
     taken as its even and its odd lanes, two half tiles, as an FP4 byte holds them: no interleave
-    after the decode; packed rows 14 % faster at 128 tokens, 18 % slower at 32, H100 2026-12-07 j,
-    so not a default yet): None = `launch_config`.
+    after the decode; packed rows 9-14 % faster from 64 tokens, 18 % slower at 32, H100
+    2026-12-07 j / k, so the packed default from 64 tokens): None = `launch_config`.
     impl: None / "triton" (the portable kernel) or "mgpu" (`sparse_attn_mgpu`, NVIDIA Hopper:
     warp specialised, rows copied by TMA; num_splits None = its `default_splits`). Not the
     default: measured equal to the Triton kernel at 128 tokens and slower at 32 / 64 (H100,
@@ -412,6 +415,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                                      ("num_stages", num_stages), ("prefetch_ids", prefetch_ids),
                                      ("value_parts", value_parts), ("lane_pairs", lane_pairs))
                    if v is not None})
+    if value_parts == 2 and lane_pairs is None:    # value halves given: whole rows, not the default pairs
+        launch["lane_pairs"] = False
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,
                               num_splits=splits, interpret=_backend.interpret(), **launch)

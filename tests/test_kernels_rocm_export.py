@@ -42,7 +42,7 @@ def _triton_calls(exported) -> int:
 @pytest.mark.parametrize("t,splits,loads", [(8, 1, {}), (8, 2, {}), (32, 2, {}), (128, 1, {}),
                                             (128, 2, dict(prefetch_ids=True)), (64, 1, {}), (64, 2, {}),
                                             (64, 2, dict(head_block=64, num_warps=4, num_stages=3,
-                                                         prefetch_ids=False, value_parts=2)),
+                                                         prefetch_ids=False, value_parts=2, lane_pairs=False)),
                                             (32, 2, dict(lane_pairs=True))])
 @pytest.mark.parametrize("kv_rows", ["bf16", "packed"])
 def test_sparse_attn_lowers_for_rocm(t, splits, loads, kv_rows):

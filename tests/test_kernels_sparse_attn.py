@@ -143,10 +143,11 @@ def _weighted_magnitude(q, sink, sources, scale) -> np.ndarray:
 # default for packed rows from 32 tokens (`launch_config`: every head in one program, 2 splits);
 # rows as lane pairs (each row its even and odd lanes): 16-head programs at one split (the lanes
 # put back after the kernel; whole rows at one split are test_matches_xla_path's), and 64 heads
-# in one program at 2 splits (put back after the merge)
+# in one program at 2 splits (put back after the merge); the default from 64 tokens (lane pairs,
+# one split)
 PACKED_CASES = [(6, 32, dict(num_splits=s, head_block=16, value_parts=v)) for s, v in ((3, 1), (1, 2), (3, 2))]
 PACKED_CASES += [(32, 64, {}), (6, 32, dict(num_splits=1, head_block=16, lane_pairs=True)),
-                 (32, 64, dict(lane_pairs=True))]
+                 (32, 64, dict(lane_pairs=True)), (64, 16, {})]
 
 
 @pytest.mark.parametrize("t,h,launch", PACKED_CASES, ids=lambda c: str(c).replace(" ", ""))
