@@ -90,7 +90,7 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
                  n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool, value_parts: int,
-                 lane_pairs: bool, rows_m: bool, formats: tuple[str, ...]):
+                 lane_pairs: bool, formats: tuple[str, ...]):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
     h, d = q_ref.shape
     split = pl.program_id(2)
@@ -102,10 +102,6 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
     # every row is taken as its (even, odd) lanes, two [C, D/2] tiles, and the output leaves in
     # q's order (the caller puts the lanes back): an FP4 byte already holds an (even, odd) pair,
     # so nothing is interleaved per chunk
-    # rows as M: both products transposed, the chunk's rows the M of the logits [C, H] = rows . q^T
-    # and the contraction of out^T [D, H] += rows^T . P^T, so that a head block of 16 or 32 is the
-    # N of a warpgroup MMA (whose M must be 64) and the rows its A operand; every per-head vector
-    # then runs along axis 1 of the logits, and the accumulator is [D, H] (transposed at the end)
     dv = d // value_parts
     own = pl.program_id(0) % value_parts * dv
     starts = [own, dv - own] if value_parts == 2 else [0]
@@ -154,35 +150,28 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
             return fp8_values(span(start, dv), span(d + start // KV_FP8_GROUP, dv // KV_FP8_GROUP), dtype)
         return [part(st) for st in starts]
 
-    ids_ax = 0 if rows_m else 1                                        # the logits' chunk axis
-
-    def per_head(v):                                                   # [H] along the head axis
-        return v[None, :] if rows_m else v[:, None]
-
-    def dot(a, b, a_dim, b_dim):
-        return jax.lax.dot_general(a, b, (((a_dim,), (b_dim,)), ((), ())), precision=HIGHEST,
-                                   preferred_element_type=jnp.float32)
-
     def attend(kv_ref, fmt, carry, ids):
         """One chunk: its ids [C] folded into (run_max, denom, accumulators)."""
-        run_max, denom, accs = carry                        # [H], [H], ([H, Dv] or [Dv, H] fp32, ...)
+        run_max, denom, accs = carry                                   # [H], [H], ([H, Dv] fp32, ...)
         valid = ids >= 0
         tiles = gather(kv_ref, ids, fmt)
-        logits = functools.reduce(jnp.add, [dot(t, qh, 1, 1) if rows_m else dot(qh, t, 1, 1)
-                                            for qh, t in zip(qs, tiles)])              # [H, C] / [C, H]
+        logits = functools.reduce(jnp.add, [
+            jax.lax.dot_general(qh, t, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                preferred_element_type=jnp.float32) for qh, t in zip(qs, tiles)])   # [H, C]
         values = tiles[:1] if value_parts == 2 else tiles              # this program's value columns
-        logits = jnp.where(valid[:, None] if rows_m else valid[None, :], logits, -jnp.inf) * scale
-        new_max = jnp.maximum(run_max, logits.max(axis=ids_ax))
+        logits = jnp.where(valid[None, :], logits, -jnp.inf) * scale
+        new_max = jnp.maximum(run_max, logits.max(axis=1))
         rescale = jnp.exp(run_max - new_max)
-        p = jnp.exp(logits - per_head(new_max))
-        denom = denom * rescale + p.sum(axis=ids_ax)
+        p = jnp.exp(logits - new_max[:, None])
+        denom = denom * rescale + p.sum(axis=1)
         if bf16_probs and dtype == jnp.bfloat16:
             pv = p.astype(jnp.bfloat16)                                # exact products, fp32 sum
         else:
             pv = p.astype(jnp.bfloat16).astype(jnp.float32) if bf16_probs else p
             values = [v.astype(jnp.float32) for v in values]
-        accs = tuple(acc * per_head(rescale) + (dot(v, pv, 0, 0) if rows_m else dot(pv, v, 1, 0))
-                     for acc, v in zip(accs, values))
+        accs = tuple(acc * rescale[:, None] + jax.lax.dot_general(
+            pv, v, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
+            for acc, v in zip(accs, values))
         return new_max, denom, accs
 
     def chunk_ids(idx_ref, c, n):
@@ -204,9 +193,8 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         return jax.lax.fori_loop(lo, hi, body, (*carry, chunk_ids(idx_ref, lo, n)))[:3]
 
     n_acc = 2 if lane_pairs else 1
-    acc_shape = (dv // n_acc, h) if rows_m else (h, dv // n_acc)
     carry = (jnp.full((h,), NO_MAX, jnp.float32), jnp.zeros((h,), jnp.float32),
-             tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(n_acc)))
+             tuple(jnp.zeros((h, dv // n_acc), jnp.float32) for _ in range(n_acc)))
     base = 0
     for idx_ref, kv_ref, fmt, n in zip(idx_refs, kv_refs, formats, n_chunks):
         lo, hi = _split_bounds(split, n, base, per_split, n_splits)
@@ -217,12 +205,12 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
 
     def put(ref, parts):
         for n, part in enumerate(parts):                               # each accumulator its columns
-            ref[:, pl.ds(n * width, width)] = (part.T if rows_m else part).astype(ref.dtype)
+            ref[:, pl.ds(n * width, width)] = part.astype(ref.dtype)
 
     if n_splits == 1:
         (o_ref,) = out_refs
         denom = denom + jnp.exp(sink_ref[...] - run_max)              # sink: unscaled, denominator only
-        put(o_ref, [acc / per_head(denom) for acc in accs])
+        put(o_ref, [acc / denom[:, None] for acc in accs])
     else:
         acc_ref, max_ref, den_ref = out_refs
         put(acc_ref, accs)
@@ -252,12 +240,12 @@ def launch_config(tokens: int, packed: bool = False) -> dict:
     2026-12-07 j and k; 33-63 not measured)."""
     if tokens > 64 or packed:
         return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1,
-                    lane_pairs=packed and tokens >= 64, rows_m=False)
+                    lane_pairs=packed and tokens >= 64)
     if tokens <= 48:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1,
-                    lane_pairs=False, rows_m=False)
+                    lane_pairs=False)
     return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2,
-                lane_pairs=False, rows_m=False)
+                lane_pairs=False)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -270,10 +258,9 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
                                              "num_stages", "interpret", "head_block", "prefetch_ids",
-                                             "value_parts", "lane_pairs", "rows_m"))
+                                             "value_parts", "lane_pairs"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block, prefetch_ids, value_parts, lane_pairs,
-                        rows_m):
+                        num_stages, interpret, head_block, prefetch_ids, value_parts, lane_pairs):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -300,8 +287,6 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     vp, dv = value_parts, d // value_parts
     if lane_pairs and vp != 1:
         raise ValueError("lane_pairs takes value_parts=1 (each program computes every column)")
-    if rows_m and (vp != 1 or lane_pairs):
-        raise ValueError("rows_m takes whole rows (value_parts=1, lane_pairs=False)")
     for fmt, group in (("fp8", KV_FP8_GROUP), ("fp4", KV_FP4_GROUP)):
         if fmt in formats and dv % group:
             raise ValueError(f"packed {fmt} rows: D/value_parts = {dv} lanes is no whole number of "
@@ -325,7 +310,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
                                bf16_probs=bf16_probs, prefetch_ids=prefetch_ids, value_parts=vp,
-                               lane_pairs=lane_pairs, rows_m=rows_m, formats=formats)
+                               lane_pairs=lane_pairs, formats=formats)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
@@ -380,8 +365,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                       num_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, head_block: int | None = None,
                       prefetch_ids: bool | None = None, value_parts: int | None = None,
-                      lane_pairs: bool | None = None, rows_m: bool | None = None,
-                      impl: str | None = None) -> jax.Array:
+                      lane_pairs: bool | None = None, impl: str | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -396,9 +380,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     each computing the logits over all of D from the rows' two halves), lane_pairs (every row
     taken as its even and its odd lanes, two half tiles, as an FP4 byte holds them: no interleave
     after the decode; packed rows 9-14 % faster from 64 tokens, 18 % slower at 32, H100
-    2026-12-07 j / k, so the packed default from 64 tokens), rows_m (both products transposed:
-    the chunk's rows as the MMA's M, the heads as its N, so a 16- or 32-head program can use the
-    warpgroup MMA): None = `launch_config`.
+    2026-12-07 j / k, so the packed default from 64 tokens): None = `launch_config`.
     impl: None / "triton" (the portable kernel) or "mgpu" (`sparse_attn_mgpu`, NVIDIA Hopper:
     warp specialised, rows copied by TMA; num_splits None = its `default_splits`). Not the
     default: measured equal to the Triton kernel at 128 tokens and slower at 32 / 64 (H100,
@@ -415,8 +397,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                              "64 heads, bf16 probabilities (reference or fast numerics)")
         triton_only = [k for k, v in (("num_warps", num_warps), ("num_stages", num_stages),
                                       ("head_block", head_block), ("prefetch_ids", prefetch_ids),
-                                      ("value_parts", value_parts), ("lane_pairs", lane_pairs),
-                                      ("rows_m", rows_m))
+                                      ("value_parts", value_parts), ("lane_pairs", lane_pairs))
                       if v is not None]
         if triton_only:
             raise ValueError(f"impl='mgpu' has no Triton launch parameters: {', '.join(triton_only)}")
@@ -432,8 +413,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
         launch["value_parts"] = 1
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
                                      ("num_stages", num_stages), ("prefetch_ids", prefetch_ids),
-                                     ("value_parts", value_parts), ("lane_pairs", lane_pairs),
-                                     ("rows_m", rows_m))
+                                     ("value_parts", value_parts), ("lane_pairs", lane_pairs))
                    if v is not None})
     if value_parts == 2 and lane_pairs is None:    # value halves given: whole rows, not the default pairs
         launch["lane_pairs"] = False

@@ -139,7 +139,7 @@ def _attn_inputs(key, layers, t, h, d, n_win, n_comp, ring_rows, comp_rows, ctx,
     return tuple(qs), tuple(wids), tuple(cids)
 
 
-LAUNCH_KEYS = {"head_block", "num_warps", "num_stages", "prefetch_ids", "value_parts", "lane_pairs", "rows_m"}
+LAUNCH_KEYS = {"head_block", "num_warps", "num_stages", "prefetch_ids", "value_parts", "lane_pairs"}
 
 
 def _variant_base(tokens: int) -> dict:
@@ -147,10 +147,8 @@ def _variant_base(tokens: int) -> dict:
     it stood on 2026-12-05, fixed, so a variant's name means one program in every run's JSON
     (variants naming none, "auto", "packed-auto", take today's `launch_config`)."""
     if tokens <= 64:
-        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1, lane_pairs=False,
-                    rows_m=False)
-    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1, lane_pairs=False,
-                rows_m=False)
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1, lane_pairs=False)
+    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1, lane_pairs=False)
 
 
 def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
@@ -280,15 +278,7 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                                                    prefetch_ids=False, lane_pairs=True)),
                     ("packed-h64w8s3-pairs-split4", dict(rows="packed", head_block=64, num_warps=8,
                                                          num_stages=3, prefetch_ids=False, lane_pairs=True,
-                                                         num_splits=4)),
-                    # both products transposed: the chunk's rows as the MMA's M, 16 or 32 heads as
-                    # its N (a warpgroup-MMA shape; 16 heads as M is not)
-                    ("h16w4-rowsm", dict(head_block=16, num_warps=4, rows_m=True)),
-                    ("h32w4-rowsm", dict(head_block=32, num_warps=4, rows_m=True)),
-                    ("h32w8-rowsm", dict(head_block=32, num_warps=8, rows_m=True)),
-                    ("h16w4-rowsm-s3", dict(head_block=16, num_warps=4, num_stages=3, prefetch_ids=False,
-                                            rows_m=True)),
-                    ("packed-h32w4-rowsm", dict(rows="packed", head_block=32, num_warps=4, rows_m=True))]
+                                                         num_splits=4))]
         # more splits for the wide programs: every head of a token in one program reads its rows
         # once, and 4 splits give 32 tokens 128 programs (2 splits left half of the GPU idle)
         variants += [(f"{name}-split{n}", dict(kw, num_splits=n)) for n in (4, 8)

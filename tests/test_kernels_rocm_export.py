@@ -43,15 +43,13 @@ def _triton_calls(exported) -> int:
                                             (128, 2, dict(prefetch_ids=True)), (64, 1, {}), (64, 2, {}),
                                             (64, 2, dict(head_block=64, num_warps=4, num_stages=3,
                                                          prefetch_ids=False, value_parts=2, lane_pairs=False)),
-                                            (32, 2, dict(lane_pairs=True)),
-                                            (32, 2, dict(head_block=32, rows_m=True))])
+                                            (32, 2, dict(lane_pairs=True))])
 @pytest.mark.parametrize("kv_rows", ["bf16", "packed"])
 def test_sparse_attn_lowers_for_rocm(t, splits, loads, kv_rows):
     # H=64, Dh=512, window 128 + 512 compressed ids; every launch config `launch_config` gives
     # (16-head programs, value halves at 64 tokens, 64-head 8-warp programs, and for packed rows
     # those from 32 tokens), a load-placement variant, packed rows in value halves, and the rows
-    # as lane pairs, both products transposed (rows as M); rows typed, or packed (window FP8,
-    # compressed FP4)
+    # as lane pairs; rows typed, or packed (window FP8, compressed FP4)
     launch = {**launch_config(t, packed=kv_rows == "packed"), **loads}
     f = functools.partial(_sparse_attn_pallas, scale=512 ** -0.5, bf16_probs=True,
                           num_splits=splits, interpret=False, **launch)

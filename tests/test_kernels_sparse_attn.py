@@ -62,24 +62,6 @@ def test_head_blocks():
     assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("head_block", [16, 32])
-def test_rows_as_m(splits, head_block):
-    """Both products transposed (`rows_m`: logits [C, H], the accumulator [D, H]), 32 heads in
-    programs of 16 or 32: the same online softmax over the rows' axis, so the XLA path's output
-    within `BF16_TOL`, and at one split the same chunks and running max as the reference (only the
-    dots' fp32 summation order free), so nearly every element identical; it takes whole rows."""
-    rng, seed = fresh_rng()
-    case = _case(rng, h=32)
-    got, want = _both(*case, num_splits=splits, head_block=head_block, rows_m=True)
-    assert np.isfinite(got).all(), f"seed {seed}"
-    assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed, what=f"splits={splits}")
-    if splits == 1:
-        assert np.mean(got == want) > 0.95, f"seed {seed}"
-    with pytest.raises(ValueError, match="rows_m takes whole rows"):
-        _both(*case, rows_m=True, value_parts=2)
-
-
 HALVES_LAUNCH = [dict(head_block=16), dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False)]
 
 
@@ -162,11 +144,10 @@ def _weighted_magnitude(q, sink, sources, scale) -> np.ndarray:
 # rows as lane pairs (each row its even and odd lanes): 16-head programs at one split (the lanes
 # put back after the kernel; whole rows at one split are test_matches_xla_path's), and 64 heads
 # in one program at 2 splits (put back after the merge); the default from 64 tokens (lane pairs,
-# one split); both products transposed (rows as M) at 3 splits
+# one split)
 PACKED_CASES = [(6, 32, dict(num_splits=s, head_block=16, value_parts=v)) for s, v in ((3, 1), (1, 2), (3, 2))]
 PACKED_CASES += [(32, 64, {}), (6, 32, dict(num_splits=1, head_block=16, lane_pairs=True)),
-                 (32, 64, dict(lane_pairs=True)), (64, 16, {}),
-                 (6, 32, dict(num_splits=3, head_block=32, rows_m=True))]
+                 (32, 64, dict(lane_pairs=True)), (64, 16, {})]
 
 
 @pytest.mark.parametrize("t,h,launch", PACKED_CASES, ids=lambda c: str(c).replace(" ", ""))
