@@ -7,6 +7,8 @@ rename in a later jax touches one file:
     ROCm is refused ("Mosaic GPU does not yet support AMD ROCm devices").
     Older jax named the class `TritonCompilerParams` (under `pallas.gpu`).
   * `load(ref, mask=, other=)` / `store(ref, val, mask=)`: masked (gather / scatter) access.
+  * `atomic_add(ref, idx, val)` (acquire-release, GPU scope; the old value) and `cta_barrier()`
+    (all of a program's threads; not in interpret mode): a split-K semaphore.
   * `SQUEEZED`: the block-shape marker for a dimension the kernel does not see.
 """
 
@@ -24,6 +26,8 @@ _PARAMS_CLS = getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "
 
 load = _pltriton.load
 store = _pltriton.store
+atomic_add = _pltriton.atomic_add
+cta_barrier = _pltriton.debug_barrier
 SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 
 # The custom-call target every Triton-lowered pallas_call becomes (also the name jax.export must

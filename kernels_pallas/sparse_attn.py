@@ -43,9 +43,9 @@ from jax.experimental import pallas as pl
 from kernels_pallas import backend as _backend
 from kernels_pallas import sparse_attn_mgpu
 from kernels_pallas._codecs import fp4_halves, fp4_values, fp8_halves, fp8_values
-from kernels_pallas._compat import SQUEEZED, compiler_params, load
+from kernels_pallas._compat import SQUEEZED, atomic_add, compiler_params, cta_barrier, load
 from kernels_pallas.reference import CHUNK, NO_MAX, sparse_attn
-from kernels_pallas.split_merge import merge_splits
+from kernels_pallas.split_merge import combine, merge_splits
 from v41_jax.quant import (KV_FP4_GROUP, KV_FP8_GROUP, dequant_fp4_e4m3_rows, dequant_fp8_rows,
                            packed_fp4_row_bytes, packed_fp8_row_bytes)
 from v41_jax.numerics import HIGHEST, Numerics
@@ -90,7 +90,7 @@ def _split_bounds(split, n_chunks: int, base: int, per_split: int, n_splits: int
 
 def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], per_split: int,
                  n_splits: int, scale: float, bf16_probs: bool, prefetch_ids: bool, value_parts: int,
-                 lane_pairs: bool, formats: tuple[str, ...]):
+                 lane_pairs: bool, merge_in_kernel: bool, formats: tuple[str, ...], barrier: bool):
     idx_refs, kv_refs, out_refs = refs[:n_src], refs[n_src:2 * n_src], refs[2 * n_src:]
     h, d = q_ref.shape
     split = pl.program_id(2)
@@ -203,19 +203,36 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
     run_max, denom, accs = carry
     width = dv // n_acc
 
-    def put(ref, parts):
+    def put(ref, parts, *lead):                                        # one indexer (Triton lowering)
         for n, part in enumerate(parts):                               # each accumulator its columns
-            ref[:, pl.ds(n * width, width)] = part.astype(ref.dtype)
+            ref[(*lead, slice(None), pl.ds(n * width, width))] = part.astype(ref.dtype)
 
     if n_splits == 1:
         (o_ref,) = out_refs
         denom = denom + jnp.exp(sink_ref[...] - run_max)              # sink: unscaled, denominator only
         put(o_ref, [acc / denom[:, None] for acc in accs])
     else:
-        acc_ref, max_ref, den_ref = out_refs
-        put(acc_ref, accs)
-        max_ref[...] = run_max
-        den_ref[...] = denom
+        # each split writes its partial into its (token, head block)'s blocks of every split
+        if merge_in_kernel:
+            _, o_ref, acc_ref, max_ref, den_ref, count_ref = out_refs  # the counters' input aliased
+        else:
+            acc_ref, max_ref, den_ref = out_refs
+        put(acc_ref, accs, split)
+        max_ref[split] = run_max
+        den_ref[split] = denom
+        if merge_in_kernel:
+            # the last to finish merges them all (the split-K semaphore: the CTA's stores, a
+            # barrier, then one acquire-release atomic by one thread; the merger's loads follow
+            # its atomic and a barrier). `barrier` is off in interpret mode, whose programs run
+            # one after another
+            if barrier:
+                cta_barrier()
+            arrived = atomic_add(count_ref, (pl.program_id(0), pl.program_id(1)), jnp.int32(1))
+
+            @pl.when(arrived == n_splits - 1)
+            def _():
+                o_ref[...] = combine([acc_ref[n] for n in range(n_splits)], [max_ref[n] for n in range(n_splits)],
+                                     [den_ref[n] for n in range(n_splits)], sink_ref[...], o_ref.dtype)
 
 
 def launch_config(tokens: int, packed: bool = False) -> dict:
@@ -237,15 +254,19 @@ def launch_config(tokens: int, packed: bool = False) -> dict:
     value halves; 2026-12-06 p and g2; 9-31 tokens not measured); from 64 tokens each row as its
     (even, odd) lanes (`lane_pairs`: 64 / 96 / 128 / 4,096 tokens 0.108 / 0.113 / 0.118 / 3.20 ms
     against 0.122 / 0.125 / 0.136 / 3.73 whole; at 32 slower, 0.073 against 0.062; H100,
-    2026-12-07 j and k; 33-63 not measured)."""
+    2026-12-07 j and k; 33-63 not measured). The split merge inside the kernel (its last program
+    of a token's head block merges, no XLA epilogue) for the 16-head programs at 2 splits (17-48
+    tokens): 32 tokens 0.0270 / 0.0269 / 0.0270 ms against 0.0351 / 0.0314 / 0.0307 with the XLA
+    merge (three pairs of runs, H100 2026-12-07 m); slower at 4 splits (1 and 8 tokens, +12 %)
+    and for 64-head programs (+25-50 %: one program then reads 256-512 KiB of partials)."""
     if tokens > 64 or packed:
         return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1,
-                    lane_pairs=packed and tokens >= 64)
+                    lane_pairs=packed and tokens >= 64, merge_in_kernel=False)
     if tokens <= 48:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1,
-                    lane_pairs=False)
+                    lane_pairs=False, merge_in_kernel=tokens > 16)
     return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2,
-                lane_pairs=False)
+                lane_pairs=False, merge_in_kernel=False)
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -258,9 +279,10 @@ def default_splits(tokens: int, n_chunks: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "bf16_probs", "num_splits", "num_warps",
                                              "num_stages", "interpret", "head_block", "prefetch_ids",
-                                             "value_parts", "lane_pairs"))
+                                             "value_parts", "lane_pairs", "merge_in_kernel"))
 def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, num_warps,
-                        num_stages, interpret, head_block, prefetch_ids, value_parts, lane_pairs):
+                        num_stages, interpret, head_block, prefetch_ids, value_parts, lane_pairs,
+                        merge_in_kernel):
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head dim {d}: the kernel needs a power of two >= 16")
@@ -297,27 +319,37 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
                  pl.BlockSpec((hb,), lambda g, i, s: (g // vp,))]
                 + [pl.BlockSpec((sq, x.shape[1]), lambda g, i, s: (i, 0)) for x in idx]
                 + [pl.BlockSpec(r.shape, lambda *_: (0, 0)) for r in rows])
-    if n_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((t, hp, d), q.dtype)
-        out_specs = pl.BlockSpec((sq, hb, dv), lambda g, i, s: (i, g // vp, g % vp))
-    else:
-        out_shape = (jax.ShapeDtypeStruct((t, n_splits, hp, d), jnp.float32),
-                     jax.ShapeDtypeStruct((t, n_splits, vp, hp), jnp.float32),
-                     jax.ShapeDtypeStruct((t, n_splits, vp, hp), jnp.float32))
-        out_specs = (pl.BlockSpec((sq, sq, hb, dv), lambda g, i, s: (i, s, g // vp, g % vp)),
-                     pl.BlockSpec((sq, sq, sq, hb), lambda g, i, s: (i, s, g % vp, g // vp)),
-                     pl.BlockSpec((sq, sq, sq, hb), lambda g, i, s: (i, s, g % vp, g // vp)))
+    out_shape = jax.ShapeDtypeStruct((t, hp, d), q.dtype)
+    out_specs = pl.BlockSpec((sq, hb, dv), lambda g, i, s: (i, g // vp, g % vp))
+    extra, aliases = (), {}
+    if n_splits > 1:
+        # the partials: a program's blocks hold every split of its (token, head block)
+        stats = jax.ShapeDtypeStruct((t, n_splits, vp, hp), jnp.float32)
+        stat_spec = pl.BlockSpec((sq, n_splits, sq, hb), lambda g, i, s: (i, 0, g % vp, g // vp))
+        parts = ((jax.ShapeDtypeStruct((t, n_splits, hp, d), jnp.float32), stats, stats),
+                 (pl.BlockSpec((sq, n_splits, hb, dv), lambda g, i, s: (i, 0, g // vp, g % vp)),
+                  stat_spec, stat_spec))
+        if merge_in_kernel:      # and the output, and the arrival counters (one a head block and token)
+            counts = jnp.zeros(grid[:2], jnp.int32)
+            count_spec = pl.BlockSpec(counts.shape, lambda *_: (0, 0))
+            extra, aliases = (counts,), {2 + 2 * len(rows): 4}
+            in_specs.append(count_spec)
+            out_shape = (out_shape, *parts[0], jax.ShapeDtypeStruct(counts.shape, jnp.int32))
+            out_specs = (out_specs, *parts[1], count_spec)
+        else:
+            out_shape, out_specs = parts
     kernel = functools.partial(_attn_kernel, n_src=len(rows), n_chunks=n_chunks,
                                per_split=per_split, n_splits=n_splits, scale=scale,
                                bf16_probs=bf16_probs, prefetch_ids=prefetch_ids, value_parts=vp,
-                               lane_pairs=lane_pairs, formats=formats)
+                               lane_pairs=lane_pairs, merge_in_kernel=merge_in_kernel, formats=formats,
+                               barrier=not interpret)
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
-        name="sparse_latent_attn",
-    )(q, sink_p, *idx, *rows)
+        input_output_aliases=aliases, compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret, name="sparse_latent_attn",
+    )(q, sink_p, *idx, *rows, *extra)
     if n_splits > 1:
-        out = merge_splits(*out, sink_p, q.dtype)
+        out = out[0] if merge_in_kernel else merge_splits(*out, sink_p, q.dtype)
     if lane_pairs:                                     # lanes back in place
         out = out.reshape(t, hp, 2, d // 2).swapaxes(-1, -2).reshape(t, hp, d)
     return out[:, :h]
@@ -365,7 +397,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                       num_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, head_block: int | None = None,
                       prefetch_ids: bool | None = None, value_parts: int | None = None,
-                      lane_pairs: bool | None = None, impl: str | None = None) -> jax.Array:
+                      lane_pairs: bool | None = None, merge_in_kernel: bool | None = None,
+                      impl: str | None = None) -> jax.Array:
     """Sparse attention of every query token over the rows its index lists name.
 
     q [..., H, D] (bf16 in reference numerics, fp32 in the fp32 policy); sink [H] fp32;
@@ -380,7 +413,9 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
     each computing the logits over all of D from the rows' two halves), lane_pairs (every row
     taken as its even and its odd lanes, two half tiles, as an FP4 byte holds them: no interleave
     after the decode; packed rows 9-14 % faster from 64 tokens, 18 % slower at 32, H100
-    2026-12-07 j / k, so the packed default from 64 tokens): None = `launch_config`.
+    2026-12-07 j / k, so the packed default from 64 tokens), merge_in_kernel (with splits, the
+    last program of a token's head block to finish merges the partials, a split-K semaphore,
+    instead of an XLA epilogue): None = `launch_config`.
     impl: None / "triton" (the portable kernel) or "mgpu" (`sparse_attn_mgpu`, NVIDIA Hopper:
     warp specialised, rows copied by TMA; num_splits None = its `default_splits`). Not the
     default: measured equal to the Triton kernel at 128 tokens and slower at 32 / 64 (H100,
@@ -397,7 +432,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                              "64 heads, bf16 probabilities (reference or fast numerics)")
         triton_only = [k for k, v in (("num_warps", num_warps), ("num_stages", num_stages),
                                       ("head_block", head_block), ("prefetch_ids", prefetch_ids),
-                                      ("value_parts", value_parts), ("lane_pairs", lane_pairs))
+                                      ("value_parts", value_parts), ("lane_pairs", lane_pairs),
+                                      ("merge_in_kernel", merge_in_kernel))
                       if v is not None]
         if triton_only:
             raise ValueError(f"impl='mgpu' has no Triton launch parameters: {', '.join(triton_only)}")
@@ -413,7 +449,8 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
         launch["value_parts"] = 1
     launch.update({k: v for k, v in (("head_block", head_block), ("num_warps", num_warps),
                                      ("num_stages", num_stages), ("prefetch_ids", prefetch_ids),
-                                     ("value_parts", value_parts), ("lane_pairs", lane_pairs))
+                                     ("value_parts", value_parts), ("lane_pairs", lane_pairs),
+                                     ("merge_in_kernel", merge_in_kernel))
                    if v is not None})
     if value_parts == 2 and lane_pairs is None:    # value halves given: whole rows, not the default pairs
         launch["lane_pairs"] = False

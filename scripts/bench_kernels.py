@@ -139,7 +139,8 @@ def _attn_inputs(key, layers, t, h, d, n_win, n_comp, ring_rows, comp_rows, ctx,
     return tuple(qs), tuple(wids), tuple(cids)
 
 
-LAUNCH_KEYS = {"head_block", "num_warps", "num_stages", "prefetch_ids", "value_parts", "lane_pairs"}
+LAUNCH_KEYS = {"head_block", "num_warps", "num_stages", "prefetch_ids", "value_parts", "lane_pairs",
+               "merge_in_kernel"}
 
 
 def _variant_base(tokens: int) -> dict:
@@ -147,8 +148,10 @@ def _variant_base(tokens: int) -> dict:
     it stood on 2026-12-05, fixed, so a variant's name means one program in every run's JSON
     (variants naming none, "auto", "packed-auto", take today's `launch_config`)."""
     if tokens <= 64:
-        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1, lane_pairs=False)
-    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1, lane_pairs=False)
+        return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1, lane_pairs=False,
+                    merge_in_kernel=False)
+    return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1, lane_pairs=False,
+                merge_in_kernel=False)
 
 
 def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
@@ -278,7 +281,10 @@ def bench_attn(b: Bench, cfg: dict, sweep_only: bool = False):
                                                    prefetch_ids=False, lane_pairs=True)),
                     ("packed-h64w8s3-pairs-split4", dict(rows="packed", head_block=64, num_warps=8,
                                                          num_stages=3, prefetch_ids=False, lane_pairs=True,
-                                                         num_splits=4))]
+                                                         num_splits=4)),
+                    # the split merge in the kernel's last program of a token's head block
+                    ("h16w4-kmerge", dict(head_block=16, num_warps=4, merge_in_kernel=True)),
+                    ("h64w8-split4-kmerge", dict(head_block=64, num_warps=8, num_splits=4, merge_in_kernel=True))]
         # more splits for the wide programs: every head of a token in one program reads its rows
         # once, and 4 splits give 32 tokens 128 programs (2 splits left half of the GPU idle)
         variants += [(f"{name}-split{n}", dict(kw, num_splits=n)) for n in (4, 8)

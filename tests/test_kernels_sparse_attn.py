@@ -62,6 +62,28 @@ def test_head_blocks():
     assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed)
 
 
+KMERGE_LAUNCH = [dict(head_block=16), dict(head_block=16, value_parts=2), dict(head_block=32, lane_pairs=True)]
+
+
+@pytest.mark.parametrize("launch", KMERGE_LAUNCH, ids=["h16", "halves", "pairs"])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_merge_in_kernel(splits, launch):
+    """The merge in the last program of a token's head block to finish (`merge_in_kernel`, the
+    default for 17-48 tokens) against the XLA epilogue over the same partials: one formula
+    (`split_merge.combine`) in the same order, so equal bit for bit in interpret mode (programs
+    in sequence; compiled, the arrival counter picks the merger) and the XLA path within
+    `BF16_TOL`; with value halves each part merges its own statistics, with lane pairs the lanes
+    are put back after the kernel."""
+    rng, seed = fresh_rng()
+    q, sink, sources = _case(rng, h=32)
+    got, want = _both(q, sink, sources, num_splits=splits, merge_in_kernel=True, **launch)
+    assert np.isfinite(got).all(), f"seed {seed}"
+    assert_close(got, want, rtol=BF16_TOL, atol=BF16_TOL, seed=seed, what=f"splits={splits}")
+    if backend.interpret():
+        epilogue, _ = _both(q, sink, sources, num_splits=splits, merge_in_kernel=False, **launch)
+        np.testing.assert_array_equal(got, epilogue, err_msg=f"seed {seed}")
+
+
 HALVES_LAUNCH = [dict(head_block=16), dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False)]
 
 
