@@ -258,7 +258,8 @@ def launch_config(tokens: int, packed: bool = False) -> dict:
     of a token's head block merges, no XLA epilogue) for the 16-head programs at 2 splits (17-48
     tokens): 32 tokens 0.0270 / 0.0269 / 0.0270 ms against 0.0351 / 0.0314 / 0.0307 with the XLA
     merge (three pairs of runs, H100 2026-12-07 m); slower at 4 splits (1 and 8 tokens, +12 %)
-    and for 64-head programs (+25-50 %: one program then reads 256-512 KiB of partials)."""
+    and for 64-head programs (+6 % at 2 splits, +23-28 % at 4: one program then reads
+    256-512 KiB of partials)."""
     if tokens > 64 or packed:
         return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1,
                     lane_pairs=packed and tokens >= 64, merge_in_kernel=False)
