@@ -25,9 +25,11 @@ gathers the tile as two column halves, sums the logits from both, and keeps the 
 (and its softmax statistics) for its own half. The online softmax keeps (m, l, acc) in fp32; probabilities are rounded to bf16
 before P.V (reference mode) relative to the running max; the sink is folded in at the end.
 With splits > 1 the chunk sequence is cut into contiguous parts (the natural cut is window |
-compressed), each part writes fp32 partials (m, l, acc) and a small XLA epilogue merges them and
-folds the sink. One split reproduces the reference's rounding points exactly; more splits only
-move where the bf16 probability rounding is taken (relative to a part's max).
+compressed), each part writes fp32 partials (m, l, acc), and either the last program of a token's
+head block to finish merges them and folds the sink (`merge_in_kernel`: an arrival counter, the
+split-K semaphore) or a small XLA epilogue does (`split_merge`: one formula for both). One
+split reproduces the reference's rounding points exactly; more splits only move where the bf16
+probability rounding is taken (relative to a part's max).
 """
 
 from __future__ import annotations
