@@ -209,10 +209,9 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         for n, part in enumerate(parts):                               # each accumulator its columns
             ref[(*lead, slice(None), pl.ds(n * width, width))] = part.astype(ref.dtype)
 
-    if n_splits == 1:
+    if n_splits == 1:                  # sink: unscaled, denominator only (a one-split `combine`)
         (o_ref,) = out_refs
-        denom = denom + jnp.exp(sink_ref[...] - run_max)              # sink: unscaled, denominator only
-        put(o_ref, [acc / denom[:, None] for acc in accs])
+        put(o_ref, [combine([acc], [run_max], [denom], sink_ref[...], acc.dtype) for acc in accs])
     else:
         # each split writes its partial into its (token, head block)'s blocks of every split
         if merge_in_kernel:
@@ -224,9 +223,10 @@ def _attn_kernel(q_ref, sink_ref, *refs, n_src: int, n_chunks: tuple[int, ...], 
         den_ref[split] = denom
         if merge_in_kernel:
             # the last to finish merges them all (the split-K semaphore: the CTA's stores, a
-            # barrier, then one acquire-release atomic by one thread; the merger's loads follow
-            # its atomic and a barrier). `barrier` is off in interpret mode, whose programs run
-            # one after another
+            # barrier, then one acquire-release atomic by one thread; Triton hands a scalar
+            # atomic's result to the other threads through shared memory and a barrier, so the
+            # merger's loads follow the acquire). `barrier` is off in interpret mode, whose
+            # programs run one after another (and which has no rule for it)
             if barrier:
                 cta_barrier()
             arrived = atomic_add(count_ref, (pl.program_id(0), pl.program_id(1)), jnp.int32(1))
@@ -256,20 +256,24 @@ def launch_config(tokens: int, packed: bool = False) -> dict:
     value halves; 2026-12-06 p and g2; 9-31 tokens not measured); from 64 tokens each row as its
     (even, odd) lanes (`lane_pairs`: 64 / 96 / 128 / 4,096 tokens 0.108 / 0.113 / 0.118 / 3.20 ms
     against 0.122 / 0.125 / 0.136 / 3.73 whole; at 32 slower, 0.073 against 0.062; H100,
-    2026-12-07 j and k; 33-63 not measured). The split merge inside the kernel (its last program
-    of a token's head block merges, no XLA epilogue) for the 16-head programs at 2 splits (17-48
-    tokens): 32 tokens 0.0270 / 0.0269 / 0.0270 ms against 0.0351 / 0.0314 / 0.0307 with the XLA
-    merge (three pairs of runs, H100 2026-12-07 m); slower at 4 splits (1 and 8 tokens, +12 %)
-    and for 64-head programs (+6 % at 2 splits, +23-28 % at 4: one program then reads
-    256-512 KiB of partials)."""
+    2026-12-07 j and k; 33-63 not measured)."""
     if tokens > 64 or packed:
         return dict(head_block=64, num_warps=8, num_stages=3, prefetch_ids=False, value_parts=1,
-                    lane_pairs=packed and tokens >= 64, merge_in_kernel=False)
+                    lane_pairs=packed and tokens >= 64)
     if tokens <= 48:
         return dict(head_block=16, num_warps=4, num_stages=2, prefetch_ids=True, value_parts=1,
-                    lane_pairs=False, merge_in_kernel=tokens > 16)
+                    lane_pairs=False)
     return dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False, value_parts=2,
-                lane_pairs=False, merge_in_kernel=False)
+                lane_pairs=False)
+
+
+def merge_in_kernel_default(splits: int, head_block: int) -> bool:
+    """Whether the last program of a token's head block to finish merges the splits (else the XLA
+    epilogue), measured (BENCHMARKS.md m): for 16-head programs at 2 splits (32 tokens 0.0270 /
+    0.0269 / 0.0270 ms against 0.0351 / 0.0314 / 0.0307 with the epilogue, three pairs of runs,
+    H100 2026-12-07); slower at 4 splits (8 tokens +12 %) and for 64-head programs (+6 % at 2
+    splits, +23-28 % at 4: one program then reads 256-512 KiB of partials alone)."""
+    return splits == 2 and head_block == 16
 
 
 def default_splits(tokens: int, n_chunks: int) -> int:
@@ -335,7 +339,7 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
         if merge_in_kernel:      # and the output, and the arrival counters (one a head block and token)
             counts = jnp.zeros(grid[:2], jnp.int32)
             count_spec = pl.BlockSpec(counts.shape, lambda *_: (0, 0))
-            extra, aliases = (counts,), {2 + 2 * len(rows): 4}
+            extra, aliases = (counts,), {len(in_specs): 4}           # the last input: the counters
             in_specs.append(count_spec)
             out_shape = (out_shape, *parts[0], jax.ShapeDtypeStruct(counts.shape, jnp.int32))
             out_specs = (out_specs, *parts[1], count_spec)
@@ -457,6 +461,10 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
                    if v is not None})
     if value_parts == 2 and lane_pairs is None:    # value halves given: whole rows, not the default pairs
         launch["lane_pairs"] = False
+    if lane_pairs and value_parts is None:         # lane pairs given: whole-row programs
+        launch["value_parts"] = 1
+    if merge_in_kernel is None:
+        launch["merge_in_kernel"] = merge_in_kernel_default(min(splits, n_chunks), launch["head_block"])
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,
                               num_splits=splits, interpret=_backend.interpret(), **launch)

@@ -21,9 +21,9 @@ def copy_bandwidth(mib: int, reps: int = 10) -> dict:
     """The memory ceiling, two ways over `mib` MiB of fp32, each the median of `reps` calls (each
     waited for: one call moves GiBs, so the sync latency is noise): a copy (`a * 2`, bytes read +
     written) and a read (row sums of [n / 4096, 4096], the 1/4096 written left out). A decode step
-    mostly reads, and a read runs faster than a copy's mix of reads and writes; `ceiling_gbs`, the
-    larger, is the one an ideal time divides by (a step must not outrun its ideal; the copy alone
-    was outrun by up to 5 % on an H100 whose copy measured 2,443 GB/s, BENCHMARKS.md k)."""
+    mostly reads; either probe may read the higher (on H100s the copy mostly did), so
+    `ceiling_gbs`, the larger, is the one an ideal time divides by (a step must not outrun its
+    ideal: a copy probe of 2,443 GB/s was outrun by up to 5 %, BENCHMARKS.md k)."""
     n = mib * (1 << 20) // 4
     a = jax.random.normal(jax.random.key(0, impl="rbg"), (n,), jnp.float32)
 
@@ -38,9 +38,9 @@ def copy_bandwidth(mib: int, reps: int = 10) -> dict:
         return float(np.median(ts))
 
     t_copy = median_s(jax.jit(lambda x: x * 2.0), a)
-    t_read = median_s(jax.jit(lambda x: x.reshape(-1, 4096).sum(axis=1)), a[: n // 4096 * 4096])
+    t_read = median_s(jax.jit(lambda x: x.reshape(-1, 4096).sum(axis=1)), a)   # n: MiB of fp32, 4096 | n
     del a
-    copy_gbs, read_gbs = 2 * n * 4 / t_copy / 1e9, n // 4096 * 4096 * 4 / t_read / 1e9
+    copy_gbs, read_gbs = 2 * n * 4 / t_copy / 1e9, n * 4 / t_read / 1e9
     return {"copy_gbs_read_plus_write": round(copy_gbs, 1), "copy_bytes": 2 * n * 4,
             "copy_ms": round(t_copy * 1e3, 4), "read_gbs": round(read_gbs, 1),
             "read_ms": round(t_read * 1e3, 4), "ceiling_gbs": round(max(copy_gbs, read_gbs), 1)}

@@ -143,8 +143,9 @@ SWITCH_VARIANTS = ("off", "on")
 POLICY_SWITCHES = tuple(f.name for f in fields(Numerics) if f.type in (bool, "bool") and f.name != "quantized")
 # HBM bandwidth on the vendors' data sheets, GB/s, by a part of the device's name (the physical
 # limit a decode ratio is also reported against; the in-run probe reaches ~80 % of it on an H100)
-DATASHEET_GBS = (("H100 80GB HBM3", 3350.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H200", 4800.0),
-                 ("MI300X", 5300.0), ("MI325X", 6000.0))
+# (None: a name of several parts, e.g. the GH200's 96 GB HBM3 and 144 GB HBM3e; checked first)
+DATASHEET_GBS = (("GH200", None), ("H100 80GB HBM3", 3350.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0),
+                 ("H200", 4800.0), ("MI300X", 5300.0), ("MI325X", 6000.0))
 GiB = float(1 << 30)
 
 
@@ -634,7 +635,7 @@ def main(argv=None) -> int:
 
     # ---- ceilings, params, engine, cache -------------------------------------------------------
     res.data["copy"] = copy_bandwidth(copy_mib)
-    copy_gbs = res.data["copy"]["ceiling_gbs"]
+    ceiling_gbs = res.data["copy"]["ceiling_gbs"]
     clock.log(f"memory probe: copy {res.data['copy']['copy_gbs_read_plus_write']:.1f} GB/s read+write, "
               f"read {res.data['copy']['read_gbs']:.1f} GB/s over {copy_mib} MiB")
     peak_tflops = None
@@ -776,10 +777,10 @@ def main(argv=None) -> int:
         if c.kind == "decode":
             nbytes = decode_bytes(cfg, geom, specs, c.batch, args.context)
             row["bytes"] = nbytes
-            row["ideal_ms"] = nbytes["total"] / (copy_gbs * 1e9) * 1e3
+            row["ideal_ms"] = ideal_ms(nbytes, ceiling_gbs)
             sheet = next((g for part, g in DATASHEET_GBS if part in meta["device"]), None)
             if sheet:
-                row["ideal_ms_at_datasheet"] = nbytes["total"] / (sheet * 1e9) * 1e3
+                row["ideal_ms_at_datasheet"] = ideal_ms(nbytes, sheet)
                 row["datasheet_gbs"] = sheet
         left = args.budget_s - (time.perf_counter() - c.compile_t0) if c.thread is not None else 0.0
         if not c.done.wait(timeout=max(0.0, left)):
@@ -942,13 +943,13 @@ def main(argv=None) -> int:
                   + ", ".join(f"{k['name']} {k['ms_per_call']:.3f}" for k in prof.get("kernels", [])[:8])
                   + (f"; device span {tl['span_ms']} ms, idle {tl['idle_ms']} ms" if "span_ms" in (tl := prof.get("timeline", {})) else ""))
 
-    copy_gbs = _ideal_at_ceiling(res.data, copy_mib, copy_gbs)
+    ceiling_gbs = _ideal_at_ceiling(res.data, copy_mib, ceiling_gbs)
     res.data["wall_s"] = round(clock(), 1)
     res.data["table_md"] = markdown_table(res.data)
     res.save()
     watchdog.cancel()
     print(f"\n{meta['device']} ({meta['platform']}), jax {meta['jax']}, {args.numerics} numerics, kernels "
-          f"{meta['kernels_backend']}; memory ceiling {copy_gbs:.0f} GB/s; decode rows at "
+          f"{meta['kernels_backend']}; memory ceiling {ceiling_gbs:.0f} GB/s; decode rows at "
           f"position {args.context - 1}; synthetic weights and cache; wall {res.data['wall_s']} s\n", flush=True)
     print(res.data["table_md"], flush=True)
     return 0
@@ -969,10 +970,15 @@ def _ideal_at_ceiling(data: dict, copy_mib: int, start_gbs: float) -> float:
         return start_gbs
     gbs = max(start_gbs, data["copy_end"]["ceiling_gbs"])
     for r in rows:
-        r["ideal_ms"] = r["bytes"]["total"] / (gbs * 1e9) * 1e3
+        r["ideal_ms"] = ideal_ms(r["bytes"], gbs)
         if "step_ms_median" in r:
             r["measured_over_ideal"] = r["step_ms_median"] / r["ideal_ms"]
     return gbs
+
+
+def ideal_ms(nbytes: dict, gbs: float) -> float:
+    """A decode step's ideal: its bytes (`decode_bytes`) at `gbs` GB/s."""
+    return nbytes["total"] / (gbs * 1e9) * 1e3
 
 
 def differing(a, b) -> dict[str, dict]:

@@ -22,7 +22,7 @@ from kernels_pallas.moe import _routed_gemv, _routed_pallas, dispatch_rows
 from kernels_pallas.rmsnorm import _rms_inv_pallas
 from kernels_pallas.rope import _rope_pallas
 from kernels_pallas.sinkhorn import _sinkhorn_pallas
-from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config
+from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config, merge_in_kernel_default
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight
 
@@ -43,14 +43,16 @@ def _triton_calls(exported) -> int:
                                             (128, 2, dict(prefetch_ids=True)), (64, 1, {}), (64, 2, {}),
                                             (64, 2, dict(head_block=64, num_warps=4, num_stages=3,
                                                          prefetch_ids=False, value_parts=2, lane_pairs=False)),
-                                            (32, 2, dict(lane_pairs=True))])
+                                            (32, 2, dict(lane_pairs=True)), (32, 2, dict(value_parts=2))])
 @pytest.mark.parametrize("kv_rows", ["bf16", "packed"])
 def test_sparse_attn_lowers_for_rocm(t, splits, loads, kv_rows):
     # H=64, Dh=512, window 128 + 512 compressed ids; every launch config `launch_config` gives
-    # (16-head programs, value halves at 64 tokens, 64-head 8-warp programs, and for packed rows
-    # those from 32 tokens), a load-placement variant, packed rows in value halves, and the rows
-    # as lane pairs; rows typed, or packed (window FP8, compressed FP4)
+    # (16-head programs, merging their 2 splits in the kernel, value halves at 64 tokens, 64-head
+    # 8-warp programs, and for packed rows those from 32 tokens, as lane pairs from 64), a
+    # load-placement variant, packed rows in value halves, the rows as lane pairs, and value halves
+    # merged in the kernel; rows typed, or packed (window FP8, compressed FP4)
     launch = {**launch_config(t, packed=kv_rows == "packed"), **loads}
+    launch.setdefault("merge_in_kernel", merge_in_kernel_default(splits, launch["head_block"]))
     f = functools.partial(_sparse_attn_pallas, scale=512 ** -0.5, bf16_probs=True,
                           num_splits=splits, interpret=False, **launch)
     rows = ((S((4096, 512), BF16), S((65536, 512), BF16)) if kv_rows == "bf16"

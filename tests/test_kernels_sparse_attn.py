@@ -8,6 +8,7 @@ the fp32-policy fixture check is held to 1e-5.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,11 +70,13 @@ KMERGE_LAUNCH = [dict(head_block=16), dict(head_block=16, value_parts=2), dict(h
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_merge_in_kernel(splits, launch):
     """The merge in the last program of a token's head block to finish (`merge_in_kernel`, the
-    default for 17-48 tokens) against the XLA epilogue over the same partials: one formula
-    (`split_merge.combine`) in the same order, so equal bit for bit in interpret mode (programs
-    in sequence; compiled, the arrival counter picks the merger) and the XLA path within
-    `BF16_TOL`; with value halves each part merges its own statistics, with lane pairs the lanes
-    are put back after the kernel."""
+    default for 16-head programs at 2 splits) against the XLA epilogue over the same partials: one
+    formula (`split_merge.combine`) reading every split in index order, whichever program merges.
+    In interpret mode equal to the epilogue bit for bit; compiled (where Triton's exp and divide
+    are not XLA's) within `BF16_TOL` of the XLA path and the same bits in a second run (a merger
+    that read a partial before it was whole would not be). With value halves each part merges its
+    own statistics; with lane pairs the lanes are put back after the kernel. The flag reaches the
+    kernel: its call aliases the arrival counters, and only then."""
     rng, seed = fresh_rng()
     q, sink, sources = _case(rng, h=32)
     got, want = _both(q, sink, sources, num_splits=splits, merge_in_kernel=True, **launch)
@@ -82,6 +85,14 @@ def test_split_merge_in_kernel(splits, launch):
     if backend.interpret():
         epilogue, _ = _both(q, sink, sources, num_splits=splits, merge_in_kernel=False, **launch)
         np.testing.assert_array_equal(got, epilogue, err_msg=f"seed {seed}")
+    else:
+        again, _ = _both(q, sink, sources, num_splits=splits, merge_in_kernel=True, **launch)
+        np.testing.assert_array_equal(got, again, err_msg=f"seed {seed}")
+    for merge in (True, False):
+        jaxpr = str(jax.make_jaxpr(lambda q: sparse_attn_paged(
+            q, sink, sources, 0.125, numerics=REF, backend="pallas", num_splits=splits,
+            merge_in_kernel=merge, **launch))(q))
+        assert ("input_output_aliases=()" not in jaxpr) == merge
 
 
 HALVES_LAUNCH = [dict(head_block=16), dict(head_block=64, num_warps=4, num_stages=3, prefetch_ids=False)]
