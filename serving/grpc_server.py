@@ -91,7 +91,7 @@ class GenerationServicer(v41_pb2_grpc.GenerationServicer):
                 token_ids=ev.tokens[:text.taken], text=chunk, logprobs=(ev.logprobs or ())[:text.taken],
                 prompt_tokens=stream.prompt_len, completion_tokens=total))
             if text.stopped:
-                stream.cancel("stop string")
+                stream.stop()
 
     def Abort(self, request, context):
         return v41_pb2.AbortResponse(aborted=self.loop.abort(request.request_id, "aborted by Abort"))

@@ -101,6 +101,7 @@ class _Server(ThreadingHTTPServer):
                                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             except OSError:
                 pass
+            self.RequestHandlerClass.front.metrics.refused.labels("connections").inc()
             self.shutdown_request(request)
             return
         with self._idle:
@@ -154,6 +155,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- routing -------------------------------------------------------------------------------
     def do_GET(self):
+        if self.headers.get("Content-Length", "0").strip() != "0" or "Transfer-Encoding" in self.headers:
+            self.close_connection = True       # a body a GET never reads would start the next request
         self._route({"/health": self._health, "/v1/models": self._models, "/metrics": self._metrics}, "GET")
 
     def do_POST(self):
@@ -235,6 +238,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise HttpError(400, "a request body needs a Content-Length (chunked bodies are not taken)",
                             "Content-Length")
+        if len(self.headers.get_all("Content-Length") or ()) > 1:
+            self.close_connection = True                # which one frames the body is ambiguous
+            raise HttpError(400, "more than one Content-Length header", "Content-Length")
         try:
             length = int(self.headers.get("Content-Length", ""))
             if length < 0:
@@ -396,7 +402,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if lps is not None:
                     lps += ev.logprobs[:text.taken]
                 if text.stopped:
-                    stream.cancel("stop string")
+                    stream.stop()
         if finish is None:                                 # the client left
             self.close_connection = True
             return
@@ -465,5 +471,5 @@ class _Handler(BaseHTTPRequestHandler):
             n += text.taken
             send(chunk(delta, ev.tokens[:text.taken], lps=ev.logprobs and ev.logprobs[:text.taken]))
             if text.stopped:
-                stream.cancel("stop string")
+                stream.stop()
         self.close_connection = True                       # the client left mid-stream

@@ -64,6 +64,8 @@ class _Open:
     submitted: float                  # time.perf_counter() at submit
     deadline: float | None            # time.perf_counter() after which it is aborted
     note: str | None = None           # why it was aborted, when the server did it
+    reason: str | None = None         # the finish reason the client gets where the engine's differs
+                                      # (a stop string ends the request by abort: "stop")
     first: float | None = None        # first and latest token arrival
     last: float | None = None
     tokens: int = 0
@@ -128,6 +130,13 @@ class Stream:
         """Abort this request (not a later one that reuses its id: a gRPC call's end callback
         can run after its client has already sent the next request under the same id)."""
         self._loop.abort(self.rid, note, self._op)
+
+    def stop(self) -> None:
+        """End this request because a stop string matched: aborted in the engine, but finished
+        with reason "stop" for the client, and so in the metrics (set before the abort is queued,
+        so the loop thread reads it after)."""
+        self._op.reason = "stop"
+        self.cancel("stop string")
 
     def timing(self) -> Timing:
         """Valid once the FinishEvent came (the loop wrote these before queueing it)."""
@@ -363,7 +372,7 @@ class EngineLoop:
             self._open.pop(op.rid, None)
         self._finished += 1
         if self.metrics is not None:
-            self.metrics.finished.labels(res.finish_reason).inc()
+            self.metrics.finished.labels(op.reason or res.finish_reason).inc()
         op.events.put(ev)
 
     def _finish_unadmitted(self, op: _Open, reason: str, error: str) -> None:

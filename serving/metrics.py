@@ -32,7 +32,7 @@ class Metrics:
                           registry=r)
         self.finished = Counter(p + "requests_finished", "requests ended, by finish reason", ["reason"], registry=r)
         self.refused = Counter(p + "requests_refused", "requests refused before the engine, by kind (invalid, "
-                               "exhausted, busy, unavailable, unauthenticated)", ["kind"], registry=r)
+                               "exhausted, busy, unavailable, unauthenticated, connections: over the connection limit)", ["kind"], registry=r)
         self.step_failures = Counter(p + "engine_step_failures", "engine steps that raised", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "submission to first token", buckets=_BUCKETS,
                               registry=r)

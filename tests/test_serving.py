@@ -12,6 +12,7 @@ import http.client
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -338,6 +339,7 @@ def test_stop_string_inside_a_multi_token_event():
 
 
 def test_stop_strings(served):
+    stop0, abort0 = _count(served, "stop"), _count(served, "abort")
     want = served.tokens("greedy")
     full = served.tokenizer.decode(want)
     stop = f"w{want[4]}"
@@ -350,6 +352,31 @@ def test_stop_strings(served):
     toks, reason, text = http_generate(served.port, dict(COMPARED["greedy"], stop=stop), stream=True)
     assert (reason, text, toks) == ("stop", full[:cut], kept)
     assert http_generate(served.port, dict(COMPARED["greedy"], stop=[stop]), stream=False) == (kept, "stop", full[:cut])
+    assert_idle_and_empty(served.server)
+    # the engine aborts them, the metrics count what the clients got: three stops, no abort
+    wait_for(lambda: _count(served, "stop") - stop0 == 3, 30)
+    assert _count(served, "abort") == abort0
+
+
+def test_http_framing_a_get_body_and_two_content_lengths(served):
+    """A GET's body is never read, so the connection closes after the answer (else the body would
+    start the next request on it); two Content-Length headers are refused and the connection closed."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("GET", "/health", body=b'{"a": 1}', headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert (resp.status, resp.getheader("Connection"), json.loads(resp.read())) == (200, "close", {"status": "serving"})
+    conn.request("POST", "/v1/completions", body=json.dumps(http_body(COMPARED["greedy"])),   # reconnects
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["choices"][0]["token_ids"] == served.tokens("greedy")
+    conn.close()
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nContent-Length: 30\r\n\r\n{}")
+        reply = b"".join(iter(lambda: sock.recv(65536), b""))    # to the server's close
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"Connection: close" in head
+    assert json.loads(body)["error"]["param"] == "Content-Length"
     assert_idle_and_empty(served.server)
 
 
@@ -602,6 +629,21 @@ def test_never_fits_and_api_key(small, monkeypatch):
         assert status == 400 and out["error"]["code"] == "exhausted" and "13 pages" in out["error"]["message"]
         assert "add" not in calls                                 # refused before the engine loop
         channel.close()
+    finally:
+        assert server.shutdown(10)
+
+
+def test_connections_over_the_limit_refused_and_counted(small):
+    """With room for one connection, a second gets 429 at once, and the refusal is counted."""
+    server = Server(small, model_name="tiny", limits=replace(LIMITS, max_streams=1), warmup=False).start()
+    try:
+        assert server.wait_ready(60)
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=60):   # held, idle
+            time.sleep(0.2)
+            status, out, _ = http_call(server.http_port, "GET", "/health")
+        assert (status, out["error"]["code"]) == (429, "busy")
+        got = server.metrics.registry.get_sample_value("v41_requests_refused_total", {"kind": "connections"})
+        assert got == 1
     finally:
         assert server.shutdown(10)
 

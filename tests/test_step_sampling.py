@@ -32,6 +32,15 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     assert np.array_equal(_run(logits, temperature=1.0, top_p=1e-6, seed=3), g)
 
 
+def test_a_huge_temperature_keeps_top_k():
+    """Scaled by 1e38 every logit rounds to about one value; the top-k / top-p sets are cut on the
+    logits themselves, so top-k 1 stays greedy and top-k 3 draws only the three largest."""
+    logits = np.random.default_rng(1).normal(size=(6, 50))
+    assert np.array_equal(_run(logits, temperature=1e38, top_k=1, seed=3), _run(logits))
+    row = np.log([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
+    assert set(_draws(row, 400, temperature=3e38, top_k=3).tolist()) == {1, 3, 4}
+
+
 def test_top_k_restricts_support():
     logits = np.log([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
     got = set(_draws(logits, 400, temperature=1.0, top_k=3).tolist())

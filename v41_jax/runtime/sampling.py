@@ -65,20 +65,24 @@ def _brief(v) -> str:
 
 def _masked(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """logits [..., V] scaled by each row's temperature, -inf outside its top-k / top-p set: the
-    distribution a sampled row draws from is softmax of this."""
+    distribution a sampled row draws from is softmax of this. The sets are cut on the logits
+    themselves (a temperature > 0 keeps their order): scaled by a huge temperature they would all
+    round to one value and tie, and every token would pass top-k. Temperatures past 1e30 act as
+    1e30 (the kept tokens are already equally likely there; XLA divides by a reciprocal, which
+    past ~1e38 is 0 and turns -inf into NaN)."""
     v = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-5)[..., None]
-    ordered = -jnp.sort(-scaled, axis=-1)                                      # descending
+    t = jnp.clip(temperature, 1e-5, 1e30)[..., None]
+    ordered = -jnp.sort(-logits, axis=-1)                                      # descending
     # top-k: everything below the k-th largest goes
     kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, v - 1)[..., None], axis=-1)
     kth = jnp.where(top_k[..., None] > 0, kth, -jnp.inf)
     ordered = jnp.where(ordered >= kth, ordered, -jnp.inf)
     # top-p over what top-k kept: keep a token while the mass before it is < top_p
-    probs = jax.nn.softmax(ordered, axis=-1)
+    probs = jax.nn.softmax(ordered / t, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs
     n_keep = jnp.maximum(jnp.sum(before < top_p[..., None], axis=-1), 1)
     floor = jnp.take_along_axis(ordered, (n_keep - 1)[..., None], axis=-1)
-    return jnp.where((scaled >= floor) & (scaled >= kth), scaled, -jnp.inf)
+    return jnp.where((logits >= floor) & (logits >= kth), logits / t, -jnp.inf)
 
 
 def _key(seed: jax.Array, position: jax.Array) -> jax.Array:
