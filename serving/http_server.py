@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.api import Api, chat_prompt
 from serving.loop import EngineLoop, Refused, State
-from v41_jax.runtime.request_parse import RequestError, decode_json
+from v41_jax.runtime.request_parse import RequestError, decode_json, show
 from v41_jax.runtime.scheduler import FinishEvent
 
 log = logging.getLogger("v41.serve.http")
@@ -273,9 +273,10 @@ class _Handler(BaseHTTPRequestHandler):
         for k in body:
             if k not in known:
                 raise Refused("invalid", f"unknown or unsupported field (known: {', '.join(known)})", k)
+        body = {k: v for k, v in body.items() if v is not None}   # JSON null: not given (OpenAI's reading)
         api = self.front.api
         if "model" in body and body["model"] != api.model_name:
-            raise HttpError(404, f"this server serves {api.model_name!r}, not {body['model']!r}", "model",
+            raise HttpError(404, f"this server serves {show(api.model_name)}, not {show(body['model'])}", "model",
                             "model_not_found")
         if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
             raise Refused("invalid", "only n = 1 is served", "n")

@@ -358,6 +358,21 @@ def test_stop_strings(served):
     assert _count(served, "abort") == abort0
 
 
+def test_json_null_is_a_field_not_given(served):
+    """OpenAI's API takes null for its optional fields as "not given": so does this server (the
+    reply equals the one without them); a null prompt is a missing prompt; a wrong model is named
+    briefly, not as a Python repr."""
+    nulls = dict(http_body(COMPARED["greedy"]), stop=None, seed=None, n=None, user=None, stream=None,
+                 logprobs=None, stream_options=None, top_p=None)
+    status, out, _ = http_call(served.port, "POST", "/v1/completions", nulls)
+    assert status == 200 and out["choices"][0]["token_ids"] == served.tokens("greedy"), out
+    status, out, _ = http_call(served.port, "POST", "/v1/completions", {"prompt": None, "max_tokens": 2})
+    assert (status, out["error"]["param"]) == (400, "prompt")
+    status, out, _ = http_call(served.port, "POST", "/v1/completions", {"prompt": [1, 2], "model": {"a": [1] * 900}})
+    assert status == 404 and out["error"]["message"].endswith("not an object"), out
+    assert_idle_and_empty(served.server)
+
+
 def test_http_framing_a_get_body_and_two_content_lengths(served):
     """A GET's body is never read, so the connection closes after the answer (else the body would
     start the next request on it); two Content-Length headers are refused and the connection closed."""

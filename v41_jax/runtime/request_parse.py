@@ -90,7 +90,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _show(v) -> str:
+def show(v) -> str:
     """A short JSON-like rendering of a value for a message."""
     if v is None:
         return "null"
@@ -112,19 +112,19 @@ def _show(v) -> str:
 
 def _int_in(field: str, v, lo: int, hi: int, hi_text: str, note: str = "") -> int:
     if not _is_int(v) or not lo <= v < hi:
-        raise RequestError(field, f"must be an integer in [{lo}, {hi_text}){note}, got {_show(v)}")
+        raise RequestError(field, f"must be an integer in [{lo}, {hi_text}){note}, got {show(v)}")
     return int(v)
 
 
 def _temperature(v) -> float:
     if not _is_number(v) or not _finite(v) or v < 0:
-        raise RequestError("temperature", f"must be a finite number >= 0 (0 = greedy), got {_show(v)}")
+        raise RequestError("temperature", f"must be a finite number >= 0 (0 = greedy), got {show(v)}")
     return float(v)
 
 
 def _top_p(v) -> float:
     if not _is_number(v) or not (0 < v <= 1):            # NaN fails the comparison
-        raise RequestError("top_p", f"must be a number in (0, 1], got {_show(v)}")
+        raise RequestError("top_p", f"must be a number in (0, 1], got {show(v)}")
     return float(v)
 
 
@@ -142,7 +142,7 @@ def _seed(v) -> int:
 
 def _bool(field: str, v) -> bool:
     if not isinstance(v, bool):
-        raise RequestError(field, f"must be true or false, got {_show(v)}")
+        raise RequestError(field, f"must be true or false, got {show(v)}")
     return v
 
 
@@ -155,11 +155,11 @@ def _ids(field: str, v, vocab_size: int | None, *, what: str = "") -> list[int]:
     want = (f"must be a list of integers in [0, {vocab_size})" if vocab_size is not None
             else "must be a list of integers >= 0")
     if not isinstance(v, (list, tuple)):
-        raise RequestError(field, f"{what}{want}, got {_show(v)}")
+        raise RequestError(field, f"{what}{want}, got {show(v)}")
     hi = vocab_size if vocab_size is not None else math.inf
     for i, t in enumerate(v):
         if not _is_int(t) or not 0 <= t < hi:
-            raise RequestError(field, f"{what}{want}, item {i} is {_show(t)}")
+            raise RequestError(field, f"{what}{want}, item {i} is {show(t)}")
     return [int(t) for t in v]
 
 
@@ -231,7 +231,7 @@ def _prompt(obj: dict, vocab_size: int, tokenizer) -> list[int]:
         raise RequestError("prompt", "a request needs prompt (text) or prompt_ids (token ids)")
     text = obj["prompt"]
     if not isinstance(text, str):
-        raise RequestError("prompt", f"must be a string, got {_show(text)}")
+        raise RequestError("prompt", f"must be a string, got {show(text)}")
     if not text:
         raise RequestError("prompt", "must not be empty")
     if tokenizer is None:
@@ -249,14 +249,14 @@ def parse_request(obj: Any, *, vocab_size: int, defaults: RequestDefaults = Requ
     if not _is_int(vocab_size) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     if not isinstance(obj, dict):
-        raise RequestError("request", f"must be a JSON object, got {_show(obj)}", request_id=index)
+        raise RequestError("request", f"must be a JSON object, got {show(obj)}", request_id=index)
     for key in obj:
         if key not in FIELDS:
             raise RequestError(key if isinstance(key, str) else repr(key),
-                               f"unknown field {_show(key)} (known: {', '.join(FIELDS)})", request_id=index)
+                               f"unknown field {show(key)} (known: {', '.join(FIELDS)})", request_id=index)
     rid = obj.get("id", index)
     if not (_is_int(rid) or isinstance(rid, str)):
-        raise RequestError("id", f"must be a string or an integer, got {_show(rid)}", request_id=index)
+        raise RequestError("id", f"must be a string or an integer, got {show(rid)}", request_id=index)
     try:
         prompt = _prompt(obj, vocab_size, tokenizer)
         get = lambda k: obj[k] if k in obj else getattr(defaults, k)
@@ -306,7 +306,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     out = {}
     for k, v in pairs:
         if k in out:
-            raise _Refuse(f"duplicate key {_show(k)}")
+            raise _Refuse(f"duplicate key {show(k)}")
         out[k] = v
     return out
 
@@ -432,7 +432,7 @@ def parse_file(source: str | os.PathLike | BinaryIO, *, vocab_size: int,
                 req = parse_request(value, vocab_size=vocab_size, defaults=defaults, tokenizer=tokenizer,
                                     index=index)
                 if req.request_id in seen:
-                    raise RequestError("id", f"{_show(req.request_id)} is the id of an earlier line"
+                    raise RequestError("id", f"{show(req.request_id)} is the id of an earlier line"
                                        + ("" if "id" in value else " (this line's default id, its index)"),
                                        request_id=req.request_id)
                 seen.add(req.request_id)
