@@ -93,7 +93,9 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
-            # over the connection limit: answer without a thread and close
+            # over the connection limit: counted (before the client can see the answer), answered
+            # without a thread, closed
+            self.RequestHandlerClass.front.metrics.refused.labels("connections").inc()
             try:
                 body = json.dumps({"error": {"message": "too many connections", "type": "rate_limit_error",
                                              "param": None, "code": "busy"}}).encode()
@@ -101,7 +103,6 @@ class _Server(ThreadingHTTPServer):
                                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             except OSError:
                 pass
-            self.RequestHandlerClass.front.metrics.refused.labels("connections").inc()
             self.shutdown_request(request)
             return
         with self._idle:

@@ -66,8 +66,8 @@ def test_head_blocks():
 KMERGE_LAUNCH = [dict(head_block=16), dict(head_block=16, value_parts=2), dict(head_block=32, lane_pairs=True)]
 
 
-@pytest.mark.parametrize("launch", KMERGE_LAUNCH, ids=["h16", "halves", "pairs"])
-@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("splits,launch", [(2, KMERGE_LAUNCH[0]), (3, KMERGE_LAUNCH[0]), (2, KMERGE_LAUNCH[1]),
+                                          (3, KMERGE_LAUNCH[2])], ids=["h16-2", "h16-3", "halves-2", "pairs-3"])
 def test_split_merge_in_kernel(splits, launch):
     """The merge in the last program of a token's head block to finish (`merge_in_kernel`, the
     default for 16-head programs at 2 splits) against the XLA epilogue over the same partials: one
