@@ -320,6 +320,8 @@ def _sparse_attn_pallas(q, sink, rows, idx, *, scale, bf16_probs, num_splits, nu
         if fmt in formats and dv % group:
             raise ValueError(f"packed {fmt} rows: D/value_parts = {dv} lanes is no whole number of "
                              f"{group}-lane groups")
+    if merge_in_kernel is None:
+        merge_in_kernel = merge_in_kernel_default(n_splits, hb)
     grid = (hp // hb * vp, t, n_splits)
     sq = SQUEEZED
     in_specs = ([pl.BlockSpec((sq, hb, d), lambda g, i, s: (i, g // vp, 0)),
@@ -463,8 +465,7 @@ def sparse_attn_paged(q: jax.Array, sink: jax.Array, sources: Sequence[Source], 
         launch["lane_pairs"] = False
     if lane_pairs and value_parts is None:         # lane pairs given: whole-row programs
         launch["value_parts"] = 1
-    if merge_in_kernel is None:
-        launch["merge_in_kernel"] = merge_in_kernel_default(min(splits, n_chunks), launch["head_block"])
+    launch.setdefault("merge_in_kernel", None)    # None: decided where the splits and head block are
     out = _sparse_attn_pallas(q2.astype(numerics.act_dtype), sink, rows, idx, scale=float(scale),
                               bf16_probs=numerics.attn_probs_bf16,
                               num_splits=splits, interpret=_backend.interpret(), **launch)

@@ -22,7 +22,7 @@ from kernels_pallas.moe import _routed_gemv, _routed_pallas, dispatch_rows
 from kernels_pallas.rmsnorm import _rms_inv_pallas
 from kernels_pallas.rope import _rope_pallas
 from kernels_pallas.sinkhorn import _sinkhorn_pallas
-from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config, merge_in_kernel_default
+from kernels_pallas.sparse_attn import _sparse_attn_pallas, launch_config
 from v41_jax.model.numerics import Numerics
 from v41_jax.quant import Fp4Weight, Fp8RowWeight
 
@@ -52,7 +52,7 @@ def test_sparse_attn_lowers_for_rocm(t, splits, loads, kv_rows):
     # load-placement variant, packed rows in value halves, the rows as lane pairs, and value halves
     # merged in the kernel; rows typed, or packed (window FP8, compressed FP4)
     launch = {**launch_config(t, packed=kv_rows == "packed"), **loads}
-    launch.setdefault("merge_in_kernel", merge_in_kernel_default(splits, launch["head_block"]))
+    launch.setdefault("merge_in_kernel", None)
     f = functools.partial(_sparse_attn_pallas, scale=512 ** -0.5, bf16_probs=True,
                           num_splits=splits, interpret=False, **launch)
     rows = ((S((4096, 512), BF16), S((65536, 512), BF16)) if kv_rows == "bf16"
