@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from serving.loop import Refused
+from v41_jax.brief import show
 from v41_jax.runtime.request import Request
 from v41_jax.runtime.request_parse import RequestDefaults, RequestError, parse_request
 
@@ -110,6 +111,29 @@ class Api:
         return TextStream(self.tokenizer, stop)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte (what a `ByteLevel` pre-tokenizer spells each
+    byte as): the printable bytes stand for themselves, the other 68 for chr(256 + n) in byte
+    order. test_serving checks it against `tokenizers.pre_tokenizers.ByteLevel.alphabet()`."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int]:
+    """A token's own bytes, as chat logprobs' `bytes` gives them: a token holding part of a UTF-8
+    character gives that part (its decoded text alone is U+FFFD). Read from the token's spelling
+    when the tokenizer decodes byte-level (the demo's, DeepSeek's); otherwise its text's UTF-8."""
+    from tokenizers import decoders
+    piece = tokenizer.id_to_token(token_id)
+    if isinstance(tokenizer.decoder, decoders.ByteLevel) and piece is not None and all(c in BYTE_LEVEL for c in piece):
+        return [BYTE_LEVEL[c] for c in piece]
+    return list(tokenizer.decode([token_id]).encode())
+
+
 class TextStream:
     """A request's text as its tokens come: each push returns the new text that is final. Text is
     held back while it ends in an incomplete character (U+FFFD from a split UTF-8 sequence) or in
@@ -196,7 +220,9 @@ def chat_prompt(messages) -> str:
             raise Refused("invalid", "unknown field (known: role, content, name)", f"{where}.{extra[0]}")
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise Refused("invalid", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+            raise Refused("invalid", f"must be one of {', '.join(CHAT_ROLES)}, got {show(role)}", f"{where}.role")
+        if "name" in m and not isinstance(m["name"], str):   # OpenAI's participant name (the template omits it)
+            raise Refused("invalid", f"must be a string, got {show(m['name'])}", f"{where}.name")
         content = m.get("content")
         if isinstance(content, list):                 # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from serving.api import Api, chat_prompt
+from serving.api import Api, chat_prompt, token_bytes
 from serving.loop import EngineLoop, Refused, State
 from v41_jax.runtime.request_parse import RequestError, decode_json, show
 from v41_jax.runtime.scheduler import FinishEvent
@@ -36,6 +36,7 @@ log = logging.getLogger("v41.serve.http")
 
 STATUS = {"invalid": 400, "exhausted": 400, "busy": 429, "unavailable": 503}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              405: "invalid_request_error",
               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
@@ -164,6 +165,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._route({"/v1/completions": lambda: self._generate(chat=False),
                      "/v1/chat/completions": lambda: self._generate(chat=True)}, "POST")
 
+    def _not_allowed(self):
+        """Any other method: a JSON 405 naming the two this server answers (the stdlib would
+        answer an HTML 501); the connection closed, as its body (if any) is never read."""
+        self.close_connection = True
+        self._route({}, self.command)
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_TRACE = do_CONNECT = _not_allowed
+
     def _route(self, routes, method):
         self.server.answering(1)
         try:
@@ -178,6 +187,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.front.metrics.refused.labels("unauthenticated").inc()
                 self.close_connection = True            # its body (if any) is never read
                 raise HttpError(401, "a valid 'Authorization: Bearer <key>' header is required")
+            if method not in ("GET", "POST"):
+                raise HttpError(405, f"method {method} not allowed: this server answers GET and POST")
             if path not in routes:
                 self.close_connection = True
                 other = "POST" if method == "GET" else "GET"
@@ -216,7 +227,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(obj).encode())
 
     def _error(self, err: HttpError) -> None:
-        headers = [("WWW-Authenticate", "Bearer")] if err.status == 401 else []
+        headers = {401: [("WWW-Authenticate", "Bearer")], 405: [("Allow", "GET, POST")]}.get(err.status, [])
         body = {"error": {"message": err.message, "type": ERROR_TYPE.get(err.status, "invalid_request_error"),
                           "param": err.param, "code": err.code}}
         self._send(err.status, json.dumps(body).encode(), headers=headers)
@@ -344,8 +355,9 @@ class _Handler(BaseHTTPRequestHandler):
         tok = self.front.api.tokenizer
         pieces = [tok.decode([t]) if tok is not None else "" for t in ids]
         if chat:
-            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                                for p, lp in zip(pieces, lps)]}
+            return {"content": [{"token": p, "logprob": lp, "top_logprobs": [],
+                                 "bytes": token_bytes(tok, t) if tok is not None else []}
+                                for t, p, lp in zip(ids, pieces, lps)]}
         return {"tokens": pieces, "token_logprobs": list(lps), "top_logprobs": None}
 
     def _generate(self, chat: bool):

@@ -431,3 +431,14 @@ def test_fuzz_bytes_of_a_valid_line(junk, at, limit):
     data = line[:at] + junk + line[at:] + b"\n" + line + b"\n"
     out = parse_file(io.BytesIO(data), vocab_size=V, tokenizer=Tok(), max_line_bytes=limit * 8)
     assert all(isinstance(x, (Request, RequestError)) for x in out)
+
+
+def test_values_in_refusals_are_brief_and_json_spelled():
+    """One renderer (`v41_jax.brief.show`) for configs, request files, HTTP bodies and
+    SamplingParams: JSON's spelling, and short whatever the input holds."""
+    from v41_jax.brief import show
+    assert [show(v) for v in (None, True, np.bool_(False), 3, np.int64(-2), 0.5, float("nan"), -math.inf)] == \
+        ["null", "true", "false", "3", "-2", "0.5", "NaN", "-Infinity"]
+    assert show(10 ** 4000) == f"an integer of {(10 ** 4000).bit_length()} bits"
+    assert show("x" * 10 ** 6) == '"' + "x" * 40 + '..."' and show('a"b') == '"a\\"b"'
+    assert (show([1] * 10 ** 6), show({"a": 1}), show(object())) == ("a list of 1000000 items", "an object", "a object")

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from scripts.bench_serving import random_requests
-from serving.api import Limits, chat_prompt
+from serving.api import BYTE_LEVEL, Limits, chat_prompt, token_bytes
 from serving.client import sse_events
 from serving.loop import State
 from serving.proto import v41_pb2
@@ -259,6 +259,8 @@ HTTP_BAD = [
      "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions", "application/json", 400,
      "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "w1", "name": 7}]}, "/v1/chat/completions", "application/json",
+     400, "messages[0].name"),
     ({"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 0}, "/v1/chat/completions",
      "application/json", 400, "max_completion_tokens"),
     ({"prompt": "w1 " * 30000}, "/v1/completions", "application/json", 413, "Content-Length"),
@@ -392,7 +394,32 @@ def test_http_framing_a_get_body_and_two_content_lengths(served):
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"Connection: close" in head
     assert json.loads(body)["error"]["param"] == "Content-Length"
+    # another method: a JSON 405 that names the two allowed, its body unread and the connection closed
+    for method in ("PUT", "DELETE", "PATCH", "OPTIONS"):
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+        conn.request(method, "/v1/completions", body=b'{"prompt": [1]}', headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+        assert (resp.status, resp.getheader("Allow"), resp.getheader("Connection")) == (405, "GET, POST", "close")
+        assert method in err["message"] and err["type"] == "invalid_request_error"
+        conn.close()
     assert_idle_and_empty(served.server)
+
+
+def test_chat_logprob_bytes_are_the_tokens_own():
+    """A token holding part of a UTF-8 character: its text alone is U+FFFD, its `bytes` are the
+    part it holds, so a client joining every token's bytes gets the reply's UTF-8 back. The
+    byte-level alphabet is the tokenizers library's own."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    assert set(BYTE_LEVEL) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(BYTE_LEVEL.values()) == list(range(256))
+    tok = Tokenizer.from_file(str(ROOT / "models/demo/tokenizer.json"))
+    text = "naïve café — 日本語 🙂"
+    ids = tok.encode(text).ids
+    got = [token_bytes(tok, t) for t in ids]
+    assert b"".join(map(bytes, got)) == text.encode()
+    partial = [b for t, b in zip(ids, got) if tok.decode([t]) == "\ufffd"]
+    assert partial and all(bytes(b) != "\ufffd".encode() for b in partial)   # the demo splits these characters
 
 
 def _phase(served, match) -> str | None:

@@ -454,4 +454,4 @@ def test_cli_as_a_process_exit_2_without_traceback(bad_config):
     run = subprocess.run([sys.executable, "-m", "v41_jax.cache.geometry", "--config", str(bad_config)],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
-    assert run.stderr.strip().splitlines() == [f"error: {bad_config}: rms_norm_eps: must be finite, got nan"]
+    assert run.stderr.strip().splitlines() == [f"error: {bad_config}: rms_norm_eps: must be finite, got NaN"]

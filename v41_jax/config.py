@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NoReturn
 
+from .brief import show
 from .engram_hash import engram_primes
 
 # HF text_config name -> reference (ModelArgs) name. Names absent here are the same in both.
@@ -321,14 +322,8 @@ def _spelled(field_name: str, raw: Any) -> str:
 
 def _object(field_name: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise ConfigError(field_name, f"must be a JSON object, got {_show(value)}")
+        raise ConfigError(field_name, f"must be a JSON object, got {show(value)}")
     return value
-
-
-def _show(value: Any) -> str:
-    """A value in a refusal, cut short: a hostile file can hold a megabyte in one field."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _normalise(raw: Any) -> dict[str, Any]:
@@ -339,12 +334,12 @@ def _normalise(raw: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for where, obj in (("model_type", root), ("text_config.model_type", text)):
         if "model_type" in obj and obj["model_type"] not in _MODEL_TYPES:
-            raise ConfigError(where, f"must be one of {list(_MODEL_TYPES)}, got {_show(obj['model_type'])}")
+            raise ConfigError(where, f"must be one of {list(_MODEL_TYPES)}, got {show(obj['model_type'])}")
     if "quantization_config" in root:
         quant = root["quantization_config"]
         if quant != PUBLISHED_QUANTIZATION:
             raise ConfigError("quantization_config", f"must be exactly the published "
-                              f"{PUBLISHED_QUANTIZATION} (or absent), got {_show(quant)}")
+                              f"{PUBLISHED_QUANTIZATION} (or absent), got {show(quant)}")
         out["quantized"] = True
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if k in root:
@@ -378,7 +373,7 @@ def _normalise(raw: Any) -> dict[str, Any]:
         raise ConfigError(missing[0], f"missing config field (also missing: {missing[1:]})")
     for k in _TUPLE_FIELDS:
         if not isinstance(out[k], list):
-            raise ConfigError(k, f"must be a list of integers, got {_show(out[k])}")
+            raise ConfigError(k, f"must be a list of integers, got {show(out[k])}")
         out[k] = tuple(out[k])   # element types are validate's
     return out
 
@@ -387,7 +382,7 @@ def _rope_scaling(rs: Mapping[str, Any]) -> dict[str, Any]:
     """The YaRN fields of HF's rope_scaling, every key present and none unknown (a key this model
     does not implement, e.g. mscale, would be ignored silently otherwise)."""
     if rs.get("rope_type", "yarn") != "yarn":
-        raise ConfigError("rope_scaling.rope_type", f"only 'yarn' is supported, got {_show(rs.get('rope_type'))}")
+        raise ConfigError("rope_scaling.rope_type", f"only 'yarn' is supported, got {show(rs.get('rope_type'))}")
     for k in rs:
         if k not in _ROPE_SCALING and k != "rope_type":
             raise ConfigError(f"rope_scaling.{k}", f"unknown key (known: {sorted(_ROPE_SCALING)} and rope_type)")
@@ -479,7 +474,7 @@ def _check_type(field_name: str, type_name: str, v: Any) -> None:
     if not ok:
         want = {"int": "an integer", "bool": "true or false", "str": "a string",
                 "tuple[int, ...]": "a list of integers"}[type_name]
-        _fail(field_name, f"must be {want}, got {_show(v)}")
+        _fail(field_name, f"must be {want}, got {show(v)}")
 
 
 def _check_int_range(field_name: str, values: tuple[int, ...]) -> None:
@@ -495,10 +490,10 @@ def _check_int_range(field_name: str, values: tuple[int, ...]) -> None:
 
 def _check_float(field_name: str, v: Any) -> None:
     if not isinstance(v, (int, float)) or isinstance(v, bool):
-        _fail(field_name, f"must be a number, got {_show(v)}")
+        _fail(field_name, f"must be a number, got {show(v)}")
     # an integer literal past float's range (2**1024) would overflow where the model uses it
     if not (math.isfinite(v) if isinstance(v, float) else abs(v) < 2**1024):
-        _fail(field_name, f"must be finite, got {_show(v)}")
+        _fail(field_name, f"must be finite, got {show(v)}")
     low, high, closed = _FLOAT_RANGES[field_name]
     if not (low <= v if closed else low < v) or not v < high:
         _fail(field_name, f"must be in {'[' if closed else '('}{low}, {high}), got {v}")

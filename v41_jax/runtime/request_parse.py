@@ -43,6 +43,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
 
+from v41_jax.brief import show
 from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams, finite as _finite
 
@@ -88,26 +89,6 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def show(v) -> str:
-    """A short JSON-like rendering of a value for a message."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v) if v.bit_length() <= 128 else f"an integer of {v.bit_length()} bits"
-    if isinstance(v, float):
-        return "NaN" if v != v else "Infinity" if v == math.inf else "-Infinity" if v == -math.inf else repr(v)
-    if isinstance(v, str):
-        s = json.dumps(v[:40])
-        return s if len(v) <= 40 else s[:-1] + '..."'
-    if isinstance(v, (list, tuple)):
-        return f"a list of {len(v)} items"
-    if isinstance(v, dict):
-        return "an object"
-    return f"a {type(v).__name__}"
 
 
 def _int_in(field: str, v, lo: int, hi: int, hi_text: str, note: str = "") -> int:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v41_jax.brief import show
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,13 +31,13 @@ class SamplingParams:
         accepted); the values are stored as Python float/int."""
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
         if not _real(t) or not finite(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature: must be a finite number >= 0, got {_brief(t)}")
+            raise ValueError(f"SamplingParams.temperature: must be a finite number >= 0, got {show(t)}")
         if not _integral(k) or not 0 <= k < 2 ** 31:
-            raise ValueError(f"SamplingParams.top_k: must be an integer in [0, 2**31), got {_brief(k)}")
+            raise ValueError(f"SamplingParams.top_k: must be an integer in [0, 2**31), got {show(k)}")
         if not _real(p) or not 0 < p <= 1:                      # NaN fails the comparison
-            raise ValueError(f"SamplingParams.top_p: must be a number in (0, 1], got {_brief(p)}")
+            raise ValueError(f"SamplingParams.top_p: must be a number in (0, 1], got {show(p)}")
         if not _integral(s) or not 0 <= s < 2 ** 32:
-            raise ValueError(f"SamplingParams.seed: must be an integer in [0, 2**32), got {_brief(s)}")
+            raise ValueError(f"SamplingParams.seed: must be an integer in [0, 2**32), got {show(s)}")
         for name, value in (("temperature", float(t)), ("top_k", int(k)), ("top_p", float(p)), ("seed", int(s))):
             object.__setattr__(self, name, value)
 
@@ -54,13 +56,6 @@ def finite(v) -> bool:
         return math.isfinite(float(v))
     except OverflowError:                                       # an int beyond float range
         return False
-
-
-def _brief(v) -> str:
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v).bit_length() > 128:
-        return f"an integer of {int(v).bit_length()} bits"
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _masked(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
