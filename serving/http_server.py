@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,7 +37,8 @@ log = logging.getLogger("v41.serve.http")
 
 STATUS = {"invalid": 400, "exhausted": 400, "busy": 429, "unavailable": 503}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              405: "invalid_request_error",
+              405: "invalid_request_error", 414: "invalid_request_error", 431: "invalid_request_error",
+              501: "invalid_request_error",
               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
@@ -154,6 +156,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):
         log.debug("%s %s", self.address_string(), fmt % args)
+
+    def send_error(self, code, message=None, explain=None):
+        """The stdlib's own refusals (a malformed request line, headers too long or too many, a
+        method no handler names: 501) in the JSON shape of ours, on a closed connection."""
+        self.close_connection = True
+        self._error(HttpError(code, message or HTTPStatus(code).phrase))
 
     # ---- routing -------------------------------------------------------------------------------
     def do_GET(self):

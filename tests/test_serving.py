@@ -403,6 +403,15 @@ def test_http_framing_a_get_body_and_two_content_lengths(served):
         assert (resp.status, resp.getheader("Allow"), resp.getheader("Connection")) == (405, "GET, POST", "close")
         assert method in err["message"] and err["type"] == "invalid_request_error"
         conn.close()
+    # what the stdlib refuses itself (a method no one names, over 100 headers) is JSON too
+    many = b"".join(b"X-%d: 1\r\n" % i for i in range(101))
+    for start, status in ((b"FROB /health HTTP/1.1\r\n", 501), (b"GET /health HTTP/1.1\r\n" + many, 431)):
+        with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+            sock.sendall(start + b"Host: x\r\n\r\n")
+            reply = b"".join(iter(lambda: sock.recv(65536), b""))
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 %d" % status) and b"Connection: close" in head, reply
+        assert json.loads(body)["error"]["message"], reply
     assert_idle_and_empty(served.server)
 
 
