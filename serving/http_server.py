@@ -43,11 +43,29 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
           "user", "top_k", "stop_token_ids", "ignore_eos", "speculative", "logprobs")
-KNOWN = {"completions": COMMON + ("prompt",), "chat": COMMON + ("messages", "max_completion_tokens", "top_logprobs")}
+# OpenAI / vLLM fields this server does not implement, taken at the one value that changes nothing
+# (some clients send every field's default, e.g. `frequency_penalty: 0`) and refused by name at any
+# other: (that value, what this server does instead)
+NEUTRAL = {"presence_penalty": (0, "samples without penalties"), "frequency_penalty": (0, "samples without penalties"),
+           "repetition_penalty": (1, "samples without penalties"), "min_p": (0, "samples without a min-p cut"),
+           "logit_bias": ({}, "applies no logit bias")}
+NEUTRAL_BY = {"completions": {"echo": (False, "does not echo the prompt"), "best_of": (1, "samples one completion"),
+                              "suffix": ("", "does not insert text")},
+              "chat": {"response_format": ({"type": "text"}, "answers plain text")}}
+KNOWN = {"completions": COMMON + ("prompt",) + (*NEUTRAL, *NEUTRAL_BY["completions"]),
+         "chat": COMMON + ("messages", "max_completion_tokens", "top_logprobs") + (*NEUTRAL, *NEUTRAL_BY["chat"])}
 # OpenAI's name -> request_parse's (and back, for refusals)
 RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop_token_ids": "stop_ids"}
 PASS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop", "speculative")
 SOCKET_TIMEOUT_S = 60.0              # a client that stalls a read or a write this long is dropped
+
+
+def _same_json(a, b) -> bool:
+    """Equal as JSON values: a number equals a number (0 == 0.0), never a boolean (false != 0)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if number(a) or number(b):
+        return number(a) and number(b) and a == b
+    return type(a) is type(b) and a == b
 
 
 class HttpError(Exception):
@@ -300,6 +318,10 @@ class _Handler(BaseHTTPRequestHandler):
                             "model_not_found")
         if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
             raise Refused("invalid", "only n = 1 is served", "n")
+        for k, (want, instead) in {**NEUTRAL, **NEUTRAL_BY["chat" if chat else "completions"]}.items():
+            if k in body and not _same_json(body[k], want):
+                raise Refused("invalid", f"this server {instead}: must be {json.dumps(want)} or absent, got "
+                                         f"{show(body[k])}", k)
         logprobs = self._wants_logprobs(body, chat)
         if "user" in body and not isinstance(body["user"], str):
             raise Refused("invalid", "must be a string", "user")

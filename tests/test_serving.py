@@ -181,6 +181,13 @@ def test_openai_client(served):
     whole = client.chat.completions.create(**kw)
     assert whole.choices[0].message.content == decode(want) and whole.choices[0].token_ids == want
     assert whole.choices[0].message.role == "assistant"
+    # the unimplemented fields at their neutral values, as some clients send every default: served alike
+    neutral = dict(frequency_penalty=0, presence_penalty=0.0, logit_bias={}, extra_body={"ignore_eos": True,
+                                                                                        "repetition_penalty": 1, "min_p": 0})
+    assert client.chat.completions.create(**{**kw, **neutral}, response_format={"type": "text"}).choices[0].token_ids == want
+    f = COMPARED["greedy"]
+    assert client.completions.create(model="tiny", prompt=f["prompt_ids"], max_tokens=f["max_new_tokens"], echo=False,
+                                     best_of=1, **neutral).choices[0].token_ids == served.tokens("greedy")
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == decode(want)
@@ -249,6 +256,14 @@ HTTP_BAD = [
     ({"prompt": [1, 2], "stop": [""]}, "/v1/completions", "application/json", 400, "stop"),
     ({"prompt": [1, 2], "speculative": True}, "/v1/completions", "application/json", 400, "speculative"),
     ({"prompt": [1, 2], "n": 2}, "/v1/completions", "application/json", 400, "n"),
+    ({"prompt": [1, 2], "frequency_penalty": 0.5}, "/v1/completions", "application/json", 400, "frequency_penalty"),
+    ({"prompt": [1, 2], "presence_penalty": False}, "/v1/completions", "application/json", 400, "presence_penalty"),
+    ({"prompt": [1, 2], "logit_bias": {"5": 100}}, "/v1/completions", "application/json", 400, "logit_bias"),
+    ({"prompt": [1, 2], "echo": True}, "/v1/completions", "application/json", 400, "echo"),
+    ({"prompt": [1, 2], "response_format": {"type": "text"}}, "/v1/completions", "application/json", 400,
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "w1"}], "response_format": {"type": "json_object"}},
+     "/v1/chat/completions", "application/json", 400, "response_format"),
     ({"prompt": [1, 2], "logprobs": True}, "/v1/completions", "application/json", 400, "logprobs"),
     ({"messages": [{"role": "user", "content": "w1"}], "logprobs": 1}, "/v1/chat/completions",
      "application/json", 400, "logprobs"),
