@@ -25,6 +25,7 @@ import time
 import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import quote
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -185,7 +186,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.headers.get("Content-Length", "0").strip() != "0" or "Transfer-Encoding" in self.headers:
             self.close_connection = True       # a body a GET never reads would start the next request
-        self._route({"/health": self._health, "/v1/models": self._models, "/metrics": self._metrics}, "GET")
+        name = self.front.api.model_name             # OpenAI's retrieve: its name as given or %-quoted
+        one = {f"/v1/models/{n}": lambda: self._json(200, self._model()) for n in (name, quote(name, safe=""))}
+        self._route({"/health": self._health, "/v1/models": self._models, "/metrics": self._metrics, **one}, "GET")
 
     def do_POST(self):
         self._route({"/v1/completions": lambda: self._generate(chat=False),
@@ -262,10 +265,12 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.front.loop.state
         self._json(200 if state == State.SERVING else 503, {"status": state.value})
 
-    def _models(self):
+    def _model(self) -> dict:
         f = self.front
-        self._json(200, {"object": "list", "data": [{"id": f.api.model_name, "object": "model",
-                                                     "created": f.created, "owned_by": "v41-jax"}]})
+        return {"id": f.api.model_name, "object": "model", "created": f.created, "owned_by": "v41-jax"}
+
+    def _models(self):
+        self._json(200, {"object": "list", "data": [self._model()]})
 
     def _metrics(self):
         self._send(200, self.front.metrics.render(), CONTENT_TYPE_LATEST)

@@ -162,7 +162,9 @@ def test_openai_client(served):
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     decode = served.tokenizer.decode
     for name in ("greedy", "sampled"):
         f, want = COMPARED[name], served.tokens(name)
