@@ -38,9 +38,9 @@ log = logging.getLogger("v41.serve.http")
 
 STATUS = {"invalid": 400, "exhausted": 400, "busy": 429, "unavailable": 503}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              405: "invalid_request_error", 414: "invalid_request_error", 431: "invalid_request_error",
-              501: "invalid_request_error",
-              413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+              405: "invalid_request_error", 413: "invalid_request_error", 414: "invalid_request_error",
+              429: "rate_limit_error", 431: "invalid_request_error", 500: "server_error",
+              501: "invalid_request_error", 503: "server_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
           "user", "top_k", "stop_token_ids", "ignore_eos", "speculative", "logprobs")
