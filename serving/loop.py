@@ -350,6 +350,7 @@ class EngineLoop:
         if self.metrics is not None:
             if op.first is None:
                 self.metrics.ttft.observe(now - op.submitted)
+                self.metrics.prompt_tokens.inc(len(op.req.prompt))
             else:
                 self.metrics.itl.observe(now - op.last)
             self.metrics.add_tokens(len(ev.tokens))
@@ -373,6 +374,7 @@ class EngineLoop:
         self._finished += 1
         if self.metrics is not None:
             self.metrics.finished.labels(op.reason or res.finish_reason).inc()
+            self.metrics.latency.observe(time.perf_counter() - op.submitted)
         op.events.put(ev)
 
     def _finish_unadmitted(self, op: _Open, reason: str, error: str) -> None:

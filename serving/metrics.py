@@ -28,6 +28,8 @@ class Metrics:
         self.serving = Gauge(p + "serving", "1 while the engine serves, 0 while warming, draining or failed",
                              registry=r)
         self.tokens = Counter(p + "generated_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens prefilled (counted at a request's first token)",
+                                     registry=r)
         self.rate = Gauge(p + "tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
                           registry=r)
         self.finished = Counter(p + "requests_finished", "requests ended, by finish reason", ["reason"], registry=r)
@@ -36,6 +38,8 @@ class Metrics:
         self.step_failures = Counter(p + "engine_step_failures", "engine steps that raised", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "submission to first token", buckets=_BUCKETS,
                               registry=r)
+        self.latency = Histogram(p + "request_latency_seconds", "submission to finish, whatever the reason",
+                                 buckets=_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "between a request's consecutive token arrivals",
                              buckets=_BUCKETS, registry=r)
         # DSpark speculative decoding (0 while nothing speculates)

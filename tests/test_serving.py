@@ -637,9 +637,19 @@ def test_fault_in_a_step_ends_inflight_with_error_then_recovers(served):
 
 
 def test_metrics(served):
-    status, text, headers = http_call(served.port, "GET", "/metrics")
-    assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    values = dict(re.findall(r"^(v41_[a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M))
+    def read():
+        status, text, headers = http_call(served.port, "GET", "/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain")
+        return {k: float(v) for k, v in re.findall(r"^(v41_[a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+    before = read()
+    f = COMPARED["greedy"]
+    assert http_generate(served.port, f, stream=False)[0] == served.tokens("greedy")
+    values = read()
+    # one request more: its prompt prefilled, its tokens generated, its latency observed once
+    grew = lambda k: values.get(k, 0) - before.get(k, 0)
+    assert grew("v41_prompt_tokens_total") == len(f["prompt_ids"])
+    assert grew("v41_generated_tokens_total") == len(served.tokens("greedy"))
+    assert grew("v41_request_latency_seconds_count") == 1 and grew("v41_request_latency_seconds_sum") > 0
     assert float(values["v41_time_to_first_token_seconds_count"]) > 0
     assert float(values["v41_inter_token_latency_seconds_count"]) > 0
     assert float(values["v41_generated_tokens_total"]) > 0
