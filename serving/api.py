@@ -13,6 +13,7 @@ names the client's field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -123,13 +124,21 @@ def _byte_level_alphabet() -> dict[str, int]:
 BYTE_LEVEL = _byte_level_alphabet()
 
 
+@functools.lru_cache(maxsize=8)
+def _added_ids(tokenizer) -> frozenset[int]:
+    return frozenset(tokenizer.get_added_tokens_decoder())
+
+
 def token_bytes(tokenizer, token_id: int) -> list[int]:
     """A token's own bytes, as chat logprobs' `bytes` gives them: a token holding part of a UTF-8
     character gives that part (its decoded text alone is U+FFFD). Read from the token's spelling
-    when the tokenizer decodes byte-level (the demo's, DeepSeek's); otherwise its text's UTF-8."""
+    when the tokenizer decodes byte-level (the demo's, DeepSeek's); otherwise, and for an added or
+    special token (EOS decodes to ""), its text's UTF-8."""
     from tokenizers import decoders
     piece = tokenizer.id_to_token(token_id)
-    if isinstance(tokenizer.decoder, decoders.ByteLevel) and piece is not None and all(c in BYTE_LEVEL for c in piece):
+    special = token_id in _added_ids(tokenizer)                     # spelled as text, not as bytes
+    if (isinstance(tokenizer.decoder, decoders.ByteLevel) and not special and piece is not None
+            and all(c in BYTE_LEVEL for c in piece)):
         return [BYTE_LEVEL[c] for c in piece]
     return list(tokenizer.decode([token_id]).encode())
 

@@ -2,14 +2,15 @@
 
     POST /v1/completions        prompt: a string or a list of token ids
     POST /v1/chat/completions   messages, rendered with our chat template (serving/api.py)
-    GET  /v1/models, /health (200 serving / 503 otherwise), /metrics (Prometheus)
+    GET  /v1/models, /v1/models/<name>, /health (200 serving / 503 otherwise), /metrics (Prometheus)
 
 `"stream": true` answers with server-sent events (chunked transfer encoding), ending with
 `data: [DONE]`. Each choice also carries `token_ids` (the tokens of that text; an extension, so a
 client can compare tokens exactly). Extensions to the request: top_k, stop_token_ids, ignore_eos,
 speculative. A refusal is `{"error": {"message", "type", "param", "code"}}` with param naming the
 field: 400 for a bad field or a request that can never fit, 401 without the key, 413 for a body
-over the limit, 429 when the server is full, 503 while not serving.
+over the limit, 429 when the server is full, 503 while not serving; any other method is 405
+(after the key check, as every path but /health is).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import quote
+from urllib.parse import unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -58,6 +59,7 @@ KNOWN = {"completions": COMMON + ("prompt",) + (*NEUTRAL, *NEUTRAL_BY["completio
 # OpenAI's name -> request_parse's (and back, for refusals)
 RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "stop_token_ids": "stop_ids"}
 PASS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop", "speculative")
+MODEL_PREFIX = "/v1/models/"
 SOCKET_TIMEOUT_S = 60.0              # a client that stalls a read or a write this long is dropped
 
 
@@ -186,8 +188,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.headers.get("Content-Length", "0").strip() != "0" or "Transfer-Encoding" in self.headers:
             self.close_connection = True       # a body a GET never reads would start the next request
-        name = self.front.api.model_name             # OpenAI's retrieve: its name as given or %-quoted
-        one = {f"/v1/models/{n}": lambda: self._json(200, self._model()) for n in (name, quote(name, safe=""))}
+        path = self.path.split("?", 1)[0]
+        one = {path: lambda: self._retrieve(unquote(path[len(MODEL_PREFIX):]))} if path.startswith(MODEL_PREFIX) else {}
         self._route({"/health": self._health, "/v1/models": self._models, "/metrics": self._metrics, **one}, "GET")
 
     def do_POST(self):
@@ -250,7 +252,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":            # a HEAD answer has the headers alone (HTTP)
+            self.wfile.write(body)
 
     def _json(self, status: int, obj) -> None:
         self._send(status, json.dumps(obj).encode())
@@ -271,6 +274,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _models(self):
         self._json(200, {"object": "list", "data": [self._model()]})
+
+    def _retrieve(self, name: str):
+        """OpenAI's retrieve (`GET /v1/models/<name>`, the name %-quoted or not)."""
+        if name != self.front.api.model_name:
+            raise HttpError(404, f"this server serves {show(self.front.api.model_name)}, not {show(name)}", "model",
+                            "model_not_found")
+        self._json(200, self._model())
 
     def _metrics(self):
         self._send(200, self.front.metrics.render(), CONTENT_TYPE_LATEST)

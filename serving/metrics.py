@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # Latency buckets in seconds: a CPU-hosted tiny model steps in tens of ms, a GPU model in ms.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A whole request's: long generations run minutes (4K tokens at 30 tokens/s is over 2)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 RATE_WINDOW_S = 10.0                 # tokens/s is measured over this trailing window
 RATE_SAMPLE_S = 0.25                 # at most one (time, count) sample per this: the window holds <= 41
 
@@ -39,7 +41,7 @@ class Metrics:
         self.ttft = Histogram(p + "time_to_first_token_seconds", "submission to first token", buckets=_BUCKETS,
                               registry=r)
         self.latency = Histogram(p + "request_latency_seconds", "submission to finish, whatever the reason",
-                                 buckets=_BUCKETS, registry=r)
+                                 buckets=_REQUEST_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "between a request's consecutive token arrivals",
                              buckets=_BUCKETS, registry=r)
         # DSpark speculative decoding (0 while nothing speculates)

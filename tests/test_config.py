@@ -177,3 +177,20 @@ def test_file_errors_name_the_file(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"config\.json: scoring_func: "):
         ModelConfig.from_file(path)
+
+
+def test_refusals_name_the_part_that_is_wrong():
+    """A list field with one bad item names that item; a quantization_config names its first key
+    that differs from the published one (not the whole value, which may be large)."""
+    raw = _raw("tiny.config.json")
+    raw["text_config"]["compress_ratios"][2] = "4"
+    with pytest.raises(ValueError, match=r'^compress_ratios: must be a list of integers, item 2 is "4"$'):
+        ModelConfig.from_dict(raw)
+    raw = _raw("tiny.config.json")
+    raw["quantization_config"].update(expert_dtype="fp8")
+    with pytest.raises(ValueError, match=r"^quantization_config: .*: its 'expert_dtype' is \"fp8\"$"):
+        ModelConfig.from_dict(raw)
+    raw = _raw("tiny.config.json")
+    raw["quantization_config"].pop("expert_dtype")
+    with pytest.raises(ValueError, match=r"^quantization_config: .*: it lacks 'expert_dtype'$"):
+        ModelConfig.from_dict(raw)

@@ -442,3 +442,5 @@ def test_values_in_refusals_are_brief_and_json_spelled():
     assert show(10 ** 4000) == f"an integer of {(10 ** 4000).bit_length()} bits"
     assert show("x" * 10 ** 6) == '"' + "x" * 40 + '..."' and show('a"b') == '"a\\"b"'
     assert (show([1] * 10 ** 6), show({"a": 1}), show(object())) == ("a list of 1000000 items", "an object", "a object")
+    from fractions import Fraction
+    assert show(Fraction(10 ** 400)) == "a number beyond float range"      # float() would overflow

@@ -163,8 +163,10 @@ def test_openai_client(served):
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-4")
+    assert err.value.body["code"] == "model_not_found"
+    assert http_call(served.port, "GET", "/v1/models/t%69ny")[0] == 200        # %-quoted: the same name
     decode = served.tokenizer.decode
     for name in ("greedy", "sampled"):
         f, want = COMPARED[name], served.tokens(name)
@@ -429,6 +431,12 @@ def test_http_framing_a_get_body_and_two_content_lengths(served):
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 %d" % status) and b"Connection: close" in head, reply
         assert json.loads(body)["error"]["message"], reply
+    # HEAD: the 405's headers alone (a HEAD answer has no body)
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b"".join(iter(lambda: sock.recv(65536), b""))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 405") and b"Allow: GET, POST" in head and body == b"", reply
     assert_idle_and_empty(served.server)
 
 
@@ -446,6 +454,9 @@ def test_chat_logprob_bytes_are_the_tokens_own():
     assert b"".join(map(bytes, got)) == text.encode()
     partial = [b for t, b in zip(ids, got) if tok.decode([t]) == "\ufffd"]
     assert partial and all(bytes(b) != "\ufffd".encode() for b in partial)   # the demo splits these characters
+    # a special token is spelled as text, not bytes: EOS decodes to "" and gives no bytes (not b"<eos>")
+    eos = tok.token_to_id("<eos>")
+    assert tok.decode([eos]) == "" and token_bytes(tok, eos) == []
 
 
 def _phase(served, match) -> str | None:

@@ -25,7 +25,10 @@ def show(value: Any) -> str:
         v = int(value)
         return str(v) if v.bit_length() <= 128 else f"an integer of {v.bit_length()} bits"
     if isinstance(value, numbers.Real):
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:                    # e.g. a Fraction past float range
+            return "a number beyond float range"
         return "NaN" if v != v else "Infinity" if v == math.inf else "-Infinity" if v == -math.inf else repr(v)
     if isinstance(value, str):
         text = json.dumps(value[:TEXT_CHARS])

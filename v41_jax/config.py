@@ -338,8 +338,13 @@ def _normalise(raw: Any) -> dict[str, Any]:
     if "quantization_config" in root:
         quant = root["quantization_config"]
         if quant != PUBLISHED_QUANTIZATION:
+            differs = sorted(set(quant) ^ set(PUBLISHED_QUANTIZATION) if isinstance(quant, dict) else ())
+            differs += sorted(k for k in PUBLISHED_QUANTIZATION if isinstance(quant, dict) and k in quant
+                              and quant[k] != PUBLISHED_QUANTIZATION[k])
+            what = (f"its {differs[0]!r} is {show(quant.get(differs[0]))}" if differs and differs[0] in quant
+                    else f"it lacks {differs[0]!r}" if differs else f"got {show(quant)}")
             raise ConfigError("quantization_config", f"must be exactly the published "
-                              f"{PUBLISHED_QUANTIZATION} (or absent), got {show(quant)}")
+                              f"{PUBLISHED_QUANTIZATION} (or absent): {what}")
         out["quantized"] = True
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if k in root:
@@ -474,7 +479,8 @@ def _check_type(field_name: str, type_name: str, v: Any) -> None:
     if not ok:
         want = {"int": "an integer", "bool": "true or false", "str": "a string",
                 "tuple[int, ...]": "a list of integers"}[type_name]
-        _fail(field_name, f"must be {want}, got {show(v)}")
+        bad = [i for i, x in enumerate(v) if not _is_int(x)] if isinstance(v, tuple) else []
+        _fail(field_name, f"must be {want}, " + (f"item {bad[0]} is {show(v[bad[0]])}" if bad else f"got {show(v)}"))
 
 
 def _check_int_range(field_name: str, values: tuple[int, ...]) -> None:
