@@ -8,6 +8,7 @@ same executables in every test file; the persistent XLA cache below then compile
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
@@ -26,6 +27,10 @@ from v41_jax.runtime.metadata import Bucket, BucketSet
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE_CACHE = ROOT / ".pytest_cache" / "xla"          # the suite's persistent compilation cache
+# The whole run (`V41_FARM=all make test`, README): every farm fixture on every path, the step
+# replays, and the benchmark scripts' end-to-end smoke runs; the default suite keeps a covering
+# subset within its 25-minute budget on 2 cores
+WHOLE = os.environ.get("V41_FARM") == "all"
 jax.config.update("jax_compilation_cache_dir", str(SUITE_CACHE))
 # every executable, however fast it compiled, as the engine's own cache does (compile_cache.enable):
 # the suite's two workers and its child processes compile the same small programs (eager ops, the

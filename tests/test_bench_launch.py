@@ -3,9 +3,13 @@ BENCHMARKS.md; here only that the parts it times are parts of the step it report
 
 import json
 
+import pytest
+
 from scripts import bench_launch
+from tests.engine_common import WHOLE
 
 
+@pytest.mark.skipif(not WHOLE, reason="whole run only (V41_FARM=all): a benchmark script end to end, ~35-40 CPU-s (suite time)")
 def test_loop_parts_add_up_within_the_step(tmp_path):
     out = tmp_path / "L.json"
     assert bench_launch.main(["--checkpoint", "models/demo", "--out", str(out), "--new", "6", "--rounds", "1",

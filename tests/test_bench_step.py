@@ -14,6 +14,7 @@ from scripts import bench_step as bs
 from scripts.make_checkpoint import make_checkpoint
 from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
 from v41_jax.config import ModelConfig
+from tests.engine_common import WHOLE
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "v41_jax/configs/tiny.config.json")
@@ -229,6 +230,7 @@ def test_bench_sampler_times_both_sorts_and_both_kinds_of_rows(tmp_path):
     assert all(any(n.startswith("cond") for n in c["host_events"]) for c in cases)
 
 
+@pytest.mark.skipif(not WHOLE, reason="whole run only (V41_FARM=all): a benchmark script end to end, ~45-70 CPU-s (suite time)")
 def test_bench_decode_choices_compares_each_choice_with_its_alternatives(tmp_path):
     """scripts/bench_decode_choices.py --smoke: every alternative of each choice ran and timed, and
     they are exact alternatives (the E4M3 routes give the same MoE output bits, the rms_inv
@@ -312,6 +314,7 @@ def test_compare_numerics_offers_the_policys_switches_one_comparison_a_run(tmp_p
     assert not Path(out).exists()
 
 
+@pytest.mark.skipif(not WHOLE, reason="whole run only (V41_FARM=all): a benchmark script end to end, ~35-55 CPU-s (suite time)")
 def test_compare_option_times_two_executables_of_one_lowering_on_the_same_inputs(tmp_path):
     """`--compare-option KEY=VALUE`: each case compiled with the engine's options and with KEY set
     to VALUE, timed interleaved; both variants fed the same tokens, so their outputs are compared

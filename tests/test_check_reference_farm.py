@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 
 import jax
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 
 from reference_mutants import CACHE_PATH, MUTANTS
+from tests.engine_common import WHOLE
 from v41_jax.model.numerics import Numerics
 from v41_jax.tools.check_reference import (CONDITIONING_RUNS, CPU, FALSE_FAIL, GPU, OUTPUTS, TAPS_ALL, bf16_ulp,
                                            check_folder, head_bound, load_fixture, nudged_params, run_model,
@@ -32,7 +32,7 @@ from v41_jax.tools.engine_replay import run_engine
 
 FARM = Path(__file__).parent / "fixtures" / "dsv41_farm"
 NAMES = sorted(p.name for p in FARM.iterdir() if (p / OUTPUTS).exists())
-ALL = os.environ.get("V41_FARM") == "all"
+ALL = WHOLE
 # the default subset: 6 heads / 3 groups with 8 index heads, 3 DSpark stages of 5 and Engram on layer 0
 # only (its head is not bit-exact on the reference's taps), 1 head / 1 index head / 2 experts (its
 # taps are not bit-exact), the fixtures of the unseen batches that the fixed rules failed

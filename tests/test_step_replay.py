@@ -2,12 +2,11 @@
 steps) passes on the official fixtures at the checker's own tolerances."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests import engine_common  # noqa: F401 (the persistent compilation cache)
+from tests.engine_common import WHOLE  # also: the persistent compilation cache
 from v41_jax.tools.check_reference import main
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures/dsv41_official"
@@ -20,7 +19,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures/dsv41_official"
 # schedule runs through the engine in the whole farm also as f04 and v1, v2 (its shape, other
 # seeds and weights). A cache of packed main and window rows runs the typed computation bit for bit
 # (tests/test_kv_rows_packed.py), so its replay is the whole farm's too (~80 s of CPU)
-@pytest.mark.skipif(os.environ.get("V41_FARM") != "all", reason="whole-farm run only (V41_FARM=all): "
+@pytest.mark.skipif(not WHOLE, reason="whole-farm run only (V41_FARM=all): "
                     "the official fixtures through the engine")
 @pytest.mark.parametrize("name", ["small_a", "small_b"])
 @pytest.mark.parametrize("kv_format", ["typed", "packed"])
