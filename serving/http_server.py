@@ -275,11 +275,15 @@ class _Handler(BaseHTTPRequestHandler):
     def _models(self):
         self._json(200, {"object": "list", "data": [self._model()]})
 
-    def _retrieve(self, name: str):
-        """OpenAI's retrieve (`GET /v1/models/<name>`, the name %-quoted or not)."""
+    def _served(self, name) -> None:
+        """404 `model_not_found` unless `name` is the served model (a request's `model`, a retrieve)."""
         if name != self.front.api.model_name:
             raise HttpError(404, f"this server serves {show(self.front.api.model_name)}, not {show(name)}", "model",
                             "model_not_found")
+
+    def _retrieve(self, name: str):
+        """OpenAI's retrieve (`GET /v1/models/<name>`, the name %-quoted or not)."""
+        self._served(name)
         self._json(200, self._model())
 
     def _metrics(self):
@@ -327,10 +331,8 @@ class _Handler(BaseHTTPRequestHandler):
             if k not in known:
                 raise Refused("invalid", f"unknown or unsupported field (known: {', '.join(known)})", k)
         body = {k: v for k, v in body.items() if v is not None}   # JSON null: not given (OpenAI's reading)
-        api = self.front.api
-        if "model" in body and body["model"] != api.model_name:
-            raise HttpError(404, f"this server serves {show(api.model_name)}, not {show(body['model'])}", "model",
-                            "model_not_found")
+        if "model" in body:
+            self._served(body["model"])
         if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
             raise Refused("invalid", "only n = 1 is served", "n")
         for k, (want, instead) in {**NEUTRAL, **NEUTRAL_BY["chat" if chat else "completions"]}.items():
