@@ -61,6 +61,13 @@ RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_toke
 PASS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "stop", "speculative")
 MODEL_PREFIX = "/v1/models/"
 SOCKET_TIMEOUT_S = 60.0              # a client that stalls a read or a write this long is dropped
+# A refusal sent before its request's body was read (401, 404, 405, 413, a GET's body): the socket
+# closed with unread bytes in its receive queue sends a TCP reset, and a client still writing the
+# body sees "connection reset" instead of the answer. So the server first shuts its sending side
+# (the client reads the answer, then EOF) and discards what still arrives, up to these bounds
+# (Apache's "lingering close"), before closing.
+LINGER_S = 2.0
+LINGER_BYTES = 64 << 20
 
 
 def _same_json(a, b) -> bool:
@@ -169,6 +176,21 @@ class _Server(ThreadingHTTPServer):
                 pass
 
 
+def _linger(conn: socket.socket) -> None:
+    """Close a connection whose request body was left unread without resetting it (LINGER_S)."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        end, left = time.monotonic() + LINGER_S, LINGER_BYTES
+        while left > 0 and (wait := end - time.monotonic()) > 0:
+            conn.settimeout(wait)
+            got = conn.recv(min(left, 1 << 16))
+            if not got:
+                break
+            left -= len(got)
+    except OSError:                                      # a reset, a timeout: the client is gone
+        pass
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "v41-serve"
@@ -177,6 +199,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):
         log.debug("%s %s", self.address_string(), fmt % args)
+
+    def finish(self):
+        super().finish()
+        headers = getattr(self, "headers", None)         # None: the request line itself was refused
+        announced = headers is not None and (headers.get("Content-Length", "0").strip() not in ("", "0")
+                                             or "Transfer-Encoding" in headers)
+        if self.close_connection and announced and getattr(self, "_read_for", None) is not headers:
+            _linger(self.connection)
 
     def send_error(self, code, message=None, explain=None):
         """The stdlib's own refusals (a malformed request line, headers too long or too many, a
@@ -310,6 +340,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True                # the body is not read
             raise HttpError(413, f"the body is {length} bytes, over the limit of {limit}", "Content-Length")
         data = self.rfile.read(length)
+        self._read_for = self.headers                      # this request's body is consumed (`finish`)
         if len(data) < length:
             self.close_connection = True
             raise HttpError(400, "the body ended before its Content-Length", "Content-Length")

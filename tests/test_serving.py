@@ -431,6 +431,14 @@ def test_http_framing_a_get_body_and_two_content_lengths(served):
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 %d" % status) and b"Connection: close" in head, reply
         assert json.loads(body)["error"]["message"], reply
+    # a body far over the limit (32 MiB against 64 KiB; more than the loopback's socket buffers
+    # hold): refused unread, yet the client, which sends the whole body before it reads, gets the
+    # 413 and not a reset (`http_server._linger`; a 401 or 405 before the body takes the same close)
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=b" " * (32 << 20), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert (resp.status, json.loads(resp.read())["error"]["param"]) == (413, "Content-Length")
+    conn.close()
     # HEAD: the 405's headers alone (a HEAD answer has no body)
     with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
         sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
