@@ -32,15 +32,15 @@ GOLDEN_PROMPT = "The Python standard library"
 GOLDEN_TOKENS = 24
 
 
-def small_engine(ckpt):
+def small_engine(ckpt, **kw):
     """One slot, reference numerics (their GEMM order is fixed, so tokens agree across backends);
     one bucket that keeps every row's logits (teacher forcing) for every step: one compile. (A
     second, 4-token decode bucket gave the same tokens, perplexity and draft statistics for 16 s
     more of CPU in tests/test_demo_model.py, its compile costing more than its faster decodes
-    saved; 2026-12-07.)"""
+    saved; 2026-12-07.) kw: more `Engine.from_checkpoint` arguments (the test's compile cache)."""
     from v41_jax.runtime.engine import Engine
 
-    return Engine.from_checkpoint(ckpt, numerics="reference", chunk=64, buckets="68x1x68")
+    return Engine.from_checkpoint(ckpt, numerics="reference", chunk=64, buckets="68x1x68", **kw)
 
 
 def greedy_tokens(engine, prompt: str, n: int) -> list[int]:

@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from scripts.demo_eval import engine_nll, greedy_tokens, small_engine
+from tests.engine_common import SUITE_CACHE
 from v41_jax.checkpoint.load import load_params
 from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
 from v41_jax.runtime.engine import Stats
@@ -36,7 +37,7 @@ SPEC_BOUND = 1.74
 
 @pytest.fixture(scope="module")
 def engine():
-    return small_engine(DEMO)
+    return small_engine(DEMO, compile_cache_dir=str(SUITE_CACHE))   # the suite's cache, not the user's
 
 
 @pytest.fixture(scope="module")
