@@ -4,7 +4,7 @@
 each worker the next file as it frees up. Alphabetically the longest files can start last and run
 alone at the end (test_mesh.py alone is ~3 minutes of one worker), so the files measured longest
 (clean-clone runs, `--durations`) go first; the rest keep their order. A stale list costs only
-balance, never a test.
+balance, never a test. What each test spends compiling: `-p tests.compile_census` (its docstring).
 """
 
 LONGEST_FIRST = ("test_check_reference_farm.py", "test_mesh.py", "test_speculative.py", "test_kernels_moe.py",
