@@ -176,6 +176,11 @@ class _Server(ThreadingHTTPServer):
                 pass
 
 
+def _announces_body(headers) -> bool:
+    """Whether a request's headers say a body follows (a Content-Length other than 0, or chunks)."""
+    return headers.get("Content-Length", "0").strip() != "0" or "Transfer-Encoding" in headers
+
+
 def _linger(conn: socket.socket) -> None:
     """Close a connection whose request body was left unread without resetting it (LINGER_S)."""
     try:
@@ -203,9 +208,8 @@ class _Handler(BaseHTTPRequestHandler):
     def finish(self):
         super().finish()
         headers = getattr(self, "headers", None)         # None: the request line itself was refused
-        announced = headers is not None and (headers.get("Content-Length", "0").strip() not in ("", "0")
-                                             or "Transfer-Encoding" in headers)
-        if self.close_connection and announced and getattr(self, "_read_for", None) is not headers:
+        if (self.close_connection and headers is not None and _announces_body(headers)
+                and getattr(self, "_read_for", None) is not headers):
             _linger(self.connection)
 
     def send_error(self, code, message=None, explain=None):
@@ -216,7 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- routing -------------------------------------------------------------------------------
     def do_GET(self):
-        if self.headers.get("Content-Length", "0").strip() != "0" or "Transfer-Encoding" in self.headers:
+        if _announces_body(self.headers):
             self.close_connection = True       # a body a GET never reads would start the next request
         path = self.path.split("?", 1)[0]
         one = {path: lambda: self._retrieve(unquote(path[len(MODEL_PREFIX):]))} if path.startswith(MODEL_PREFIX) else {}
