@@ -4,7 +4,7 @@ each layer count.
 
     python -m scripts.bench_compile --config v41_jax/configs/bench_slice.config.json \
         --layers 1,2,4,6 --out R.json [--bucket 1x1x1] [--numerics fast] [--experts auto] [--by-source N]
-        [--speculative] [--scan-layers off|on|both]
+        [--speculative] [--scan-layers off|on|both] [--host-events N]
 
 Cutting a config to n layers (`cut`) keeps its first n backbone layers and its draft stages, and
 drops every layer id >= n from the source lists (kv, index, candidate, Engram, DSpark taps; taps
@@ -17,7 +17,9 @@ compile is a real one). `--by-source N`: the optimized HLO's kernels (fusions, c
 launches one call makes, on the backend that compiled (`kernels_by_source`; a loop whose trip
 count XLA does not record counts once). `--scan-layers on`: the params in the scanned layout
 (`v41_jax/model/layer_runs.py`: each run of identical layers stacked and compiled once, as
-`Engine(scan_layers=True)` runs it); `both`: each depth unrolled, then scanned.
+`Engine(scan_layers=True)` runs it); `both`: each depth unrolled, then scanned. `--host-events N`:
+the compile under jax.profiler, the N host trace events (XLA's passes, autotuning, Triton and
+LLVM / ptxas work) with the most time, summed over the compiler's threads.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ if __package__ in (None, ""):  # python scripts/bench_compile.py
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from scripts.bench_common import KERNEL_OPS, applied_computations, cut, hlo_computations, source_owner  # noqa: E402
+from scripts.bench_common import KERNEL_OPS, applied_computations, cut, hlo_computations, host_events, source_owner  # noqa: E402
 from scripts.bench_step import NUMERICS, param_leaf_specs  # noqa: E402
 from v41_jax.cache.buffer import allocate  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
@@ -131,7 +133,8 @@ def kernels_by_source(text: str, top: int = 25) -> dict:
 
 
 def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: str, context: int,
-                  by_source: int = 0, speculative: bool = False, scan: bool = False) -> dict:
+                  by_source: int = 0, speculative: bool = False, scan: bool = False,
+                  events: int = 0) -> dict:
     c = cut(cfg, n)
     # speculative: the step as a DSpark engine compiles it (draft slack of one block, verify + draft)
     settings = EngineSettings(page_tokens=256, num_pages=1 + bucket.requests * -(-context // 256),
@@ -148,8 +151,11 @@ def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: s
     lowered = make_step(c, geom, numerics, speculative=speculative).lower(params, cache, layout.pack(host),
                                                                           layout=layout)
     t1, c1 = time.perf_counter(), time.process_time()
-    compiled = lowered.compile(compiler_options=compile_cache.compiler_options())
+    done = []
+    run = lambda: done.append(lowered.compile(compiler_options=compile_cache.compiler_options()))
+    trace = host_events(run, 1, events) if events else run()
     t2, c2 = time.perf_counter(), time.process_time()
+    compiled = done[0]
     # CPU seconds beside wall seconds: on a shared host the wall clock also counts other jobs
     text = compiled.as_text() or ""
     row = {"layers": n, "scan": scan, "runs": [[r.start, r.stop - 1] for r in layer_runs(c)] if scan else [],
@@ -157,6 +163,8 @@ def compile_depth(cfg: ModelConfig, n: int, bucket: Bucket, numerics, experts: s
            "lower_cpu_s": round(c1 - c0, 2), "compile_cpu_s": round(c2 - c1, 2), **hlo_counts(text)}
     if by_source:
         row["kernels_by_source"] = kernels_by_source(text, by_source)
+    if events:   # the profiler's own cost is in compile_s then (its trace is written after the compile)
+        row["host_events"] = trace
     return row
 
 
@@ -173,6 +181,8 @@ def main(argv=None) -> int:
                     help="the DSpark step (verify spans, then the draft); bucket e.g. 6x1x6 = block + 1 rows")
     ap.add_argument("--by-source", type=int, default=0, metavar="N",
                     help="also list the N source functions with the most kernel launches per call")
+    ap.add_argument("--host-events", type=int, default=0, metavar="N",
+                    help="trace the compile and list its N host events with the most time")
     ap.add_argument("--scan-layers", choices=("off", "on", "both"), default="off",
                     help="compile with the runs of identical layers stacked and scanned (both: each depth twice)")
     args = ap.parse_args(argv)
@@ -186,8 +196,10 @@ def main(argv=None) -> int:
     scans = {"off": (False,), "on": (True,), "both": (False, True)}[args.scan_layers]
     for n, scan in ((int(x), s) for x in args.layers.split(",") for s in scans):
         rows.append(compile_depth(cfg, n, bucket, NUMERICS[args.numerics](), args.experts, args.context,
-                                  args.by_source, args.speculative, scan))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels_by_source"}), flush=True)
+                                  args.by_source, args.speculative, scan, args.host_events))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("kernels_by_source", "host_events")}), flush=True)
+        for ev in rows[-1].get("host_events", []):
+            print(f"  {ev.get('ms_per_call', 0) / 1e3:9.2f} s  x{ev.get('per_call', 0):<6g} {ev.get('name', ev)}", flush=True)
         by = rows[-1].get("kernels_by_source", {})
         for k in by.get("kernels", []):
             print(f"  {k['launches']:6d} launches ({k['instructions']:4d} in the HLO)  {k['source']}", flush=True)
