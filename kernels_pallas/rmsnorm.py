@@ -16,7 +16,7 @@ rows of 32 values (4 accumulators of 8 lanes), so the program holds [rows, 32] p
 first stage goes by runs (`numerics.cascade_step` chunks of 32: 16 up to D = 2^24): a loop whose
 step sums the chunks of one run, or of 8 runs side by side on wide rows, each run in order, then
 folds them into the cascade's levels in run order (`numerics.cascade_fold`, the step the XLA
-path's `cascade_chunks` unrolls; a run is taken out of the side-by-side sums by a masked sum), so
+path's `cascade_rows` unrolls; a run is taken out of the side-by-side sums by a masked sum), so
 the kernel holds one step's loads whatever D (the loads of every chunk, unrolled, kept Triton's
 compile past 470 s at the mHC width). The chunks of a short last run past D, and the runs past the
 last, are masked loads of +0. The last stage (`numerics.combine_lanes`) takes 8-wide windows and

@@ -5,7 +5,7 @@ equality also proves every row was written; its fp64 division and square root ru
 there, which checks the double-rounding argument of `_ieee` on these inputs. Exact equality is the
 tolerance: every side rounds the same fp32 operations in the same order.
 
-The widths reach every part of torch's sum order (`numerics.cascade_chunks` / `combine_lanes`):
+The widths reach every part of torch's sum order (`numerics.cascade_rows` / `combine_lanes`):
 no full 32-wide chunk (1, 7, 20), whole 8-lane vectors past the chunks (8, 56), a scalar tail
 (7, 20, 100, 1000, 9000), exact multiples of 32 (32, 256), an open level-0 run (100, 1000), and
 level-1 groups of 16 runs beside an open run (9000: 281 chunks), a level-2 group moved up into
