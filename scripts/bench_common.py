@@ -15,35 +15,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41_jax.config import ModelConfig, validate
+from v41_jax.linear import lin_f32
 
 
 def copy_bandwidth(mib: int, reps: int = 10) -> dict:
-    """The memory ceiling, two ways over `mib` MiB of fp32, each the median of `reps` calls (each
-    waited for: one call moves GiBs, so the sync latency is noise): a copy (`a * 2`, bytes read +
-    written) and a read (row sums of [n / 4096, 4096], the 1/4096 written left out). A decode step
-    mostly reads; either probe may read the higher (on H100s the copy mostly did), so
-    `ceiling_gbs`, the larger, is the one an ideal time divides by (a step must not outrun its
-    ideal: a copy probe of 2,443 GB/s was outrun by up to 5 %, BENCHMARKS.md k)."""
+    """The memory ceiling, three ways over `mib` MiB, each the median of `reps` calls (each waited
+    for: one call moves GiBs, so the sync latency is noise): a copy of fp32 (`a * 2`, bytes read +
+    written), a read (row sums of fp32 [n / 4096, 4096], the 1/4096 written left out), and a
+    one-row GEMV (`lin_f32`, the LM head's product: x [1, 4096] bf16 against a bf16 weight of
+    `mib` MiB, rows of 4,096), the read a decode step is made of. `ceiling_gbs`, the largest, is
+    the one an ideal time divides by: a step must not outrun its ideal (a copy probe of 2,443 GB/s
+    was outrun by up to 5 %, BENCHMARKS.md k), and the step's own LM head streamed 4.65 TB/s on
+    the H200 whose copy and row-sum probes read 3.58-3.70 (BENCHMARKS.md q)."""
     n = mib * (1 << 20) // 4
     a = jax.random.normal(jax.random.key(0, impl="rbg"), (n,), jnp.float32)
 
-    def median_s(f, x) -> float:
+    def median_s(f, *x) -> float:
         for _ in range(3):
-            jax.block_until_ready(f(x))
+            jax.block_until_ready(f(*x))
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(x))
+            jax.block_until_ready(f(*x))
             ts.append(time.perf_counter() - t0)
         return float(np.median(ts))
 
     t_copy = median_s(jax.jit(lambda x: x * 2.0), a)
     t_read = median_s(jax.jit(lambda x: x.reshape(-1, 4096).sum(axis=1)), a)   # n: MiB of fp32, 4096 | n
     del a
-    copy_gbs, read_gbs = 2 * n * 4 / t_copy / 1e9, n * 4 / t_read / 1e9
+    w = jax.random.normal(jax.random.key(1, impl="rbg"), (2 * n // 4096, 4096), jnp.bfloat16)
+    t_gemv = median_s(jax.jit(lin_f32), jnp.ones((1, 4096), jnp.bfloat16), w)
+    del w
+    copy_gbs, read_gbs, gemv_gbs = 2 * n * 4 / t_copy / 1e9, n * 4 / t_read / 1e9, n * 4 / t_gemv / 1e9
     return {"copy_gbs_read_plus_write": round(copy_gbs, 1), "copy_bytes": 2 * n * 4,
             "copy_ms": round(t_copy * 1e3, 4), "read_gbs": round(read_gbs, 1),
-            "read_ms": round(t_read * 1e3, 4), "ceiling_gbs": round(max(copy_gbs, read_gbs), 1)}
+            "read_ms": round(t_read * 1e3, 4), "gemv_gbs": round(gemv_gbs, 1), "gemv_ms": round(t_gemv * 1e3, 4),
+            "ceiling_gbs": round(max(copy_gbs, read_gbs, gemv_gbs), 1)}
 
 
 def queued_median_s(fn, *args, reps: int = 10, rounds: int = 5) -> float:

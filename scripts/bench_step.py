@@ -48,9 +48,9 @@ Roofline (decode): bytes a step must read (every weight the step touches: the la
 weights, the LM head and the norm, embedding rows; the routed experts of the expected number of
 distinct experts a batch activates, E (1 - (1 - k/E)^b), uniform routing assumed; per request and
 layer the window rows, the selected compressed rows and the index keys its scorer scans) over the
-memory ceiling measured in the same run (`bench_common.copy_bandwidth` over `--copy-mib`: the larger
-of a copy's bytes read + written and a read's, before the cases and again after them, the larger
-of the two) -> ideal ms; reported measured / ideal. The draft stages (`mtp`) are
+memory ceiling measured in the same run (`bench_common.copy_bandwidth` over `--copy-mib`: the largest
+of a copy's bytes read + written, a row-sum read's and a one-row GEMV's, before the cases and again
+after them, the larger of the two) -> ideal ms; reported measured / ideal. The draft stages (`mtp`) are
 generated (the layout is the loader's) but the step does not touch them.
 
 Compare one kernel (`--compare-kernel NAME`, a name of `kernels_pallas.backend.KERNELS`): every
@@ -637,7 +637,7 @@ def main(argv=None) -> int:
     res.data["copy"] = copy_bandwidth(copy_mib)
     ceiling_gbs = res.data["copy"]["ceiling_gbs"]
     clock.log(f"memory probe: copy {res.data['copy']['copy_gbs_read_plus_write']:.1f} GB/s read+write, "
-              f"read {res.data['copy']['read_gbs']:.1f} GB/s over {copy_mib} MiB")
+              f"read {res.data['copy']['read_gbs']:.1f}, GEMV {res.data['copy']['gemv_gbs']:.1f} GB/s over {copy_mib} MiB")
     peak_tflops = None
     probe_n = 8192 if kernel_backend.on_gpu() else 256
     if prefills:     # the prefill's model FLOPs are read against the GEMM ceiling of the same run

@@ -7,7 +7,8 @@ and read back into one verdict table.
 What runs (one process each, in this order, every JSON under --out-dir):
   decode   `bench_step`, batches 1 / 8 / 32 / 64 at 8K and at 32K context (one process a context):
            back to back / ideal <= DECODE_RATIO (the ideal: the step's bytes at the process's
-           memory-probe ceiling; back to back: calls queued without waiting, as the engine runs);
+           memory-probe ceiling, the fastest of a copy, a row-sum read and a one-row GEMV, the
+           read a decode step is made of; back to back: calls queued without waiting, as the engine runs);
            a ratio below 1 (the step outran its ideal: the probe read low, or the step read fewer
            bytes than its count) is no verdict: not met, not failed, said in the case. Reported
            beside it, no target: the same bytes at the device's data-sheet bandwidth
