@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import select
+import selectors
 import socket
 import sys
 import threading
@@ -65,9 +66,12 @@ SOCKET_TIMEOUT_S = 60.0              # a client that stalls a read or a write th
 # closed with unread bytes in its receive queue sends a TCP reset, and a client still writing the
 # body sees "connection reset" instead of the answer. So the server first shuts its sending side
 # (the client reads the answer, then EOF) and discards what still arrives, up to these bounds
-# (Apache's "lingering close"), before closing.
+# (Apache's "lingering close"), before closing. One thread does it for every such connection
+# (`_Lingerer`), so neither a handler thread nor the accept loop (its 429 over the connection
+# limit) waits; past LINGER_CONNS at once a refused connection is closed at once.
 LINGER_S = 2.0
 LINGER_BYTES = 64 << 20
+LINGER_CONNS = 256
 
 
 def _same_json(a, b) -> bool:
@@ -120,6 +124,8 @@ class _Server(ThreadingHTTPServer):
         self._idle = threading.Condition()       # guards the two below
         self._busy = 0                           # requests being answered
         self._conns: set[socket.socket] = set()
+        self._handed: set[socket.socket] = set()     # given to the lingerer: not closed here
+        self.lingerer = _Lingerer()
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
@@ -134,11 +140,28 @@ class _Server(ThreadingHTTPServer):
                                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             except OSError:
                 pass
-            self.shutdown_request(request)
+            self.lingerer.add(request)                  # the request's bytes are unread
             return
         with self._idle:
             self._conns.add(request)
         super().process_request(request, client_address)
+
+    def linger(self, request) -> None:
+        """A handler's connection whose request body was left unread: closed by the lingerer."""
+        with self._idle:
+            self._handed.add(request)
+        self.lingerer.add(request)
+
+    def shutdown_request(self, request):
+        with self._idle:
+            handed = request in self._handed
+            self._handed.discard(request)
+        if not handed:
+            super().shutdown_request(request)
+
+    def server_close(self):
+        super().server_close()
+        self.lingerer.close()
 
     def process_request_thread(self, request, client_address):
         try:
@@ -181,19 +204,95 @@ def _announces_body(headers) -> bool:
     return headers.get("Content-Length", "0").strip() != "0" or "Transfer-Encoding" in headers
 
 
-def _linger(conn: socket.socket) -> None:
-    """Close a connection whose request body was left unread without resetting it (LINGER_S)."""
-    try:
-        conn.shutdown(socket.SHUT_WR)
-        end, left = time.monotonic() + LINGER_S, LINGER_BYTES
-        while left > 0 and (wait := end - time.monotonic()) > 0:
-            conn.settimeout(wait)
-            got = conn.recv(min(left, 1 << 16))
-            if not got:
-                break
-            left -= len(got)
-    except OSError:                                      # a reset, a timeout: the client is gone
-        pass
+class _Lingerer:
+    """Lingering closes on one thread: `add(conn)` shuts conn's sending side (the answer is
+    already written) and hands it over; the thread discards what still arrives until EOF, LINGER_S
+    or LINGER_BYTES, then closes it. `close()` closes every held connection and ends the thread."""
+
+    def __init__(self, limit: int = LINGER_CONNS):
+        self._limit = limit
+        self._lock = threading.Lock()            # guards the three below
+        self._new: list[socket.socket] = []
+        self.held = 0                            # connections handed over and not yet closed
+        self._closing = False
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._run, name="http-linger", daemon=True)
+        self._thread.start()
+
+    def add(self, conn: socket.socket) -> None:
+        try:
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:                              # already reset by the client
+            pass
+        with self._lock:
+            take = not self._closing and self.held < self._limit
+            if take:
+                self.held += 1
+                self._new.append(conn)
+        if not take:
+            conn.close()
+            return
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:                              # closed meanwhile: its thread closed conn
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+        self._wake_w.send(b"\0")
+        self._thread.join(10)
+        self._wake_w.close()
+
+    def _run(self) -> None:
+        left: dict[socket.socket, list] = {}         # conn -> [deadline, bytes it may still send]
+
+        def drop(conn: socket.socket) -> None:
+            self._sel.unregister(conn)
+            conn.close()
+            del left[conn]
+            with self._lock:
+                self.held -= 1
+
+        while True:
+            soonest = min((d for d, _ in left.values()), default=None)
+            ready = self._sel.select(None if soonest is None else max(0.0, soonest - time.monotonic()))
+            for key, _ in ready:
+                conn = key.fileobj
+                if conn is self._wake_r:
+                    while True:
+                        try:
+                            conn.recv(4096)
+                        except BlockingIOError:
+                            break
+                    with self._lock:
+                        new, self._new, closing = self._new, [], self._closing
+                    for c in new:
+                        c.setblocking(False)
+                        self._sel.register(c, selectors.EVENT_READ)
+                        left[c] = [time.monotonic() + LINGER_S, LINGER_BYTES]
+                    if closing:
+                        for c in list(left):
+                            drop(c)
+                        self._sel.close()
+                        self._wake_r.close()
+                        return
+                    continue
+                try:
+                    got = len(conn.recv(1 << 16))
+                except BlockingIOError:
+                    continue
+                except OSError:                      # a reset: the client is gone
+                    got = 0
+                left[conn][1] -= got
+                if not got or left[conn][1] <= 0:
+                    drop(conn)
+            now = time.monotonic()
+            for c in [c for c, (d, _) in left.items() if d <= now]:
+                drop(c)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -210,7 +309,7 @@ class _Handler(BaseHTTPRequestHandler):
         headers = getattr(self, "headers", None)         # None: the request line itself was refused
         if (self.close_connection and headers is not None and _announces_body(headers)
                 and getattr(self, "_read_for", None) is not headers):
-            _linger(self.connection)
+            self.server.linger(self.connection)
 
     def send_error(self, code, message=None, explain=None):
         """The stdlib's own refusals (a malformed request line, headers too long or too many, a
