@@ -762,6 +762,15 @@ GEMV_SWEEP = [("gemv", {}), ("gemv-bn64", dict(block_n=64)), ("gemv-bn16", dict(
               ("gemv-bn64w4", dict(block_n=64, num_warps=4)), ("gemv-bn16w4", dict(block_n=16, num_warps=4))]
 
 
+# launch shapes of the two decode GEMV kernels timed alone (`--sections moe-gemv-parts`, FP8 rows,
+# 1 token): (block_n, block_k, warps, stages); gate/up's K is D = 5,120, down's is F = 2,304 = 9 x
+# 256, which no K step past 256 divides. Longer K steps put more bytes in flight a program (the
+# kernels read 3.0-3.2 TB/s on the H200 where XLA's one-row GEMVs reach 3.3-4.65, BENCHMARKS.md q)
+GEMV_PARTS = {"gate_up": [(32, 256, 8, 3), (32, 512, 8, 3), (16, 1024, 8, 3), (32, 1024, 8, 2), (16, 512, 4, 3),
+                          (64, 512, 8, 2), (16, 256, 4, 3)],
+              "down": [(32, 256, 8, 3), (16, 256, 4, 3), (64, 256, 8, 3), (32, 128, 4, 4), (128, 256, 8, 2)]}
+
+
 def fp4_weight(key, shape) -> Fp4Weight:
     """Random experts held as published: uniform E2M1 codes (rms 2.93) under E8M0 2^-7 (rms ~0.023)."""
     return Fp4Weight(jax.random.bits(key, (*shape[:-1], shape[-1] // 2), jnp.uint8),
@@ -770,7 +779,7 @@ def fp4_weight(key, shape) -> Fp4Weight:
 
 def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool = False,
               helds: tuple[str, ...] = ("bf16", "fp8", "fp4"), decode_sweep: bool = False,
-              gemv_sweep: bool = False):
+              gemv_sweep: bool = False, gemv_parts_sweep: bool = False):
     d, f, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     limit = cfg["swiglu_limit"]
     if b.smoke:
@@ -853,28 +862,52 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
             b.save()
         return times
 
-    def gemv_parts(t):
-        """The two GEMV kernels alone (no routing bookkeeping, no fp8 fake-quant between them)."""
+    def gemv_parts(t, held="bf16", shapes=None):
+        """The two GEMV kernels alone (no routing bookkeeping, no fp8 fake-quant between them),
+        with the default launch, or with each of `shapes` ({"gate_up": [...], "down": [...]} of
+        (block_n, block_k, warps, stages)), each checked against the first shape's output."""
         layers = 8
         ins = inputs(jax.random.key(t + 1), t, layers)
-        launch = dict(numerics=FAST, bn=32, bk=128 if b.smoke else 256, num_warps=8, num_stages=3,
-                      interpret=kmoe._backend.interpret())
         pes = tuple(jnp.sort(idx, axis=-1).reshape(-1) for _, idx, _ in ins)
         pws = tuple(wt.reshape(-1) for _, _, wt in ins)
         xs = tuple(x for x, _, _ in ins)
         a_s = tuple(jnp.ones((t * k, f), jnp.bfloat16) * 0.01 for _ in ins)
-        gu = jax.jit(lambda pes, pws, xs, w1_, w3_: tuple(
-            kmoe.gemv_gate_up(pe, pw, x, w1_, w3_, limit=limit, **launch) for pe, pw, x in zip(pes, pws, xs)))
-        dn = jax.jit(lambda pes, a_s, w2_: tuple(kmoe.gemv_down(pe, a, w2_, **launch) for pe, a in zip(pes, a_s)))
-        meta = dict(kernel="moe-part", tokens=t, experts=e, topk=k)
-        b.case(f"moe/T{t}/gemv_gate_up_only", lambda: gu(pes, pws, xs, w1, w3), (), layers=layers,
-               flops=4.0 * t * k * d * f, bytes_=t * k * 2 * d * f * 2, **meta)
-        b.case(f"moe/T{t}/gemv_down_only", lambda: dn(pes, a_s, w2), (), layers=layers,
-               flops=2.0 * t * k * d * f, bytes_=t * k * d * f * 2, **meta)
+        w1_, w3_, w2_ = weights(held)
+        meta = dict(kernel="moe-part", tokens=t, experts=e, topk=k, experts_held=held)
+        default = (32, 128 if b.smoke else 256, 8, 3)
+        for part, kdim in (("gate_up", d), ("down", f)):
+            first = []
+
+            def check(out, first=first):
+                y = np.asarray(out[0], np.float32)
+                first[:] = first or [y]
+                return {"max_abs_vs_first_launch": float(np.max(np.abs(y - first[0])))}
+
+            for bn, bk, warps, stages in (shapes[part] if shapes else [default]):
+                if kdim % bk or (f if part == "gate_up" else d) % bn:
+                    continue                                  # smoke widths: the launch does not divide them
+                launch = dict(numerics=FAST, bn=bn, bk=bk, num_warps=warps, num_stages=stages,
+                              interpret=kmoe._backend.interpret())
+                name = f"moe/T{t}/gemv_{part}_only" + (f"[{held}-{bn}x{bk}w{warps}s{stages}]" if shapes else "")
+                if part == "gate_up":
+                    fn = jax.jit(lambda pes, pws, xs, a, c, launch=launch: tuple(
+                        kmoe.gemv_gate_up(pe, pw, x, a, c, limit=limit, **launch) for pe, pw, x in zip(pes, pws, xs)))
+                    b.case(name, lambda fn=fn: fn(pes, pws, xs, w1_, w3_), (), layers=layers, check=check,
+                           flops=4.0 * t * k * d * f, bytes_=t * k * 2 * held_bytes(held, (f, d)),
+                           launch=[bn, bk, warps, stages], **meta)
+                else:
+                    fn = jax.jit(lambda pes, a_s, w, launch=launch: tuple(
+                        kmoe.gemv_down(pe, a, w, **launch) for pe, a in zip(pes, a_s)))
+                    b.case(name, lambda fn=fn: fn(pes, a_s, w2_), (), layers=layers, check=check,
+                           flops=2.0 * t * k * d * f, bytes_=t * k * held_bytes(held, (d, f)),
+                           launch=[bn, bk, warps, stages], **meta)
 
     if gemv_sweep:         # decode at 1-2 tokens: one weight stream per (token, expert) pair
         for t in ((1,) if b.smoke else (1, 2)):
             shape_case(t, [(label, dict(impl="gemv", **kw)) for label, kw in GEMV_SWEEP], others=False)
+        return
+    if gemv_parts_sweep:   # each GEMV kernel alone at 1 token over launch shapes, FP8 rows
+        gemv_parts(1, "fp8", GEMV_PARTS)
         return
     if decode_sweep:       # batched decode: the grouped GEMM streams the weights of ~all experts
         grouped = lambda kw: dict(impl="pallas", **kw)
@@ -957,7 +990,8 @@ def main(argv=None):
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True),
              "moe-sweep-decode": functools.partial(bench_moe, decode_sweep=True, helds=("fp8", "bf16")),
-             "moe-sweep-gemv": functools.partial(bench_moe, gemv_sweep=True, helds=("fp8",)), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
+             "moe-sweep-gemv": functools.partial(bench_moe, gemv_sweep=True, helds=("fp8",)),
+             "moe-gemv-parts": functools.partial(bench_moe, gemv_parts_sweep=True), "attn-sweep": functools.partial(bench_attn, sweep_only=True)}
     for name in args.sections.split(","):
         if b.left() < 0:
             print(f"skip {name}: budget", flush=True)
