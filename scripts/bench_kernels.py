@@ -865,7 +865,7 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
     def gemv_parts(t, held="bf16", shapes=None):
         """The two GEMV kernels alone (no routing bookkeeping, no fp8 fake-quant between them),
         with the default launch, or with each of `shapes` ({"gate_up": [...], "down": [...]} of
-        (block_n, block_k, warps, stages)), each checked against the first shape's output."""
+        (block_n, block_k, warps, stages)), each checked against the first one checked (named in the row)."""
         layers = 8
         ins = inputs(jax.random.key(t + 1), t, layers)
         pes = tuple(jnp.sort(idx, axis=-1).reshape(-1) for _, idx, _ in ins)
@@ -878,29 +878,31 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         for part, kdim in (("gate_up", d), ("down", f)):
             first = []
 
-            def check(out, first=first):
+            def check(out, shape, first=first):
                 y = np.asarray(out[0], np.float32)
-                first[:] = first or [y]
-                return {"max_abs_vs_first_launch": float(np.max(np.abs(y - first[0])))}
+                first[:] = first or [shape, y]               # the first launch checked is the reference
+                return {"max_abs_vs_reference_launch": float(np.max(np.abs(y - first[1]))),
+                        "reference_launch": first[0]}
 
             for bn, bk, warps, stages in (shapes[part] if shapes else [default]):
                 if kdim % bk or (f if part == "gate_up" else d) % bn:
                     continue                                  # smoke widths: the launch does not divide them
+                shape = [bn, bk, warps, stages]
                 launch = dict(numerics=FAST, bn=bn, bk=bk, num_warps=warps, num_stages=stages,
                               interpret=kmoe._backend.interpret())
                 name = f"moe/T{t}/gemv_{part}_only" + (f"[{held}-{bn}x{bk}w{warps}s{stages}]" if shapes else "")
                 if part == "gate_up":
                     fn = jax.jit(lambda pes, pws, xs, a, c, launch=launch: tuple(
                         kmoe.gemv_gate_up(pe, pw, x, a, c, limit=limit, **launch) for pe, pw, x in zip(pes, pws, xs)))
-                    b.case(name, lambda fn=fn: fn(pes, pws, xs, w1_, w3_), (), layers=layers, check=check,
-                           flops=4.0 * t * k * d * f, bytes_=t * k * 2 * held_bytes(held, (f, d)),
-                           launch=[bn, bk, warps, stages], **meta)
+                    b.case(name, lambda fn=fn: fn(pes, pws, xs, w1_, w3_), (), layers=layers,
+                           check=functools.partial(check, shape=shape), flops=4.0 * t * k * d * f,
+                           bytes_=t * k * 2 * held_bytes(held, (f, d)), launch=shape, **meta)
                 else:
                     fn = jax.jit(lambda pes, a_s, w, launch=launch: tuple(
                         kmoe.gemv_down(pe, a, w, **launch) for pe, a in zip(pes, a_s)))
-                    b.case(name, lambda fn=fn: fn(pes, a_s, w2_), (), layers=layers, check=check,
-                           flops=2.0 * t * k * d * f, bytes_=t * k * held_bytes(held, (d, f)),
-                           launch=[bn, bk, warps, stages], **meta)
+                    b.case(name, lambda fn=fn: fn(pes, a_s, w2_), (), layers=layers,
+                           check=functools.partial(check, shape=shape), flops=2.0 * t * k * d * f,
+                           bytes_=t * k * held_bytes(held, (d, f)), launch=shape, **meta)
 
     if gemv_sweep:         # decode at 1-2 tokens: one weight stream per (token, expert) pair
         for t in ((1,) if b.smoke else (1, 2)):

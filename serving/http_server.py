@@ -242,6 +242,8 @@ class _Lingerer:
 
     def close(self) -> None:
         with self._lock:
+            if self._closing:
+                return
             self._closing = True
         self._wake_w.send(b"\0")
         self._thread.join(10)
@@ -251,7 +253,10 @@ class _Lingerer:
         left: dict[socket.socket, list] = {}         # conn -> [deadline, bytes it may still send]
 
         def drop(conn: socket.socket) -> None:
-            self._sel.unregister(conn)
+            try:
+                self._sel.unregister(conn)
+            except (KeyError, ValueError):               # never registered: its fd was gone
+                pass
             conn.close()
             del left[conn]
             with self._lock:
@@ -265,15 +270,19 @@ class _Lingerer:
                 if conn is self._wake_r:
                     while True:
                         try:
-                            conn.recv(4096)
+                            if not conn.recv(4096):
+                                break
                         except BlockingIOError:
                             break
                     with self._lock:
                         new, self._new, closing = self._new, [], self._closing
                     for c in new:
-                        c.setblocking(False)
-                        self._sel.register(c, selectors.EVENT_READ)
                         left[c] = [time.monotonic() + LINGER_S, LINGER_BYTES]
+                        try:
+                            c.setblocking(False)
+                            self._sel.register(c, selectors.EVENT_READ)
+                        except (OSError, ValueError):        # closed or reset meanwhile
+                            drop(c)
                     if closing:
                         for c in list(left):
                             drop(c)
