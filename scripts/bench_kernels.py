@@ -875,7 +875,13 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
         w1_, w3_, w2_ = weights(held)
         meta = dict(kernel="moe-part", tokens=t, experts=e, topk=k, experts_held=held)
         default = (32, 128 if b.smoke else 256, 8, 3)
-        for part, kdim in (("gate_up", d), ("down", f)):
+        # part -> (kernel on one layer's inputs, the weights and a launch; the layers' inputs, the
+        # weights (jit arguments, not constants); K, N, FLOPs, weight bytes)
+        parts = {"gate_up": (lambda pe, pw, x, a, c, launch: kmoe.gemv_gate_up(pe, pw, x, a, c, limit=limit, **launch),
+                             (pes, pws, xs), (w1_, w3_), d, f, 4.0 * t * k * d * f, t * k * 2 * held_bytes(held, (f, d))),
+                 "down": (lambda pe, a, w, launch: kmoe.gemv_down(pe, a, w, **launch),
+                          (pes, a_s), (w2_,), f, d, 2.0 * t * k * d * f, t * k * held_bytes(held, (d, f)))}
+        for part, (call, per_layer, shared, kdim, ndim, flops, nbytes) in parts.items():
             first = []
 
             def check(out, shape, first=first):
@@ -885,24 +891,16 @@ def bench_moe(b: Bench, cfg: dict, decode_only: bool = False, sweep_only: bool =
                         "reference_launch": first[0]}
 
             for bn, bk, warps, stages in (shapes[part] if shapes else [default]):
-                if kdim % bk or (f if part == "gate_up" else d) % bn:
+                if kdim % bk or ndim % bn:
                     continue                                  # smoke widths: the launch does not divide them
                 shape = [bn, bk, warps, stages]
                 launch = dict(numerics=FAST, bn=bn, bk=bk, num_warps=warps, num_stages=stages,
                               interpret=kmoe._backend.interpret())
                 name = f"moe/T{t}/gemv_{part}_only" + (f"[{held}-{bn}x{bk}w{warps}s{stages}]" if shapes else "")
-                if part == "gate_up":
-                    fn = jax.jit(lambda pes, pws, xs, a, c, launch=launch: tuple(
-                        kmoe.gemv_gate_up(pe, pw, x, a, c, limit=limit, **launch) for pe, pw, x in zip(pes, pws, xs)))
-                    b.case(name, lambda fn=fn: fn(pes, pws, xs, w1_, w3_), (), layers=layers,
-                           check=functools.partial(check, shape=shape), flops=4.0 * t * k * d * f,
-                           bytes_=t * k * 2 * held_bytes(held, (f, d)), launch=shape, **meta)
-                else:
-                    fn = jax.jit(lambda pes, a_s, w, launch=launch: tuple(
-                        kmoe.gemv_down(pe, a, w, **launch) for pe, a in zip(pes, a_s)))
-                    b.case(name, lambda fn=fn: fn(pes, a_s, w2_), (), layers=layers,
-                           check=functools.partial(check, shape=shape), flops=2.0 * t * k * d * f,
-                           bytes_=t * k * held_bytes(held, (d, f)), launch=shape, **meta)
+                fn = jax.jit(lambda per, ws, call=call, launch=launch: tuple(
+                    call(*(p[i] for p in per), *ws, launch) for i in range(layers)))
+                b.case(name, fn, (per_layer, shared), layers=layers, check=functools.partial(check, shape=shape),
+                       flops=flops, bytes_=nbytes, launch=shape, **meta)
 
     if gemv_sweep:         # decode at 1-2 tokens: one weight stream per (token, expert) pair
         for t in ((1,) if b.smoke else (1, 2)):
