@@ -19,8 +19,9 @@ from v41_jax.linear import lin_f32
 
 
 def copy_bandwidth(mib: int, reps: int = 10) -> dict:
-    """The memory ceiling, three ways over `mib` MiB, each the median of `reps` calls (each waited
-    for: one call moves GiBs, so the sync latency is noise): a copy of fp32 (`a * 2`, bytes read +
+    """The memory ceiling, three ways over `mib` MiB, each timed by `queued_median_s` (`reps` calls
+    queued a round: a call waited for alone paid 0.15-0.2 ms of sync latency on an H100's host,
+    13 % of a 4 GiB GEMV, BENCHMARKS.md r): a copy of fp32 (`a * 2`, bytes read +
     written), a read (row sums of fp32 [n / 4096, 4096], the 1/4096 written left out), and a
     one-row GEMV (`lin_f32`, the LM head's product: x [1, 4096] bf16 against a bf16 weight of
     `mib` MiB, rows of 4,096), the read a decode step is made of. `ceiling_gbs`, the largest, is
@@ -30,21 +31,12 @@ def copy_bandwidth(mib: int, reps: int = 10) -> dict:
     n = mib * (1 << 20) // 4
     a = jax.random.normal(jax.random.key(0, impl="rbg"), (n,), jnp.float32)
 
-    def median_s(f, *x) -> float:
-        for _ in range(3):
-            jax.block_until_ready(f(*x))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*x))
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
-
-    t_copy = median_s(jax.jit(lambda x: x * 2.0), a)
-    t_read = median_s(jax.jit(lambda x: x.reshape(-1, 4096).sum(axis=1)), a)   # n: MiB of fp32, 4096 | n
+    t_copy = queued_median_s(jax.jit(lambda x: x * 2.0), a, reps=reps)
+    # n: MiB of fp32, so 4096 | n
+    t_read = queued_median_s(jax.jit(lambda x: x.reshape(-1, 4096).sum(axis=1)), a, reps=reps)
     del a
     w = jax.random.normal(jax.random.key(1, impl="rbg"), (2 * n // 4096, 4096), jnp.bfloat16)
-    t_gemv = median_s(jax.jit(lin_f32), jnp.ones((1, 4096), jnp.bfloat16), w)
+    t_gemv = queued_median_s(jax.jit(lin_f32), jnp.ones((1, 4096), jnp.bfloat16), w, reps=reps)
     del w
     copy_gbs, read_gbs, gemv_gbs = 2 * n * 4 / t_copy / 1e9, n * 4 / t_read / 1e9, n * 4 / t_gemv / 1e9
     return {"copy_gbs_read_plus_write": round(copy_gbs, 1), "copy_bytes": 2 * n * 4,

@@ -3,7 +3,10 @@ the XLA path against torch's CPU `rsqrt(x.square().mean(-1) + eps)` (the referen
 for bit. On CPU the kernel runs in Pallas interpret mode, where its output starts as NaN, so
 equality also proves every row was written; its fp64 division and square root run on XLA:CPU
 there, which checks the double-rounding argument of `_ieee` on these inputs. Exact equality is the
-tolerance: every side rounds the same fp32 operations in the same order.
+tolerance: every side rounds the same fp32 operations in the same order. On a GPU the XLA path is
+not exact (XLA:GPU's fp32 sqrt is approximate whatever the NVPTX options, `v41_jax.xla_env`; the
+model's exact statistic takes the kernel there): the kernel is held to torch itself, and the XLA
+path's own equality with torch is a CPU test.
 
 The widths reach every part of torch's sum order (`numerics.cascade_rows` / `combine_lanes`):
 no full 32-wide chunk (1, 7, 20), whole 8-lane vectors past the chunks (8, 56), a scalar tail
@@ -28,7 +31,7 @@ from jax.interpreters import mlir
 
 from kernels_common import fresh_rng
 from kernels_pallas import backend
-from kernels_pallas._compat import TRITON_CUSTOM_CALL
+from kernels_pallas._compat import TRITON_CUSTOM_CALL, on_gpu
 from kernels_pallas.rmsnorm import _rms_inv_pallas, rms_inv
 from v41_jax.model import norm
 from v41_jax.model.norm import rms_norm
@@ -54,19 +57,43 @@ def _bits(a) -> np.ndarray:
     return np.asarray(a, np.float32).view(np.uint32)
 
 
+def _torch_statistic(x) -> np.ndarray:
+    """The reference's ops on torch's CPU, one thread (its sum order): squares, mean, + eps, rsqrt."""
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    x = torch.from_numpy(np.asarray(x, np.float32))
+    return torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS).numpy()
+
+
+def _exact_statistic(x) -> np.ndarray:
+    """What the kernel must equal bit for bit: the XLA path on XLA:CPU (itself held to torch by
+    test_xla_path_is_torch_cpu_bit_for_bit), torch's on a GPU, where XLA's sqrt is approximate."""
+    if on_gpu():
+        return _torch_statistic(x)
+    return np.asarray(jax.jit(lambda x: rms_inv(x, EPS, backend="xla"))(x))
+
+
+def _assert_same_bits(got, want, seed) -> None:
+    """Equal bits, NaN rows apart: those only NaN on both sides (a NaN's payload is the backend's)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(_bits(got[~nan]), _bits(want[~nan]), err_msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize("d,t,bt,dtype", [
     (1, 1, 1, jnp.float32), (7, 3, 1, jnp.bfloat16), (8, 33, 4, jnp.float32),
     (20, 33, 4, jnp.bfloat16), (32, 1, 1, jnp.bfloat16), (56, 3, 2, jnp.float32),
     (100, 33, 4, jnp.float32), (256, 3, 1, jnp.bfloat16), (1000, 3, 2, jnp.bfloat16),
     (9000, 3, 2, jnp.float32), (20480, 5, 2, jnp.float32), (131211, 2, 1, jnp.float32),
 ])
-def test_kernel_equals_xla_path_bit_for_bit(d, t, bt, dtype):
+def test_kernel_is_the_exact_statistic_bit_for_bit(d, t, bt, dtype):
     rng, seed = fresh_rng()
     x = _rows(rng, t, d, dtype)
-    want = jax.jit(lambda x: rms_inv(x, EPS, backend="xla"))(x)
+    want = _exact_statistic(x)
     got = jax.jit(lambda x: rms_inv(x, EPS, backend="pallas", block_rows=bt))(x)   # interpret mode on CPU
     assert got.shape == want.shape == (t, 1) and got.dtype == want.dtype == jnp.float32
-    np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"seed {seed}")
+    _assert_same_bits(got, want, seed)
 
 
 def _walk(op):
@@ -110,18 +137,18 @@ def test_kernel_size_does_not_grow_with_the_width(widths):
     assert ops[0]["scf.for"] == 1
 
 
+@pytest.mark.skipif(on_gpu(), reason="XLA:GPU's fp32 sqrt is approximate: the XLA path is exact on XLA:CPU only "
+                                      "(on a GPU the exact statistic is the kernel's, held to torch above)")
 @pytest.mark.parametrize("d", [3, 100, 256, 1000, 5120])
 def test_xla_path_is_torch_cpu_bit_for_bit(d):
     """torch squares into a tensor of its own, sums in its cascade order, divides by D and takes
     1 / sqrt, each rounded to fp32: the XLA path must round the squares alone too (XLA:CPU fused
     them into the sum's adds as FMAs at D = 256 before `numerics.rounded`)."""
-    torch = pytest.importorskip("torch")
-    torch.set_num_threads(1)
     rng, seed = fresh_rng()
     x = np.array(_rows(rng, 16, d, jnp.float32))
-    want = torch.rsqrt(torch.from_numpy(x).square().mean(-1, keepdim=True) + EPS).numpy()
+    want = _torch_statistic(x)
     got = jax.jit(lambda x: rms_inv(x, EPS, backend="xla"))(x)
-    np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"seed {seed}")
+    _assert_same_bits(got, want, seed)
 
 
 def test_rms_norm_takes_the_kernel_under_its_per_kernel_switch():
@@ -129,12 +156,16 @@ def test_rms_norm_takes_the_kernel_under_its_per_kernel_switch():
     x = _rows(rng, 5, 40, jnp.bfloat16).reshape(5, 1, 40)
     w = jnp.asarray(rng.standard_normal(40), jnp.float32)
     norm = lambda: jax.jit(lambda x: rms_norm(x, w, EPS, Numerics.reference()))   # a new trace each call
-    with backend.use_backend("pallas", kernel="rmsnorm"):
-        assert backend.resolve(kernel="rmsnorm") == "pallas" and backend.resolve(kernel="sinkhorn") == "xla"
-        assert "pallas_call" in str(jax.make_jaxpr(norm())(x))
-        got = norm()(x)
-    assert "pallas_call" not in str(jax.make_jaxpr(norm())(x))
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(norm()(x)).view(np.uint16),
+    with backend.use_backend("xla"):   # process-wide (auto is Pallas on a GPU), then one kernel's switch
+        with backend.use_backend("pallas", kernel="rmsnorm"):
+            assert backend.resolve(kernel="rmsnorm") == "pallas" and backend.resolve(kernel="sinkhorn") == "xla"
+            assert "pallas_call" in str(jax.make_jaxpr(norm())(x))
+            got = norm()(x)
+        assert "pallas_call" not in str(jax.make_jaxpr(norm())(x))
+        want = norm()(x)
+    if on_gpu():   # the XLA path's sqrt is approximate there (module docstring): torch's statistic
+        want = (w * (np.asarray(x, np.float32) * _torch_statistic(x))).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16),
                                   err_msg=f"seed {seed}")
 
 
