@@ -551,3 +551,31 @@ def test_next_tokens_follow_rows_after_an_aborted_verify():
     fed = plan.next_tokens(res)
     emitted = {e.rid: e.tokens for e in s.update(res) if isinstance(e, TokenEvent)}
     assert fed["C"] == emitted["C"][-1] == 200 + 1 + blk    # C's row comes after X's 1 + 3
+
+
+def test_abort_between_steps_frees_pages_for_the_waiting_head():
+    """Regression: a pipelined speculative request counts its drafts in flight as emitted, so near
+    its budget it runs with nothing to plan; read the step in flight and nothing is planned or
+    unread. An abort then (a cancel, a deadline, a stop string) used to quarantine its pages until
+    a step that had already been read, and the request waiting for them was never admitted."""
+    blk = 3
+    s = Scheduler(num_pages=3, slots=2, max_requests=2, max_tokens=8, prefill_chunk=8, page_tokens=4,
+                  max_context=64, check=lambda r: None, eos_id=None, spec_block=blk, pipelined=True)
+
+    def result(plan):
+        return StepResult(plan.step_id, np.full(plan.rows, 7, np.int32),
+                          np.asarray([sp.seq.committed for sp in plan.spans]), None,
+                          np.zeros(len(plan.spans), np.int32), np.zeros((len(plan.spans), blk), np.int32))
+
+    s.add(Request([1, 2, 3, 4], max_new_tokens=4, request_id="A"))
+    s.add(Request([5, 6, 7, 8], max_new_tokens=4, request_id="B"))   # waits: A holds the pages
+    first = s.schedule()                                             # A's prefill
+    verify = s.schedule()                                            # planned before the prefill is read
+    s.update(result(first))
+    assert s.schedule() is None                                      # the budget is counted as planned
+    s.update(result(verify))                                         # every draft rejected
+    assert [q.rid for q in s.running] == ["A"] and not s.in_flight and [q.rid for q in s.waiting] == ["B"]
+    assert s.abort("A")
+    plan = s.schedule()
+    assert plan is not None and [sp.rid for sp in plan.spans] == ["B"], (s.pages.available, s.pages.quarantined)
+    s.check_invariants(num_pages=3, slots=2)

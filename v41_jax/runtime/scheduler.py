@@ -251,8 +251,13 @@ class Scheduler:
         seq.done = True
         seq.result.finish_reason, seq.result.error = reason, error
         if seq.slot is not None:
-            # steps up to the newest planned one may still read or write these pages
+            # steps up to the newest planned one may still read or write these pages; with none
+            # planned and unread (an abort between steps: a pipelined speculative request can be
+            # running with nothing to plan), every such step is done, and no later update would
+            # release them: a waiting request that needs them would wait forever
             self.pages.free(seq.pages, last_step=self.last_planned)
+            if not self.in_flight:
+                self.pages.retire(completed_step=self.last_planned)
             self.slots.release(seq.slot)
             seq.slot, seq.pages = None, []
             self.running.remove(seq)
