@@ -9,6 +9,7 @@ request through the call's termination callback.
 from __future__ import annotations
 
 import hmac
+import threading
 import uuid
 from concurrent import futures
 
@@ -30,6 +31,8 @@ FINISH = {"stop": v41_pb2.STOP, "length": v41_pb2.LENGTH, "eos": v41_pb2.EOS, "a
 # proto3 `optional` scalars: passed to request_parse only when the client set them
 _OPTIONAL = ("prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "logprobs",
              "speculative")
+# calls beyond max_streams Generate streams (health probes, Abort, GetModelInfo, reflection)
+CONTROL_RPCS = 8
 # without the health service: a probe carries no key
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
@@ -52,12 +55,23 @@ def request_fields(msg: v41_pb2.GenerateRequest) -> dict:
 class GenerationServicer(v41_pb2_grpc.GenerationServicer):
     def __init__(self, loop: EngineLoop, api: Api, metrics):
         self.loop, self.api, self.metrics = loop, api, metrics
+        # the streams limit counts Generate calls alone: gRPC's own limit (`build`) counts every
+        # call, and at max_streams streams a health probe or an Abort must still get through
+        self._streams = threading.BoundedSemaphore(api.limits.max_streams)
 
     def _refuse(self, context, err: Refused):
         self.metrics.refused.labels(err.kind).inc()
         context.abort(CODES[err.kind], str(err))
 
     def Generate(self, request, context):
+        if not self._streams.acquire(blocking=False):
+            self._refuse(context, Refused("busy", f"too many streams (max_streams {self.api.limits.max_streams})"))
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self._streams.release()
+
+    def _generate(self, request, context):
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             job = self.api.build(request_fields(request), rid)
@@ -131,9 +145,10 @@ class _KeyCheck(grpc.ServerInterceptor):
 def build(loop: EngineLoop, api: Api, metrics, host: str, port: int, api_key: str | None = None):
     """-> (grpc.Server not started, its bound port, the health servicer)."""
     lim = api.limits
+    calls = lim.max_streams + CONTROL_RPCS
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=lim.max_streams, thread_name_prefix="grpc"),
-        maximum_concurrent_rpcs=lim.max_streams,
+        futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix="grpc"),
+        maximum_concurrent_rpcs=calls,
         interceptors=[_KeyCheck(api_key, metrics)] if api_key else [],
         options=[("grpc.max_receive_message_length", lim.max_message_bytes),
                  ("grpc.max_send_message_length", lim.max_message_bytes)])

@@ -10,7 +10,8 @@ client can compare tokens exactly). Extensions to the request: top_k, stop_token
 speculative. A refusal is `{"error": {"message", "type", "param", "code"}}` with param naming the
 field: 400 for a bad field or a request that can never fit, 401 without the key, 413 for a body
 over the limit, 429 when the server is full, 503 while not serving; any other method is 405
-(after the key check, as every path but /health is).
+(after the key check, as every path but /health is). Past the connection limit, a few connections
+more are still answered for /health and /metrics alone (CONTROL_PATHS).
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ SOCKET_TIMEOUT_S = 60.0              # a client that stalls a read or a write th
 LINGER_S = 2.0
 LINGER_BYTES = 64 << 20
 LINGER_CONNS = 256
+# Past the connection limit a few more connections are read, for the paths a monitor needs exactly
+# when the server is full (a liveness probe, a metrics scrape); any other request on them is
+# answered 429, each closed after one answer, and a client that stalls there is dropped sooner.
+CONTROL_PATHS = ("/health", "/metrics")
+CONTROL_CONNS = 8
+CONTROL_TIMEOUT_S = 5.0
 
 
 def _same_json(a, b) -> bool:
@@ -121,17 +128,19 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address, handler, max_connections: int):
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._idle = threading.Condition()       # guards the two below
+        self._control = threading.BoundedSemaphore(CONTROL_CONNS)
+        self._idle = threading.Condition()       # guards the three below
         self._busy = 0                           # requests being answered
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, threading.BoundedSemaphore] = {}   # open ones, by the slot held
         self._handed: set[socket.socket] = set()     # given to the lingerer: not closed here
         self.lingerer = _Lingerer()
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            # over the connection limit: counted (before the client can see the answer), answered
-            # without a thread, closed
+        slot = next((sem for sem in (self._slots, self._control) if sem.acquire(blocking=False)), None)
+        if slot is None:
+            # over the connection limit and the control connections: counted (before the client
+            # can see the answer), answered without a thread, closed
             self.RequestHandlerClass.front.metrics.refused.labels("connections").inc()
             try:
                 body = json.dumps({"error": {"message": "too many connections", "type": "rate_limit_error",
@@ -143,8 +152,13 @@ class _Server(ThreadingHTTPServer):
             self.lingerer.add(request)                  # the request's bytes are unread
             return
         with self._idle:
-            self._conns.add(request)
+            self._conns[request] = slot
         super().process_request(request, client_address)
+
+    def control_only(self, request) -> bool:
+        """A connection past the limit: CONTROL_PATHS answered, anything else refused (429)."""
+        with self._idle:
+            return self._conns.get(request) is self._control
 
     def linger(self, request) -> None:
         """A handler's connection whose request body was left unread: closed by the lingerer."""
@@ -167,9 +181,8 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
             with self._idle:
-                self._conns.discard(request)
+                self._conns.pop(request).release()
 
     def handle_error(self, request, client_address):
         """A client that resets or stalls its connection is routine under load: one debug line, not
@@ -313,6 +326,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):
         log.debug("%s %s", self.address_string(), fmt % args)
 
+    def setup(self):
+        super().setup()
+        self.control_only = self.server.control_only(self.connection)
+        if self.control_only:
+            self.connection.settimeout(CONTROL_TIMEOUT_S)
+
     def finish(self):
         super().finish()
         headers = getattr(self, "headers", None)         # None: the request line itself was refused
@@ -356,6 +375,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, routes, method):
         path = self.path.split("?", 1)[0]
         try:
+            if self.control_only:
+                self.close_connection = True            # one answer a control connection
+                if path not in CONTROL_PATHS:
+                    self.front.metrics.refused.labels("connections").inc()
+                    raise HttpError(429, "too many connections", code="busy")
             if path != "/health" and not self._authorized():
                 self.front.metrics.refused.labels("unauthenticated").inc()
                 self.close_connection = True            # its body (if any) is never read

@@ -27,14 +27,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from scripts.bench_serving import random_requests
-from serving.api import BYTE_LEVEL, Limits, chat_prompt, token_bytes
+from serving import grpc_server, http_server
+from serving.api import BYTE_LEVEL, Job, Limits, TextStream, chat_prompt, token_bytes
 from serving.client import sse_events
 from serving.loop import State
+from serving.metrics import Metrics
 from serving.proto import v41_pb2
 from serving.server import Server
 from tests.engine_common import ROOT, SETTINGS
 from tests.serving_common import (ENGINE_FLAGS, assert_idle_and_empty, engine_for, grpc_generate, http_call,
                                   http_body, http_generate, offline, stub, tok_model, wait_for)
+from v41_jax.runtime.request import Request
 
 LIMITS = Limits(max_prompt_tokens=100, max_new_tokens=64, max_message_bytes=64 << 10)
 LONG = list(range(10, 110))                        # a 100-token prompt: 7 prefill steps of 16 rows
@@ -731,23 +734,34 @@ def test_never_fits_and_api_key(small, monkeypatch):
 
 
 def test_connections_over_the_limit_refused_and_counted(small):
-    """With room for one connection, a second gets 429 at once, and the refusal is counted. One
-    that sends a body far past the socket buffers (32 MiB) still reads its 429, not a reset: the
-    accept loop hands the connection to the lingering close (`http_server._Lingerer`), which
-    holds it only until the client is done."""
+    """With room for one connection, a second is still answered for /health and /metrics (a probe
+    and a scrape when the server is full), any other request on it gets 429, counted, the
+    connection closed after its answer. One that sends a body far past the socket buffers (32 MiB)
+    still reads its 429, not a reset: the refusal is handed to the lingering close
+    (`http_server._Lingerer`), which holds it only until the client is done. Past the control
+    connections too, the accept loop answers 429 itself."""
     server = Server(small, model_name="tiny", limits=replace(LIMITS, max_streams=1), warmup=False).start()
     try:
         assert server.wait_ready(60)
         with socket.create_connection(("127.0.0.1", server.http_port), timeout=60):   # held, idle
             time.sleep(0.2)
-            status, out, _ = http_call(server.http_port, "GET", "/health")
+            status, out, hdrs = http_call(server.http_port, "GET", "/health")
+            assert (status, out, hdrs.get("Connection")) == (200, {"status": "serving"}, "close")
+            status, text, _ = http_call(server.http_port, "GET", "/metrics")
+            assert status == 200 and "v41_requests_refused_total" in text
             conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
             conn.request("POST", "/v1/completions", body=b" " * (32 << 20),
                          headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             assert (resp.status, json.loads(resp.read())["error"]["code"]) == (429, "busy")
             conn.close()
-        assert (status, out["error"]["code"]) == (429, "busy")
+            idle = [socket.create_connection(("127.0.0.1", server.http_port), timeout=60)
+                    for _ in range(http_server.CONTROL_CONNS)]                 # the control connections, held
+            time.sleep(0.2)
+            status, out, _ = http_call(server.http_port, "GET", "/health")
+            assert (status, out["error"]["code"]) == (429, "busy")
+            for c in idle:
+                c.close()
         got = server.metrics.registry.get_sample_value("v41_requests_refused_total", {"kind": "connections"})
         assert got == 2
         lingerer = server.http.server.lingerer
@@ -755,8 +769,75 @@ def test_connections_over_the_limit_refused_and_counted(small):
         while lingerer.held and time.monotonic() < deadline:      # each closed once its client is
             time.sleep(0.05)
         assert lingerer.held == 0
+        status, out, _ = http_call(server.http_port, "GET", "/health", timeout=10)   # every slot back
+        assert status == 200
     finally:
         assert server.shutdown(10)
+
+
+def test_grpc_streams_limit_leaves_room_for_probes_and_abort():
+    """max_streams counts Generate streams alone: with that many open, a health probe and an Abort
+    are answered (gRPC's own limit, which counts every call, sits CONTROL_RPCS above), a further
+    Generate is refused RESOURCE_EXHAUSTED and counted, and an ended stream gives its place back.
+    A fake engine loop holds each stream open until its call ends."""
+    class Held:
+        prompt_len = 1
+
+        def events(self, alive):
+            while alive():
+                time.sleep(0.02)
+            return
+            yield
+
+        def cancel(self, note=""):
+            pass
+
+    class Loop:
+        state = State.SERVING
+
+        def submit(self, req, timeout_s=None):
+            return Held()
+
+        def abort(self, rid, note="", op=None):
+            return False
+
+    class FakeApi:
+        limits = Limits(max_streams=2)
+
+        def build(self, fields, rid, names=None):
+            return Job(Request([1], request_id=rid))
+
+        def text(self, stop=()):
+            return TextStream(None, stop)
+
+    metrics = Metrics()
+    server, port, _ = grpc_server.build(Loop(), FakeApi(), metrics, "127.0.0.1", 0)
+    server.start()
+    st, channel = stub(port)
+    try:
+        calls = [st.Generate(v41_pb2.GenerateRequest(prompt_ids=[1])) for _ in range(2)]
+        time.sleep(0.5)
+        assert all(c.running() for c in calls)
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        st.Abort(v41_pb2.AbortRequest(request_id="none"), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            list(st.Generate(v41_pb2.GenerateRequest(prompt_ids=[1]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams 2" in err.value.details()
+        assert metrics.registry.get_sample_value("v41_requests_refused_total", {"kind": "busy"}) == 1
+        calls[0].cancel()
+        deadline, code = time.monotonic() + 10, None
+        while time.monotonic() < deadline:          # the ended stream's place comes back
+            with pytest.raises(grpc.RpcError) as err:
+                list(st.Generate(v41_pb2.GenerateRequest(prompt_ids=[1]), timeout=0.5))
+            code = err.value.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:   # admitted, held until its deadline
+                break
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        calls[1].cancel()
+    finally:
+        channel.close()
+        server.stop(0)
 
 
 def test_engine_refusing_a_request_ends_it_alone(small, monkeypatch):
