@@ -130,8 +130,7 @@ def main(argv=None) -> int:
                     help="which measurements (comma-separated; the forward and the drafts are slow on CPU)")
     args = ap.parse_args(argv)
 
-    from v41_jax.checkpoint.load import load_params
-    from v41_jax.engram_hash import load_token_map
+    from v41_jax.checkpoint.load import load_params, load_token_map
     from v41_jax.numerics import Numerics
     from v41_jax.runtime.engine import Engine
     from v41_jax.runtime.sampling import SamplingParams
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
     held = windows(np.load(os.path.join(args.data, "heldout.npy")), SEQ + 1)[:args.windows]
     cfg, params = load_params(args.checkpoint, progress=False)
-    token_map = load_token_map(os.path.join(args.checkpoint, "engram_token_map.json"))
+    token_map = load_token_map(args.checkpoint, cfg)
     ref = Numerics.reference()
     fwd = forward_fn(cfg, params, token_map, ref)
     parts = args.parts.split(",")

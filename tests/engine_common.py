@@ -17,8 +17,8 @@ import numpy as np
 
 from scripts.make_checkpoint import make_checkpoint
 from v41_jax.cache.geometry import EngineSettings
-from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
-from v41_jax.engram_hash import EngramHasher, load_token_map
+from v41_jax.checkpoint.load import ENGRAM_KEY, load_params, load_token_map
+from v41_jax.engram_hash import EngramHasher
 from v41_jax.model.engram import sequence_rows
 from v41_jax.model.forward import forward
 from v41_jax.model.numerics import Numerics
@@ -50,7 +50,7 @@ def build_model(out_dir: Path, config: str, seed: int = 0):
     """(cfg, params, token_map) of a seeded checkpoint of v41_jax/configs/<config>.config.json."""
     make_checkpoint(str(ROOT / f"v41_jax/configs/{config}.config.json"), str(out_dir), seed)
     cfg, params = load_params(out_dir, progress=False)
-    return cfg, params, load_token_map(out_dir / "engram_token_map.json")
+    return cfg, params, load_token_map(out_dir, cfg)
 
 
 def make_engine(cfg, params, token_map, settings=SETTINGS, buckets=BUCKETS, numerics=FP32, **kw) -> Engine:

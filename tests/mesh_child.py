@@ -26,7 +26,6 @@ from kernels_pallas.sparse_attn import decode_rows
 from scripts.make_checkpoint import make_checkpoint
 from v41_jax.cache.geometry import KV_PACKED, EngineSettings, row_formats
 from v41_jax.checkpoint import load as load_mod
-from v41_jax.engram_hash import load_token_map
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime.engine import Engine, Stats
 from v41_jax.runtime.metadata import Bucket, BucketSet
@@ -123,7 +122,7 @@ def main(out: Path) -> dict:
     # ---- tiny through generate and teacher-forced runs, a mesh of 8 ------------------------------
     make_checkpoint(str(ROOT / "v41_jax/configs/tiny.config.json"), str(out / "tiny"), 0)
     cfg, params = load_mod.load_params(out / "tiny", progress=False)
-    token_map = load_token_map(out / "tiny/engram_token_map.json")
+    token_map = load_mod.load_token_map(out / "tiny", cfg)
     tf_tokens = rng.integers(3, cfg.vocab_size - 1, 24)
     engine = lambda mesh=None, **kw: tiny_engine(cfg, params, token_map, mesh, buckets=ONE_BUCKET, **kw)
 

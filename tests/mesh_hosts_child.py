@@ -13,8 +13,7 @@ import sys
 import jax
 
 from tests.mesh_child import generate, tiny_engine
-from v41_jax.checkpoint.load import load_params
-from v41_jax.engram_hash import load_token_map
+from v41_jax.checkpoint.load import load_params, load_token_map
 from v41_jax.runtime.mesh import expert_sharding, initialize_distributed, make_mesh
 
 
@@ -23,7 +22,7 @@ def main(process_id: int, port: int, ckpt: str) -> dict:
     mesh = make_mesh()
     cfg, params = load_params(ckpt, progress=False, expert_sharding=expert_sharding(mesh))
     w1 = params["layers"][0]["ffn"]["experts"]["w1"]
-    eng = tiny_engine(cfg, params, load_token_map(f"{ckpt}/engram_token_map.json"), mesh)
+    eng = tiny_engine(cfg, params, load_token_map(ckpt, cfg), mesh)
     return {"process": jax.process_index(), "devices": len(jax.devices()), "local": jax.local_device_count(),
             "local_experts": sum(s.data.shape[0] for s in w1.addressable_shards), "tokens": generate(eng)}
 

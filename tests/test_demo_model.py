@@ -12,8 +12,8 @@ from tokenizers import Tokenizer
 
 from scripts.demo_eval import engine_nll, greedy_tokens, small_engine
 from tests.engine_common import SUITE_CACHE
-from v41_jax.checkpoint.load import load_params
-from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
+from v41_jax.checkpoint.load import load_params, load_token_map
+from v41_jax.engram_hash import token_map_from_tokenizer
 from v41_jax.runtime.engine import Stats
 from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams
@@ -54,7 +54,7 @@ def test_published_layout_and_size(loaded):
     assert tok.get_vocab_size() == cfg.vocab_size
     assert 8192 <= cfg.vocab_size <= 16384
     # the shipped Engram map is the one the project's code builds from the tokenizer
-    np.testing.assert_array_equal(load_token_map(DEMO / "engram_token_map.json"),
+    np.testing.assert_array_equal(load_token_map(DEMO, cfg),
                                   token_map_from_tokenizer(tok, cfg.engram_compressed_vocab_size))
 
 

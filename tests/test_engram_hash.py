@@ -8,10 +8,10 @@ import pathlib
 import numpy as np
 import pytest
 
+from v41_jax.checkpoint.load import load_token_map
 from v41_jax.config import ModelConfig
 from v41_jax.engram_hash import (DEAD, EngramCursor, EngramHasher, engram_multipliers,
-                                 engram_offsets, engram_primes, is_prime, load_token_map,
-                                 token_map_from_tokenizer)
+                                 engram_offsets, engram_primes, is_prime, token_map_from_tokenizer)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
@@ -109,7 +109,7 @@ def test_reference_hash_ids(released_hasher, case):
 def test_official_prefill_and_decode_ids(name):
     folder = FIX / "dsv41_official" / name
     cfg = ModelConfig.from_file(folder / "checkpoint" / "config.json")
-    hasher = EngramHasher(cfg, load_token_map(folder / "checkpoint" / "engram_token_map.json"))
+    hasher = EngramHasher(cfg, load_token_map(folder / "checkpoint", cfg))
     out = np.load(folder / "outputs_lowest_index_ties.npz")
     assert out["engram_layer_ids"].tolist() == list(cfg.engram_layer_ids)
     ids, cursor = hasher.hash_ids(hasher.start(), out["prompt_ids"])

@@ -17,8 +17,8 @@ import pytest
 
 import v41_jax.model.forward as fwd_module
 from scripts.make_checkpoint import make_checkpoint
-from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
-from v41_jax.engram_hash import EngramHasher, load_token_map
+from v41_jax.checkpoint.load import ENGRAM_KEY, load_params, load_token_map
+from v41_jax.engram_hash import EngramHasher
 from v41_jax.model import dspark
 from v41_jax.model.engram import sequence_rows
 from v41_jax.model.numerics import Numerics
@@ -39,7 +39,7 @@ def run(request, tmp_path_factory):
     make_checkpoint(str(CONFIGS / f"{request.param}.config.json"), str(out), seed=3)
     cfg, params = load_params(out, progress=False)
     tokens = _tokens(cfg)
-    hasher = EngramHasher(cfg, load_token_map(out / "engram_token_map.json"))
+    hasher = EngramHasher(cfg, load_token_map(out, cfg))
     _, rows = sequence_rows(params[ENGRAM_KEY], hasher, cfg, tokens)
     seen, real = [], fwd_module.full_attention
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from tests.engine_common import ROOT, forward_logits, make_engine
-from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
+from v41_jax.checkpoint.load import ENGRAM_KEY, load_params, load_token_map
 from v41_jax.config import ModelConfig
-from v41_jax.engram_hash import EngramHasher, load_token_map
+from v41_jax.engram_hash import EngramHasher
 from v41_jax.model.engram import sequence_rows
 from v41_jax.model.forward import forward
 from v41_jax.model.layer_runs import RUNS_KEY, layer_params, layer_runs, stack_runs
@@ -50,7 +50,7 @@ def model(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs_ckpt")
     make_checkpoint(str(path), str(out), 0)
     cfg, params = load_params(out, progress=False)
-    return cfg, params, load_token_map(out / "engram_token_map.json")
+    return cfg, params, load_token_map(out, cfg)
 
 
 def test_runs_and_the_stacked_layout(model):

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from tests.engine_common import FP32, SETTINGS, build_model, make_engine
-from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
-from v41_jax.engram_hash import EngramHasher, load_token_map
+from v41_jax.checkpoint.load import ENGRAM_KEY, load_params, load_token_map
+from v41_jax.engram_hash import EngramHasher
 from v41_jax.model import dspark
 from v41_jax.model.engram import sequence_rows
 from v41_jax.model.forward import forward
@@ -42,7 +42,7 @@ def model(request, tmp_path_factory):
     8, modes' 16), and the speculative paths do not depend on either (~75 s of the suite's CPU)."""
     if request.param == "farm_f03":
         cfg, params = load_params(FARM_F03, progress=False)
-        token_map = load_token_map(FARM_F03 / "engram_token_map.json")
+        token_map = load_token_map(FARM_F03, cfg)
     else:
         cfg, params, token_map = build_model(tmp_path_factory.mktemp(request.param), request.param, seed=0)
     settings = replace(SETTINGS, draft_slack=cfg.dspark_block_size)

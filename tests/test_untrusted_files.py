@@ -243,6 +243,68 @@ def test_fifo_refused_without_reading(ckpt, name):
     assert time.perf_counter() - start < 2 and "not a regular file" in err.rule, err
 
 
+# ---- the small files beside the weights: the Engram token map, the tokenizer -----------------------
+
+def _engine_refused(folder: Path, monkeypatch) -> CheckpointError:
+    """Engine.from_checkpoint's refusal, raised before any weight is read."""
+    from v41_jax.checkpoint import load as load_mod
+    from v41_jax.runtime.engine import Engine
+
+    monkeypatch.setattr(load_mod, "load_params", lambda *a, **k: pytest.fail("weights read before the refusal"))
+    with pytest.raises(CheckpointError) as e:
+        Engine.from_checkpoint(folder, progress=False)
+    return e.value
+
+
+def _token_map_edit(how: str, folder: Path, tmp_path: Path) -> tuple[str, str]:
+    """Break the token map one way -> (the refusal's `what`, a word of its rule)."""
+    path = folder / "engram_token_map.json"
+    ids = json.loads(path.read_text())
+    cfg = ModelConfig.from_file(folder / "config.json")
+    if how == "outside":
+        (tmp_path / "elsewhere.json").write_text(json.dumps(ids))
+        path.unlink()
+        path.symlink_to(tmp_path / "elsewhere.json")
+        return "file", "outside"
+    if how == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+        return "file", "regular"
+    if how == "too big":
+        path.write_text(json.dumps(ids) + " " * (17 * cfg.vocab_size))
+        return "file", "bytes"
+    edits = {"an object": ({"ids": ids}, "token map", "list"), "one short": (ids[:-1], "token map", "vocab_size"),
+             "a float": ([1.5] + ids[1:], "token map[0]", "integer"),
+             "a bool": (ids[:3] + [True] + ids[4:], "token map[3]", "integer"),
+             "out of range": (ids[:-1] + [cfg.engram_compressed_vocab_size], f"token map[{cfg.vocab_size - 1}]",
+                              "engram_compressed_vocab_size")}
+    value, what, word = edits[how]
+    path.write_text(json.dumps(value))
+    return what, word
+
+
+@pytest.mark.parametrize("how", ["outside", "fifo", "too big", "an object", "one short", "a float", "a bool",
+                                 "out of range"])
+def test_token_map_refused_naming_it_before_the_weights(ckpt, tmp_path, monkeypatch, how):
+    """`engram_token_map.json` is read like config.json: a regular file inside the folder, bounded
+    (16 bytes a token), a list of vocab_size ids in [0, engram_compressed_vocab_size); refused in one
+    line naming it, before a weight is read (it was opened through symlinks, blocked on a FIFO, and
+    failed with a bare ValueError after the whole load)."""
+    what, word = _token_map_edit(how, ckpt, tmp_path)
+    start = time.perf_counter()
+    err = _engine_refused(ckpt, monkeypatch)
+    check_refusal(err, [ckpt / "engram_token_map.json"], {what})
+    assert word in err.rule and time.perf_counter() - start < 5, err
+
+
+def test_tokenizer_symlinked_outside_refused(ckpt, tmp_path, monkeypatch):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (ckpt / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
+    err = _engine_refused(ckpt, monkeypatch)
+    check_refusal(err, [ckpt / "tokenizer.json"], {"file"})
+    assert "outside" in err.rule, err
+
+
 @pytest.mark.parametrize("key", ["bad\nkey", "x" * 5000, "tab\tand\x1b[31mcolour"])
 def test_refusal_stays_one_line_whatever_the_key(tmp_path, key):
     """A key or name from the file is printed escaped and cut short: a newline or a terminal escape

@@ -11,8 +11,6 @@ n = 2..max_ngram_size, each already shifted by the offset of its bucket range in
 from __future__ import annotations
 
 import functools
-import json
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,12 +137,6 @@ def token_map_from_tokenizer(tokenizer: "Tokenizer", compressed_vocab_size: int)
         raise ValueError(f"engram_compressed_vocab_size: the tokenizer gives {len(keys)} compressed "
                          f"ids, the config says {compressed_vocab_size}")
     return token_map
-
-
-def load_token_map(path: str | os.PathLike) -> np.ndarray:
-    """A token map saved as a JSON list, one compressed id per token id (`engram_token_map.json`)."""
-    with open(path) as f:
-        return np.asarray(json.load(f), np.int64)
 
 
 @dataclass(frozen=True)

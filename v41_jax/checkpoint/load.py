@@ -55,7 +55,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .. import quant
-from ..config import CONFIG_NAME, ModelConfig, validate
+from ..config import CONFIG_NAME, ModelConfig, read_json, validate
 from .safetensors_io import Checkpoint, CheckpointError, inside
 from .schema import TensorSpec, validate_checkpoint
 
@@ -323,6 +323,33 @@ def verify_engram(tables: EngramTables) -> None:
 def config_path(ckpt_dir: str) -> str:
     """The checkpoint folder's config.json, refused unless a regular file inside the folder."""
     return inside(ckpt_dir, CONFIG_NAME, os.path.join(ckpt_dir, CONFIG_NAME), "file")
+
+
+TOKEN_MAP_NAME = "engram_token_map.json"
+TOKEN_ID_BYTES = 16      # one compressed id as JSON text with its separator, generously
+
+
+def load_token_map(ckpt_dir: str | os.PathLike, cfg: ModelConfig) -> np.ndarray | None:
+    """The folder's Engram token map (`engram_token_map.json`: one compressed id per token id), or
+    None where the folder has none. Refused, naming the file, unless a regular file inside the
+    folder of at most TOKEN_ID_BYTES a token holding a JSON list of vocab_size integers in
+    [0, engram_compressed_vocab_size); cheap next to the weights, so callers read it first."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    where = os.path.join(ckpt_dir, TOKEN_MAP_NAME)
+    if not os.path.lexists(where):
+        return None
+    path = inside(ckpt_dir, TOKEN_MAP_NAME, where, "file")
+    ids = read_json(path, 64 + TOKEN_ID_BYTES * cfg.vocab_size)
+    if not isinstance(ids, list) or len(ids) != cfg.vocab_size:
+        got = f"a list of {len(ids)}" if isinstance(ids, list) else f"a JSON {type(ids).__name__}"
+        raise CheckpointError(path, "token map", f"must be a list of vocab_size = {cfg.vocab_size} "
+                                                 f"compressed ids, got {got}")
+    top = cfg.engram_compressed_vocab_size
+    for i, v in enumerate(ids):
+        if type(v) is not int or not 0 <= v < top:      # bool is not an id
+            raise CheckpointError(path, f"token map[{i}]", f"must be an integer in [0, "
+                                                           f"engram_compressed_vocab_size = {top}), got {v!r:.40}")
+    return np.asarray(ids, np.int64)
 
 
 def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,

@@ -36,7 +36,7 @@ import numpy as np
 
 from kernels_pallas.backend import on_gpu
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats
-from v41_jax.config import ModelConfig
+from v41_jax.config import CheckpointError, ModelConfig, validate
 from v41_jax.model.layer_runs import stack_runs
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime import compile_cache
@@ -203,20 +203,20 @@ class Engine:
         "fp4" = packed FP4 under fake-quant numerics, less memory, slower scoring). kv_format: the
         main and window rows (None / "typed", or "packed": FP4 main and FP8 window rows under
         fake-quant numerics, 0.28 / 0.52 of bf16's bytes, the same values)."""
-        from v41_jax.checkpoint.load import load_params
-        from v41_jax.engram_hash import load_token_map, token_map_from_tokenizer
+        from v41_jax.checkpoint.load import config_path, load_params, load_token_map
+        from v41_jax.engram_hash import token_map_from_tokenizer
 
         compile_cache.enable(compile_cache_dir)
         ckpt = Path(ckpt_dir)
         tok = load_tokenizer(tokenizer, ckpt)
-        cfg, params = load_params(ckpt, progress=progress, experts=experts,
+        # the small files first: a bad token map is refused before minutes of weights are read
+        cfg = ModelConfig.from_file(config_path(str(ckpt)))
+        validate(cfg)
+        token_map = load_token_map(ckpt, cfg)
+        cfg, params = load_params(ckpt, cfg, progress=progress, experts=experts,
                                   expert_sharding=None if mesh is None else expert_sharding(mesh))
-        if (ckpt / "engram_token_map.json").exists():
-            token_map = load_token_map(ckpt / "engram_token_map.json")
-        elif tok is not None and cfg.engram_layer_ids:
+        if token_map is None and tok is not None and cfg.engram_layer_ids:
             token_map = token_map_from_tokenizer(tok, cfg.engram_compressed_vocab_size)
-        else:
-            token_map = None
         num = NUMERICS[numerics]()
         max_context = max_context or cfg.max_seq_len
         if isinstance(buckets, str):
@@ -480,12 +480,25 @@ def resolve_speculative(cfg: ModelConfig, settings: EngineSettings, want: bool |
     return able
 
 
+TOKENIZER_MAX_BYTES = 256 << 20      # a published tokenizer.json is tens of MB at most
+
+
 def load_tokenizer(path: str | None, ckpt_dir: Path | None = None):
-    """A `tokenizers.Tokenizer` from `path`, else from `ckpt_dir/tokenizer.json` if there, else None."""
-    candidate = Path(path) if path else (ckpt_dir / "tokenizer.json" if ckpt_dir else None)
-    if candidate is None or (not path and not candidate.exists()):
+    """A `tokenizers.Tokenizer` from `path`, else from `ckpt_dir/tokenizer.json` if there, else None.
+    The checkpoint's own file must be a regular file inside its folder (`inside`: a downloaded
+    folder's symlink reads nothing else), either one at most TOKENIZER_MAX_BYTES."""
+    from v41_jax.checkpoint.safetensors_io import inside
+
+    if path:
+        candidate = str(path)
+        if not os.path.isfile(candidate):
+            raise FileNotFoundError(f"{candidate}: tokenizer file not found (or not a regular file)")
+    elif ckpt_dir is not None and os.path.lexists(os.path.join(ckpt_dir, "tokenizer.json")):
+        candidate = inside(str(ckpt_dir), "tokenizer.json", os.path.join(ckpt_dir, "tokenizer.json"), "file")
+    else:
         return None
-    if not candidate.is_file():
-        raise FileNotFoundError(f"{candidate}: tokenizer file not found")
+    if os.path.getsize(candidate) > TOKENIZER_MAX_BYTES:
+        raise CheckpointError(candidate, "file", f"{os.path.getsize(candidate)} bytes, more than a tokenizer's "
+                                                 f"{TOKENIZER_MAX_BYTES}")
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(candidate))
+    return Tokenizer.from_file(candidate)

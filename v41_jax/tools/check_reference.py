@@ -81,9 +81,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from v41_jax.checkpoint.load import ENGRAM_KEY, EXPERT_HOLDS, load_params
+from v41_jax.checkpoint.load import ENGRAM_KEY, EXPERT_HOLDS, load_params, load_token_map
 from v41_jax.config import ModelConfig, exit_2_on_refusal
-from v41_jax.engram_hash import EngramHasher, load_token_map
+from v41_jax.engram_hash import EngramHasher
 from v41_jax.model import dspark
 from v41_jax.model.engram import sequence_rows
 from v41_jax.model.forward import forward
@@ -331,7 +331,7 @@ def load_fixture(folder: str, experts: str = "auto") -> Fixture:
     own_args = os.path.join(ckpt, REFERENCE_CONFIG)
     cfg = ModelConfig.from_file(own_args) if os.path.exists(own_args) else None
     cfg, params = load_params(ckpt, cfg, progress=False, experts=experts)
-    hasher = EngramHasher(cfg, load_token_map(os.path.join(folder, "checkpoint", "engram_token_map.json"))) \
+    hasher = EngramHasher(cfg, load_token_map(ckpt, cfg)) \
         if cfg.engram_layer_ids else None
     with np.load(os.path.join(folder, OUTPUTS)) as f:
         z = {k: f[k] for k in f.files}
