@@ -304,11 +304,43 @@ def test_orbax_cache_roundtrip_bit_exact(tiny, tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="must not convert"):                 # nor another expert format
         converted.load_params_cached(out, cache, progress=False, experts="fp4")
     # nor a loader that holds a tensor in another dtype than the one that converted the cache
-    schema = converted.checkpoint_schema
-    monkeypatch.setattr(converted, "checkpoint_schema",
-                        lambda c: {n: (replace(t, held="f32") if n == "head.weight" else t) for n, t in schema(c).items()})
+    checked = converted.validate_checkpoint
+
+    def held_otherwise(ckpt, c):
+        opts, schema = checked(ckpt, c)
+        return opts, {n: (replace(t, held="f32") if n == "head.weight" else t) for n, t in schema.items()}
+    monkeypatch.setattr(converted, "validate_checkpoint", held_otherwise)
     with pytest.raises(AssertionError, match="must not convert"):
         converted.load_params_cached(out, cache, progress=False, experts="fp8")
+
+
+@pytest.mark.parametrize("cut", ["params saved", "params half saved", "stamp not json", "stamp a list"])
+def test_orbax_cache_save_cut_short_converts_again(tiny, tmp_path, monkeypatch, cut):
+    """A save killed midway (or a damaged stamp) leaves no fingerprint that matches: the next start
+    converts again, where it used to restore params that were gone (a bare FileNotFoundError on
+    every start until the cache was deleted by hand) or, cut after the params, another checkpoint's."""
+    out, cfg, _, _ = tiny
+    cache = tmp_path / "cache"
+    converted.load_params_cached(out, cache, progress=False, experts="fp8")
+    if cut.startswith("params"):
+        real = converted.ocp.StandardCheckpointer.save
+
+        def killed(self, path, item, *a, **k):
+            if cut == "params saved":
+                real(self, path, item, *a, **k)
+                self.wait_until_finished()
+            raise KeyboardInterrupt("killed")
+        monkeypatch.setattr(converted.ocp.StandardCheckpointer, "save", killed)
+        with pytest.raises(KeyboardInterrupt):
+            converted.save_converted(cache, {"x": jnp.zeros(3)}, "another checkpoint")
+        monkeypatch.undo()
+    else:
+        (cache / "source.json").write_text("[]" if cut == "stamp a list" else "{")
+    assert converted.cached_fingerprint(cache) is None
+    calls = []
+    monkeypatch.setattr(converted, "load_params", lambda *a, **k: calls.append(1) or load_params(*a, **k))
+    _, again = converted.load_params_cached(out, cache, progress=False, experts="fp8")
+    assert calls == [1] and "layers" in again
 
 
 # ---- malformed checkpoints ---------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tests.untrusted_common import (ROOT, SHARDS, TINY_CONFIG, build_tiny, check
                                     edit_json, element_bytes, files_opened, index_path,
                                     outside, params_equal, poke, split_shard, tensor_info, write_shard)
 from v41_jax.cache import geometry
-from v41_jax.checkpoint import verify
+from v41_jax.checkpoint import converted, verify
 from v41_jax.checkpoint.load import load_params
 from v41_jax.config import (ENGRAM_BUCKETS_BOUND, RELEASED_SIZES, CheckpointError, ConfigError, ModelConfig,
                             size_bound)
@@ -127,6 +127,19 @@ def test_schema_larger_than_the_checkpoint_stops_at_its_tensor_count(ckpt):
     assert time.perf_counter() - start < 2
     check_refusal(err, [index_path(ckpt)])
     assert ".ffn.experts.8." in err.what and "missing from the checkpoint" in err.rule, err
+
+
+def test_cached_load_stops_at_the_tensor_count_too(ckpt, tmp_path):
+    """`load_params_cached` fingerprints the schema before it converts: built the same bounded way
+    (it was built whole first, 1-2 s at this size on the tiny checkpoint, minutes at the config's
+    bounds), and refused the same way."""
+    _config_with(ckpt, lambda r: r["text_config"].update(n_routed_experts=size_bound(384)))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as e:
+        converted.load_params_cached(ckpt, tmp_path / "cache", progress=False)
+    assert time.perf_counter() - start < 0.5, time.perf_counter() - start
+    check_refusal(e.value, [index_path(ckpt)])
+    assert ".ffn.experts.8." in e.value.what and "missing from the checkpoint" in e.value.rule, e.value
 
 
 def test_engram_bucket_count_bounded_before_the_prime_search(tiny):

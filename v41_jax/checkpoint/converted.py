@@ -22,11 +22,11 @@ import shutil
 import jax
 import orbax.checkpoint as ocp
 
-from ..config import ModelConfig
+from ..config import CONFIG_MAX_BYTES, ModelConfig, validate
 from ..quant import Fp4Weight, Fp8RowWeight
 from .load import ENGRAM_KEY, EngramTables, config_path, load_params, resolve_experts
-from .safetensors_io import INDEX_NAME, Checkpoint, inside
-from .schema import checkpoint_schema
+from .safetensors_io import INDEX_NAME, MAX_HEADER_BYTES, Checkpoint, CheckpointError, inside
+from .schema import validate_checkpoint
 
 _SOURCE = "source.json"
 _PARAMS = "params"
@@ -39,13 +39,21 @@ def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> 
     (a cache converted before would restore the old dtypes). Tensor bytes are not read (a shard
     rewritten in place with equal headers is not detected)."""
     ckpt_dir = os.fspath(ckpt_dir)
-    h = hashlib.sha256(repr(cfg).encode() + b"\0experts=" + experts.encode())
-    h.update(repr(sorted((name, spec.held) for name, spec in checkpoint_schema(cfg).items())).encode())
+    validate(cfg)
     ckpt = Checkpoint(ckpt_dir)   # checks that every file it names is inside the folder
-    for fname in ("config.json", INDEX_NAME):
+    # the schema as `load_params` builds it, bounded by the files' tensor count: a hostile size in
+    # the config costs no more than the headers here either
+    _, schema = validate_checkpoint(ckpt, cfg)
+    h = hashlib.sha256(repr(cfg).encode() + b"\0experts=" + experts.encode())
+    h.update(repr(sorted((name, spec.held) for name, spec in schema.items())).encode())
+    for fname, bound in (("config.json", CONFIG_MAX_BYTES), (INDEX_NAME, MAX_HEADER_BYTES)):
         if os.path.lexists(os.path.join(ckpt_dir, fname)):
-            with open(inside(ckpt_dir, fname, ckpt_dir, fname), "rb") as f:
-                h.update(fname.encode() + b"\0" + f.read())
+            path = inside(ckpt_dir, fname, ckpt_dir, fname)
+            with open(path, "rb") as f:
+                data = f.read(bound + 1)
+            if len(data) > bound:
+                raise CheckpointError(path, "file", f"more than {bound} bytes")
+            h.update(fname.encode() + b"\0" + data)
     for shard in sorted(ckpt.files.values(), key=lambda f: f.path):
         h.update(os.path.basename(shard.path).encode() + b"\0" + str(os.path.getsize(shard.path)).encode())
         with open(shard.path, "rb") as f:
@@ -56,15 +64,21 @@ def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> 
 def save_converted(cache_dir: str | os.PathLike, params: dict, source: str) -> None:
     """Save the device params (Engram tables excluded) and the source fingerprint."""
     cache_dir = os.path.abspath(os.fspath(cache_dir))
-    target = os.path.join(cache_dir, _PARAMS)
+    target, stamp = os.path.join(cache_dir, _PARAMS), os.path.join(cache_dir, _SOURCE)
+    os.makedirs(cache_dir, exist_ok=True)
+    # the fingerprint goes first and comes back last, whole (a rename): a save cut short (killed,
+    # out of disk) leaves none, so the next start converts again rather than restoring missing
+    # params, or another checkpoint's under this one's fingerprint
+    if os.path.lexists(stamp):
+        os.remove(stamp)
     if os.path.exists(target):
         shutil.rmtree(target)
-    os.makedirs(cache_dir, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(target, {k: v for k, v in params.items() if k != ENGRAM_KEY})
         ckptr.wait_until_finished()
-    with open(os.path.join(cache_dir, _SOURCE), "w") as f:
+    with open(stamp + ".tmp", "w") as f:
         json.dump({"fingerprint": source}, f)
+    os.replace(stamp + ".tmp", stamp)
 
 
 def restore_converted(cache_dir: str | os.PathLike, expert_sharding=None) -> dict:
@@ -105,11 +119,16 @@ def _rewrap(node):
 
 
 def cached_fingerprint(cache_dir: str | os.PathLike) -> str | None:
+    """The fingerprint the cache's params were saved under, or None (no cache, a save cut short,
+    a file that is not one: each converts again)."""
+    if not os.path.isdir(os.path.join(os.fspath(cache_dir), _PARAMS)):
+        return None
     try:
         with open(os.path.join(os.fspath(cache_dir), _SOURCE)) as f:
-            return json.load(f)["fingerprint"]
-    except (OSError, ValueError, KeyError):
+            got = json.load(f)
+    except (OSError, ValueError):
         return None
+    return got.get("fingerprint") if isinstance(got, dict) and isinstance(got.get("fingerprint"), str) else None
 
 
 def load_params_cached(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike,
