@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from serving.api import Api, Limits
 from serving.loop import EngineLoop, State
 from serving.metrics import Metrics
+from v41_jax.config import exit_2_on_refusal
 
 log = logging.getLogger("v41.serve")
 
@@ -81,6 +83,31 @@ class Server:
         return clean
 
 
+def _port(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not an integer") from None
+        if not -1 <= v <= 65535:
+            raise argparse.ArgumentTypeError(f"{name}: must be a TCP port 0-65535 (0: any free one) or -1 "
+                                             f"(off), got {v}")
+        return v
+    return parse
+
+
+def _seconds(name: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number of seconds") from None
+        if not math.isfinite(v) or v < 0:
+            raise argparse.ArgumentTypeError(f"{name}: must be a finite number of seconds >= 0, got {text!r}")
+        return v
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     from scripts.generate import (EXPERT_CHOICES, INDEX_CHOICES, INDEX_HELP, KV_CHOICES, KV_HELP, NUMERICS_CHOICES,
                                   _positive)
@@ -91,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", required=True, help="published-format checkpoint folder")
     ap.add_argument("--model-name", help="the model's name in the API (default: the folder's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    ap.add_argument("--grpc-port", type=int, default=50051, help="-1: no gRPC server")
-    ap.add_argument("--http-port", type=int, default=8000, help="-1: no HTTP server")
+    ap.add_argument("--grpc-port", type=_port("--grpc-port"), default=50051, help="-1: no gRPC server")
+    ap.add_argument("--http-port", type=_port("--http-port"), default=8000, help="-1: no HTTP server")
     ap.add_argument("--api-key", default=os.environ.get("V41_API_KEY"),
                     help="require 'Authorization: Bearer KEY' (gRPC metadata / HTTP header); default $V41_API_KEY")
     ap.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint folder's, if any)")
@@ -109,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests held at once, queued or running (more: RESOURCE_EXHAUSTED / 429)")
     g.add_argument("--max-streams", type=_positive("--max-streams"), default=256,
                    help="concurrent gRPC calls and, separately, HTTP connections")
-    g.add_argument("--request-timeout", type=float, default=0.0,
+    g.add_argument("--request-timeout", type=_seconds("--request-timeout"), default=0.0,
                    help="abort a request after this many seconds (0: never)")
-    g.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for open requests")
-    g.add_argument("--status-every", type=float, default=10.0, help="seconds between status lines (0: none)")
+    g.add_argument("--drain-timeout", type=_seconds("--drain-timeout"), default=30.0, help="on SIGTERM, wait this long for open requests")
+    g.add_argument("--status-every", type=_seconds("--status-every"), default=10.0, help="seconds between status lines (0: none)")
     e = ap.add_argument_group("engine (as v41-generate)")
     e.add_argument("--max-batch", type=_positive("--max-batch"), help="requests per step")
     e.add_argument("--chunk", type=_positive("--chunk"), help="prefill rows per step")
@@ -151,6 +178,7 @@ def load_engine(args):
     return Engine.from_checkpoint(args.checkpoint, compile_cache_dir=args.compile_cache, **kw)
 
 
+@exit_2_on_refusal
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # force: importing orbax (via the engine) already gave the root logger absl's default handler

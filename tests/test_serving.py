@@ -1057,6 +1057,34 @@ def test_v41_client_streams_text(served, capsys):
     assert "INVALID_ARGUMENT: temperature:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,named", [
+    (["--http-port", "70000"], "--http-port: must be a TCP port"), (["--grpc-port", "-2"], "--grpc-port: must be"),
+    (["--request-timeout", "nan"], "--request-timeout: must be a finite"),
+    (["--request-timeout", "-1"], "--request-timeout: must be a finite"),
+    (["--drain-timeout", "inf"], "--drain-timeout: must be a finite"), (["--status-every", "x"], "--status-every: 'x'"),
+])
+def test_serve_cli_refuses_bad_ports_and_times_before_loading(argv, named, capsys, monkeypatch, tmp_path):
+    """A port out of range (refused after the whole load before), a NaN timeout (deadlines silently
+    off), a negative one (every request aborted) or an infinite drain (an OverflowError on
+    SIGTERM): argparse's one-line usage error, exit 2, nothing loaded."""
+    from serving import server as server_module
+
+    monkeypatch.setattr(server_module, "load_engine", lambda args: pytest.fail("loaded the engine"))
+    with pytest.raises(SystemExit) as e:
+        server_module.main(["--checkpoint", str(tmp_path), *argv])
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_serve_cli_bad_checkpoint_is_one_line_exit_2(tmp_path, capsys):
+    """A checkpoint the loader refuses prints its one line and exits 2, no traceback."""
+    from serving import server as server_module
+
+    (tmp_path / "config.json").write_text("{")
+    assert server_module.main(["--checkpoint", str(tmp_path), "--no-warmup"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {tmp_path / 'config.json'}: ") and "Traceback" not in "".join(err), err
+
+
 def test_serve_cli_refuses_bad_step_shapes_before_loading(model, capsys, monkeypatch):
     """v41-serve names a bad --decode-sizes / --buckets in one line and exits 2 before loading."""
     from serving import server as server_module
