@@ -139,6 +139,13 @@ def test_width_rule_applies_only_to_the_quantized_format(tiny):
     assert tiny.replace(quantized=False, moe_inter_dim=48).moe_inter_dim == 48
 
 
+def test_engram_width_rule_applies_to_every_format(tiny):
+    """The Engram table is FP8 with an E8M0 scale a 32 lanes in an unquantized checkpoint too: a
+    width of 48 asked for a scale of 1.5 columns there (make_checkpoint failed with a bare error)."""
+    with pytest.raises(ValueError, match="^engram_head_dim: width 48 must be a multiple of 32"):
+        tiny.replace(quantized=False, engram_head_dim=48)
+
+
 def test_no_draft_stages_need_no_dspark_fields(tiny):
     cfg = tiny.replace(n_mtp_layers=0, compress_ratios=tiny.compress_ratios[:7],
                        dspark_block_size=0, dspark_target_layer_ids=())

@@ -199,6 +199,9 @@ CONFIG_CASES = [
     ("norm_eps_nan", _set("rms_norm_eps", math.nan), "rms_norm_eps"),
     ("norm_eps_object", _set("rms_norm_eps", {}), "rms_norm_eps"),
     ("norm_eps_negative", _set("rms_norm_eps", -1e-6), "rms_norm_eps"),
+    ("norm_eps_zero_in_fp32", _set("rms_norm_eps", 1e-300), "rms_norm_eps"),        # eps + 0 = 0: NaN rows
+    ("gate_temp_subnormal", _set("gate_temp", 1e-320), "gate_temp"),               # logits / 0 in fp32
+    ("route_scale_inf_in_fp32", _set("routed_scaling_factor", 1e300), "routed_scaling_factor"),
     ("sinkhorn_iters_1e12", _set("hc_sinkhorn_iters", 10**12), "hc_sinkhorn_iters"),
     ("rope_theta_past_float", _set("rope_theta", 10**400), "rope_theta"),
     ("layers_bool", _set("num_hidden_layers", True), "num_hidden_layers"),
@@ -354,8 +357,9 @@ def test_config_with_utf8_bom_loads_equal(ckpt, tiny):
     (lambda i: i["metadata"].update(total_size="3"), "metadata.total_size"),
     (lambda i: i["metadata"].update(total_size=True), "metadata.total_size"),
     (lambda i: i.update(shards=3), "shards"),
+    (lambda i: i["weight_map"].update({"norm.weight": "\ud800.safetensors"}), "norm.weight"),
 ], ids=["weight_map_list", "weight_map_string", "shard_int", "shard_null", "metadata_list",
-        "total_size_string", "total_size_bool", "unknown_key"])
+        "total_size_string", "total_size_bool", "unknown_key", "shard_name_lone_surrogate"])
 def test_index_types_refused(ckpt, edit, what):
     edit_json(index_path(ckpt), edit)
     check_refusal(refused(ckpt), [index_path(ckpt)], {what})
@@ -370,6 +374,21 @@ def test_index_utf16_refused(ckpt):
 
 
 # ---- duplicates --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [[10**400] * 11, [1] * 65, [0, 10**30]], ids=["product_of_4400_digits", "65_axes",
+                                                                               "empty_but_huge"])
+def test_shape_past_numpys_bounds_refused(ckpt, shape):
+    """A shape numpy cannot hold: its byte count printed past Python's 4,300 digits (a bare
+    ValueError while the message was built), or an array numpy refuses later (`get`)."""
+    header, data = split_shard(ckpt / SHARDS[1])
+    raw = json.loads(header)
+    first = next(k for k in raw if k != "__metadata__")
+    raw[first]["shape"] = shape
+    write_shard(ckpt / SHARDS[1], json.dumps(raw).encode(), data)
+    err = refused(ckpt)
+    check_refusal(err, [ckpt / SHARDS[1]], {first})
+    assert "at most 64 axes, each below 2**63" in err.rule, err
+
 
 def test_duplicate_key_in_a_shard_header_refused(ckpt):
     """The last of two equal keys won silently: the first entry's bytes went unaccounted for."""

@@ -435,6 +435,7 @@ def size_bound(released: int) -> int:
 ENGRAM_BUCKETS_BOUND = size_bound(2 * 3 * 8)
 
 # Float fields: finite, and inside the range their formula needs: (low, high, low included).
+FP32_TINY, FP32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127   # fp32's smallest normal, largest finite
 _FLOAT_RANGES = {
     "norm_eps": (0.0, 1.0, False),            # added to a mean square before rsqrt
     "hc_eps": (0.0, 1.0, False),              # Sinkhorn's floor
@@ -503,6 +504,10 @@ def _check_float(field_name: str, v: Any) -> None:
     low, high, closed = _FLOAT_RANGES[field_name]
     if not (low <= v if closed else low < v) or not v < high:
         _fail(field_name, f"must be in {'[' if closed else '('}{low}, {high}), got {v}")
+    # the model computes with these in fp32: a value fp32 rounds to 0 or inf (an eps of 1e-300,
+    # a router temperature of 1e-320) would pass the range above and give NaN logits
+    if v and not FP32_TINY <= abs(v) <= FP32_MAX:
+        _fail(field_name, f"must be 0 or a normal fp32 magnitude ({FP32_TINY:.4g} to {FP32_MAX:.4g}), got {v}")
 
 
 def _fail(field_name: str, rule: str) -> NoReturn:
@@ -699,14 +704,13 @@ def _check_dspark(cfg: ModelConfig) -> None:
 
 def _check_quantized_widths(cfg: ModelConfig) -> None:
     """Every quantized GEMM's input width takes whole A8 groups of 32, and the FP4/Engram rows whole
-    E8M0 groups of 32; head_dim also covers the FP4 x 16 compressed-KV groups."""
-    if not cfg.quantized:
-        return
-    widths = {"dim": cfg.dim, "q_lora_rank": cfg.q_lora_rank, "head_dim": cfg.head_dim,
-              "index_head_dim": cfg.index_head_dim, "moe_inter_dim": cfg.moe_inter_dim,
-              "o_lora_rank": cfg.o_groups * cfg.o_lora_rank}  # wo_b's input: o_groups * o_lora_rank
-    if cfg.engram_layer_ids:
-        widths["engram_head_dim"] = cfg.engram_head_dim
+    E8M0 groups of 32; head_dim also covers the FP4 x 16 compressed-KV groups. The Engram table is
+    FP8 with an E8M0 scale a 32 lanes in every checkpoint, quantized or not (`schema`)."""
+    widths = {"engram_head_dim": cfg.engram_head_dim} if cfg.engram_layer_ids else {}
+    if cfg.quantized:
+        widths.update({"dim": cfg.dim, "q_lora_rank": cfg.q_lora_rank, "head_dim": cfg.head_dim,
+                       "index_head_dim": cfg.index_head_dim, "moe_inter_dim": cfg.moe_inter_dim,
+                       "o_lora_rank": cfg.o_groups * cfg.o_lora_rank})  # wo_b's input: o_groups * o_lora_rank
     for name, width in widths.items():
         if width % 32:
             _fail(name, f"width {width} must be a multiple of 32 for the published quantization")

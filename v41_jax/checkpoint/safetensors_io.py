@@ -48,6 +48,7 @@ _ALIGN = 8  # the header is space-padded so that the data starts 8-byte aligned
 # The safetensors library refuses a header over 100 MB (its MAX_HEADER_SIZE); so does this reader,
 # before reading it. The index lists no more than the headers hold: the same bound serves it.
 MAX_HEADER_BYTES = 100_000_000
+MAX_DIMS = 64            # numpy's most axes
 
 
 def inside(folder: str, name: Any, source: str, what: str) -> str:
@@ -57,6 +58,10 @@ def inside(folder: str, name: Any, source: str, what: str) -> str:
     in a downloaded index could otherwise read any file of the machine."""
     if not isinstance(name, str) or not name or "\0" in name:
         raise CheckpointError(source, what, f"file name must be a non-empty string, got {name!r:.80}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:   # a lone surrogate, written as a JSON escape: no file has that name
+        raise CheckpointError(source, what, f"file name {name!r:.80} is not valid Unicode (a lone surrogate)") from None
     if os.path.isabs(name):
         raise CheckpointError(source, what, f"file {name!r} is an absolute path; it must be inside "
                                             f"the checkpoint folder")
@@ -130,6 +135,10 @@ class SafetensorsFile:
             raise refuse(f"unknown dtype {dtype!r:.80} (known: {sorted(DTYPES)})")
         if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
             raise refuse(f"bad shape {shape!r:.200}")
+        # numpy's bounds (an array of up to 64 axes, each an int64): within them the byte count
+        # below has at most ~1,200 digits, so the message can print it
+        if len(shape) > MAX_DIMS or any(d >= 2**63 for d in shape):
+            raise refuse(f"shape of {len(shape)} axes {str(shape)[:200]}: at most {MAX_DIMS} axes, each below 2**63")
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
                 and 0 <= offs[0] <= offs[1]):
             raise refuse(f"bad data_offsets {offs!r:.200}")
