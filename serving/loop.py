@@ -296,8 +296,8 @@ class EngineLoop:
                 return
 
     def _add(self, op: _Open) -> None:
-        if op.rid not in self._open:                    # failed while it sat in the inbox
-            return
+        if self._open.get(op.rid) is not op:            # ended while it sat in the inbox (and its id may be
+            return                                      # open again, for a resubmission: not this request)
         if self._state == State.FAILED:
             self._finish_unadmitted(op, "error", "the engine is not serving (it failed repeatedly)")
             return

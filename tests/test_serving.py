@@ -625,6 +625,30 @@ def test_a_late_cancel_never_hits_a_reused_id(served):
     assert_idle_and_empty(served.server)
 
 
+def test_an_add_outlived_by_its_request_never_runs_under_a_reused_id():
+    """Regression: a request that ends while its add still sits in the loop's inbox (a deadline
+    spent at submit) and whose client resubmits the same id: the stale add must not run, or the
+    old request would be decoded and its tokens delivered to the new one's stream. No thread: the
+    loop's own steps, in the order its iteration takes them."""
+    from serving.loop import EngineLoop
+
+    class Engine:
+        added: list = []
+
+        def add(self, req):
+            self.added.append(req)
+
+    loop = EngineLoop(Engine(), warmup=False)
+    old = loop.submit(Request([1, 2, 3], 4, request_id="x"), timeout_s=1e-9)
+    time.sleep(0.01)
+    loop._expire()                                   # ends it unadmitted; its add is still queued
+    assert list(old.events())[-1].result.finish_reason == "abort"
+    new = Request([4, 5], 4, request_id="x")
+    loop.submit(new)
+    loop._take_inbox(block=False)
+    assert Engine.added == [new]
+
+
 def test_deadline_frees_the_request(served):
     aborts0 = _count(served, "abort")
     with pytest.raises(grpc.RpcError) as err:
