@@ -63,7 +63,7 @@ class Api:
         self.max_context = engine.geom.max_context
         self.limits = limits.resolved(self.max_context)
         self.model_name = model_name
-        self._fits = engine.check_request
+        self._fits, self.new_tokens_room = engine.check_request, engine.new_tokens_room
         # a request without a seed samples with a fresh one (the offline CLI's default is 0: reproducible)
         self._defaults = RequestDefaults(max_new_tokens=self.limits.default_max_new_tokens, seed=None)
 
@@ -92,7 +92,12 @@ class Api:
         req = dataclasses.replace(req, request_id=rid)
         why = self._fits(req)
         if why is not None:
-            raise Refused("exhausted", f"this request can never run here: {why}")
+            # a request the cache can never hold names what to lower: max_new_tokens where the
+            # prompt leaves room for one token or more, else the prompt
+            room = self.new_tokens_room(len(req.prompt))
+            field = None if req.max_new_tokens <= room else (
+                "max_new_tokens" if room >= 1 else "prompt_ids" if "prompt_ids" in fields else "prompt")
+            raise Refused("exhausted", f"this request can never run here: {why}", field and name(field))
         return Job(req, stop)
 
     def _stop(self, value, field: str) -> tuple[str, ...]:

@@ -24,7 +24,9 @@ from serving.proto import v41_pb2, v41_pb2_grpc
 from v41_jax.runtime.scheduler import FinishEvent
 
 SERVICE = v41_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+# a request that can never fit is the caller's to change (INVALID_ARGUMENT, whatever the load), where
+# RESOURCE_EXHAUSTED says "retry later" to a client's retry policy
+CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "exhausted": grpc.StatusCode.INVALID_ARGUMENT,
          "busy": grpc.StatusCode.RESOURCE_EXHAUSTED, "unavailable": grpc.StatusCode.UNAVAILABLE}
 FINISH = {"stop": v41_pb2.STOP, "length": v41_pb2.LENGTH, "eos": v41_pb2.EOS, "abort": v41_pb2.ABORT,
           "error": v41_pb2.ERROR}

@@ -777,10 +777,18 @@ def test_never_fits_and_api_key(small, monkeypatch):
         never = {"prompt_ids": list(range(3, 63)), "max_new_tokens": 40}
         with pytest.raises(grpc.RpcError) as err:
             grpc_generate(st, never, metadata=key)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "needs 13 pages, the pool has 11" in err.value.details()
+        # the caller's to change, not to retry: INVALID_ARGUMENT, naming the field to lower and by how much
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("max_new_tokens: this request can never run here: the prompt's 60 "
+                                              "tokens and up to 40 new ones need 13 pages of 8 tokens, the pool has "
+                                              "11 (88 tokens): at most 28 new tokens fit"), err.value.details()
         status, out, _ = http_call(server.http_port, "POST", "/v1/completions", http_body(never), auth)
-        assert status == 400 and out["error"]["code"] == "exhausted" and "13 pages" in out["error"]["message"]
+        assert (status, out["error"]["code"], out["error"]["param"]) == (400, "exhausted", "max_tokens"), out
+        assert "at most 28 new tokens fit" in out["error"]["message"]
+        too_long = {"prompt_ids": list(range(3, 95)), "max_new_tokens": 1}       # 92 tokens: the prompt alone
+        status, out, _ = http_call(server.http_port, "POST", "/v1/completions", http_body(too_long), auth)
+        assert (status, out["error"]["param"]) == (400, "prompt"), out
+        assert "the prompt alone does not fit" in out["error"]["message"]
         assert "add" not in calls                                 # refused before the engine loop
         channel.close()
     finally:

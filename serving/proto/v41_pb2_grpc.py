@@ -56,9 +56,10 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """One request; its chunks stream back as the engine produces them, then one Final.
-        A refused request ends the call with a status (INVALID_ARGUMENT naming the field,
-        RESOURCE_EXHAUSTED when it can never fit or the queue is full, UNAVAILABLE while warming up
-        or shutting down) before any message. Cancelling the call aborts the request.
+        A refused request ends the call with a status (INVALID_ARGUMENT naming the field, also when
+        it can never fit the cache; RESOURCE_EXHAUSTED when the server is full: retry later;
+        UNAVAILABLE while warming up or shutting down) before any message. Cancelling the call aborts
+        the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

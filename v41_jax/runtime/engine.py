@@ -316,11 +316,23 @@ class Engine:
             return "max_new_tokens must be >= 1"
         if req.speculative and not self.speculative:
             return "speculative decoding is off in this engine (no draft stages, or turned off)"
-        need = self.scheduler.pages_needed(req)
-        pool = self.geom.settings.num_pages // self.runner.ranks - 1     # one rank's pages, its null page out
+        need, pool, page = self.scheduler.pages_needed(req), self.request_pages(), self.geom.settings.page_tokens
         if need > pool:
-            return f"needs {need} pages, the pool has {pool}"
+            room = self.new_tokens_room(len(prompt))
+            fix = (f"at most {room} new tokens fit after this prompt" if room >= 1 else
+                   "the prompt alone does not fit")
+            return (f"the prompt's {len(prompt)} tokens and up to {self.scheduler.budget(req)} new ones need "
+                    f"{need} pages of {page} tokens, the pool has {pool} ({pool * page} tokens): {fix}")
         return None
+
+    def request_pages(self) -> int:
+        """The most cache pages one request can hold: one rank's pool, its null page out."""
+        return self.geom.settings.num_pages // self.runner.ranks - 1
+
+    def new_tokens_room(self, prompt_len: int) -> int:
+        """The largest max_new_tokens a prompt of prompt_len tokens can ever run with (< 1: none):
+        its tokens and the new ones within one request's pages and below max_context."""
+        return min(self.request_pages() * self.geom.settings.page_tokens, self.geom.max_context) - prompt_len
 
     def add(self, req: Request) -> Any:
         """Queue a request -> its id (a bad one ends at once with finish_reason "error")."""
