@@ -22,6 +22,7 @@ from tests.untrusted_common import (ROOT, SHARDS, TINY_CONFIG, build_tiny, check
                                     outside, params_equal, poke, split_shard, tensor_info, write_shard)
 from v41_jax.cache import geometry
 from v41_jax.checkpoint import converted, verify
+from v41_jax.checkpoint.safetensors_io import Checkpoint
 from v41_jax.checkpoint.load import load_params
 from v41_jax.config import (ENGRAM_BUCKETS_BOUND, RELEASED_SIZES, CheckpointError, ConfigError, ModelConfig,
                             size_bound)
@@ -319,6 +320,35 @@ def test_tokenizer_symlinked_outside_refused(ckpt, tmp_path, monkeypatch):
     err = _engine_refused(ckpt, monkeypatch)
     check_refusal(err, [ckpt / "tokenizer.json"], {"file"})
     assert "outside" in err.rule, err
+
+
+# ---- a shard changed after it was checked -----------------------------------------------------------
+
+def test_shard_swapped_for_a_symlink_after_the_check_is_not_followed(ckpt, tmp_path):
+    """The shard is read through the file opened and checked: a symlink put in its place later (to
+    a file outside the folder, of the same size) is never read; the data were read from it before."""
+    ck = Checkpoint(ckpt)
+    name = next(n for n, t in ck.tensors.items() if t.path.endswith(SHARDS[1]) and t.end > t.begin)
+    path = ckpt / SHARDS[1]
+    original = path.read_bytes()
+    (tmp_path / "elsewhere.bin").write_bytes(bytes(len(original)))
+    path.rename(tmp_path / "moved.safetensors")
+    path.symlink_to(tmp_path / "elsewhere.bin")
+    got = np.array(ck.get(name)).view(np.uint8).reshape(-1)
+    info = ck.info(name)
+    assert got.tobytes() == original[info.begin:info.end] and got.any(), name
+
+
+def test_shard_truncated_after_the_check_refused_naming_it(ckpt):
+    """A shard cut short after its layout was checked would fault the process when its map is read
+    (SIGBUS): its size is checked again when it is first mapped."""
+    ck = Checkpoint(ckpt)
+    name = next(n for n, t in ck.tensors.items() if t.path.endswith(SHARDS[1]))
+    os.truncate(ckpt / SHARDS[1], 100)
+    with pytest.raises(CheckpointError) as e:
+        ck.get(name)
+    check_refusal(e.value, [ckpt / SHARDS[1]], {name})
+    assert "no longer the" in e.value.rule, e.value
 
 
 @pytest.mark.parametrize("key", ["bad\nkey", "x" * 5000, "tab\tand\x1b[31mcolour"])

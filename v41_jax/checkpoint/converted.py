@@ -55,9 +55,8 @@ def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> 
                 raise CheckpointError(path, "file", f"more than {bound} bytes")
             h.update(fname.encode() + b"\0" + data)
     for shard in sorted(ckpt.files.values(), key=lambda f: f.path):
-        h.update(os.path.basename(shard.path).encode() + b"\0" + str(os.path.getsize(shard.path)).encode())
-        with open(shard.path, "rb") as f:
-            h.update(f.read(shard.data_start))
+        h.update(os.path.basename(shard.path).encode() + b"\0" + str(shard.size).encode())
+        h.update(shard.header_bytes())      # from the file opened and checked, not the path again
     return h.hexdigest()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -100,20 +101,30 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self._mm: np.memmap | None = None
-        size = os.path.getsize(self.path)
-        with open(self.path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(self.path, "header length", f"file of {size} bytes has no "
-                                                                  "8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES:
-                raise CheckpointError(self.path, "header length", f"{n} bytes, over the "
-                                                                  f"{MAX_HEADER_BYTES} safetensors allows")
-            if 8 + n > size:
-                raise CheckpointError(self.path, "header length", f"{n} runs past the end of the "
-                                                                  f"file ({size} bytes)")
-            raw = f.read(n)
+        # opened once, and every later read (the header, the data's map, a fingerprint) goes
+        # through this open file: the path checked by `inside` may be replaced or truncated later
+        # (a sync still writing, a folder someone else controls), and reopening it then read
+        # whatever was there (a symlink's target outside the folder). Non-blocking, so a FIFO put
+        # there after the check does not hang the open; it is refused as not a regular file.
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise CheckpointError(self.path, "file", "is not a regular file")
+        self._file = f = os.fdopen(fd, "rb")
+        self.size = size = st.st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(self.path, "header length", f"file of {size} bytes has no "
+                                                              "8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(self.path, "header length", f"{n} bytes, over the "
+                                                              f"{MAX_HEADER_BYTES} safetensors allows")
+        if 8 + n > size:
+            raise CheckpointError(self.path, "header length", f"{n} runs past the end of the "
+                                                              f"file ({size} bytes)")
+        raw = f.read(n)
         header = parse_json(raw, self.path, "header")
         if not isinstance(header, dict):
             raise CheckpointError(self.path, "header", "not a JSON object")
@@ -168,13 +179,21 @@ class SafetensorsFile:
             raise CheckpointError(self.path, "data", f"{data_bytes - (pos - self.data_start)} "
                                                      "trailing bytes after the last tensor")
 
+    def header_bytes(self) -> bytes:
+        """The header as checked at open (its length prefix included), read from the open file."""
+        return os.pread(self._file.fileno(), self.data_start, 0)
+
     def get(self, name: str) -> np.ndarray:
         """Zero-copy read-only view of one tensor (dtype from DTYPES)."""
         t = self.tensors.get(name)
         if t is None:
             raise CheckpointError(self.path, name, "not in this file")
         if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+            # a map past a truncated file's end faults the process (SIGBUS) when read
+            if os.fstat(self._file.fileno()).st_size != self.size:
+                raise CheckpointError(self.path, name, f"the file is no longer the {self.size} bytes it was when "
+                                                       "opened (rewritten or truncated since)")
+            self._mm = np.memmap(self._file, dtype=np.uint8, mode="r")
         return self._mm[t.begin:t.end].view(DTYPES[t.dtype]).reshape(t.shape)
 
 
