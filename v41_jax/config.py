@@ -60,6 +60,17 @@ PUBLISHED_QUANTIZATION = {
 }
 
 # Keys a config may carry that this text-only engine ignores on purpose.
+# the root keys a layout with text_config may hold besides _IGNORED_KEYS
+_ROOT_KEYS = {"text_config", "quantization_config", "model_type", "bos_token_id", "eos_token_id", "pad_token_id"}
+# keys the model does not read but whose value must be its own where a file gives them: another value
+# describes another model (an activation, biases, tied embeddings, a routing method)
+_PINNED = {"hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "topk_method": "noaux_tc"}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
 _IGNORED_KEYS = {
     "model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "hidden_act",
     "attention_bias", "tie_word_embeddings", "num_key_value_heads", "topk_method", "rope_scaling",
@@ -346,10 +357,26 @@ def _normalise(raw: Any) -> dict[str, Any]:
             raise ConfigError("quantization_config", f"must be exactly the published "
                               f"{PUBLISHED_QUANTIZATION} (or absent): {what}")
         out["quantized"] = True
+    if text is not root:
+        # the model's fields live in text_config: one at the root would be ignored silently
+        for k in root:
+            if k not in _ROOT_KEYS and k not in _IGNORED_KEYS:
+                raise ConfigError(k, "unknown config field at the root (a layout with text_config "
+                                     "takes the model's fields there)")
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if k in root:
+            if text is not root and k in text and not _same_value(text[k], root[k]):
+                raise ConfigError(f"text_config.{k}", f"is {show(text[k])} where the root says {show(root[k])}")
             out[k] = root[k]
+    for obj, where in ((root, ""), (text, "text_config.")) if text is not root else ((root, ""),):
+        for k, want in _PINNED.items():
+            if k in obj and not _same_value(obj[k], want):
+                raise ConfigError(where + k, f"must be {show(want)} (this model's; the key is otherwise not "
+                                             f"read), got {show(obj[k])}")
     if text.get("dtype") == "bf16":
+        if "quantization_config" in root:
+            raise ConfigError("text_config.dtype" if text is not root else "dtype",
+                              "bf16 (an unquantized checkpoint) beside a quantization_config (a quantized one)")
         out["quantized"] = False
     spelled: dict[str, str] = {}   # field -> the key that gave it
     if "rope_scaling" in text:
