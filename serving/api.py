@@ -177,7 +177,9 @@ class TextStream:
             self._text, self._context, self._read = "", 0, 0        # and the window settles from the start
             return self.tokenizer.decode(self.ids)
         text = self._text + window[len(before):]
-        if not window.endswith("\ufffd"):  # an incomplete character stays in the window until it completes
+        # an incomplete character stays in the window until it completes; no new ids, no move (the
+        # context would be empty, and a decoder that drops a leading space would drop a real one)
+        if not window.endswith("\ufffd") and len(self.ids) > self._read:
             self._text, self._context, self._read = text, self._read, len(self.ids)
         return text
 
@@ -225,7 +227,7 @@ class TextStream:
         """The held-back rest, once the request has finished."""
         if self.tokenizer is None or self.stopped:
             return ""
-        text = self.tokenizer.decode(self.ids)
+        text = self._decoded()                # the text `sent` counts into (a pending character too)
         out, self.sent = text[self.sent:], len(text)
         return out
 

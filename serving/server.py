@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
@@ -102,8 +101,9 @@ def _seconds(name: str):
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number of seconds") from None
-        if not math.isfinite(v) or v < 0:
-            raise argparse.ArgumentTypeError(f"{name}: must be a finite number of seconds >= 0, got {text!r}")
+        if not (0 <= v <= threading.TIMEOUT_MAX):      # NaN fails too; past TIMEOUT_MAX a wait overflows
+            raise argparse.ArgumentTypeError(f"{name}: must be a finite number of seconds in [0, "
+                                             f"{threading.TIMEOUT_MAX:.4g}], got {text!r}")
         return v
     return parse
 
@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-open", type=_positive("--max-open"), default=1024,
                    help="requests held at once, queued or running (more: RESOURCE_EXHAUSTED / 429)")
     g.add_argument("--max-streams", type=_positive("--max-streams"), default=256,
-                   help="concurrent gRPC calls and, separately, HTTP connections")
+                   help="concurrent gRPC Generate streams and, separately, HTTP connections (a few more "
+                        "past it: health probes, Abort, /metrics)")
     g.add_argument("--request-timeout", type=_seconds("--request-timeout"), default=0.0,
                    help="abort a request after this many seconds (0: never)")
     g.add_argument("--drain-timeout", type=_seconds("--drain-timeout"), default=30.0, help="on SIGTERM, wait this long for open requests")

@@ -17,6 +17,7 @@ import pytest
 
 from scripts import generate as generate_script
 from scripts import make_checkpoint as make_checkpoint_script
+from tests.engine_common import SUITE_CACHE
 from tests.untrusted_common import (ROOT, SHARDS, TINY_CONFIG, build_tiny, check_refusal, copy_checkpoint,
                                     edit_json, element_bytes, files_opened, index_path,
                                     outside, params_equal, poke, split_shard, tensor_info, write_shard)
@@ -276,7 +277,7 @@ def _engine_refused(folder: Path, monkeypatch) -> CheckpointError:
 
     monkeypatch.setattr(load_mod, "load_params", lambda *a, **k: pytest.fail("weights read before the refusal"))
     with pytest.raises(CheckpointError) as e:
-        Engine.from_checkpoint(folder, progress=False)
+        Engine.from_checkpoint(folder, progress=False, compile_cache_dir=str(SUITE_CACHE))   # not the user's
     return e.value
 
 
@@ -319,6 +320,19 @@ def test_token_map_refused_naming_it_before_the_weights(ckpt, tmp_path, monkeypa
     err = _engine_refused(ckpt, monkeypatch)
     check_refusal(err, [ckpt / "engram_token_map.json"], {what})
     assert word in err.rule and time.perf_counter() - start < 5, err
+
+
+def test_tokenizer_that_does_not_parse_refused_naming_it(ckpt, monkeypatch):
+    (ckpt / "tokenizer.json").write_text("{}")
+    err = _engine_refused(ckpt, monkeypatch)
+    check_refusal(err, [ckpt / "tokenizer.json"], {"file"})
+    assert "not a tokenizer" in err.rule, err
+
+
+def test_hub_keys_at_the_root_are_left_alone(ckpt):
+    """Keys a hub adds at the root (auto_map, _name_or_path, use_cache) describe no model field."""
+    _config_with(ckpt, lambda r: r.update(auto_map={"AutoConfig": "x.y"}, _name_or_path="here", use_cache=True))
+    assert ModelConfig.from_file(ckpt / "config.json") == ModelConfig.from_file(TINY_CONFIG)
 
 
 def test_tokenizer_symlinked_outside_refused(ckpt, tmp_path, monkeypatch):

@@ -357,12 +357,14 @@ def _normalise(raw: Any) -> dict[str, Any]:
             raise ConfigError("quantization_config", f"must be exactly the published "
                               f"{PUBLISHED_QUANTIZATION} (or absent): {what}")
         out["quantized"] = True
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     if text is not root:
-        # the model's fields live in text_config: one at the root would be ignored silently
+        # the model's fields live in text_config: one at the root would be ignored silently (other
+        # root keys, a hub's auto_map, _name_or_path, ..., describe no model and are left alone)
         for k in root:
-            if k not in _ROOT_KEYS and k not in _IGNORED_KEYS:
-                raise ConfigError(k, "unknown config field at the root (a layout with text_config "
-                                     "takes the model's fields there)")
+            if k not in _ROOT_KEYS and (_HF_TO_REF.get(k, k) in model_fields or k == "rope_scaling"):
+                raise ConfigError(k, "a model field at the root (a layout with text_config takes them "
+                                     "there; this one would be ignored)")
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if k in root:
             if text is not root and k in text and not _same_value(text[k], root[k]):
@@ -382,7 +384,7 @@ def _normalise(raw: Any) -> dict[str, Any]:
     if "rope_scaling" in text:
         out.update(_rope_scaling(_object("rope_scaling", text["rope_scaling"])))
         spelled.update({name: f"rope_scaling.{k}" for k, name in _ROPE_SCALING.items()})
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = model_fields
     for k, v in text.items():
         name = _HF_TO_REF.get(k, k)
         if name in spelled:

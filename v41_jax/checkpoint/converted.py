@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 
 import jax
 import orbax.checkpoint as ocp
@@ -50,7 +51,7 @@ def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> 
         if os.path.lexists(os.path.join(ckpt_dir, fname)):
             path = inside(ckpt_dir, fname, ckpt_dir, fname)
             with open(path, "rb") as f:
-                data = f.read(bound + 1)
+                data = f.read(min(bound, os.fstat(f.fileno()).st_size) + 1)   # read(n) allocates n up front
             if len(data) > bound:
                 raise CheckpointError(path, "file", f"more than {bound} bytes")
             h.update(fname.encode() + b"\0" + data)
@@ -75,9 +76,9 @@ def save_converted(cache_dir: str | os.PathLike, params: dict, source: str) -> N
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(target, {k: v for k, v in params.items() if k != ENGRAM_KEY})
         ckptr.wait_until_finished()
-    with open(stamp + ".tmp", "w") as f:
+    with tempfile.NamedTemporaryFile("w", dir=cache_dir, prefix=_SOURCE, delete=False) as f:   # one a process
         json.dump({"fingerprint": source}, f)
-    os.replace(stamp + ".tmp", stamp)
+    os.replace(f.name, stamp)
 
 
 def restore_converted(cache_dir: str | os.PathLike, expert_sharding=None) -> dict:

@@ -504,7 +504,7 @@ def load_tokenizer(path: str | None, ckpt_dir: Path | None = None):
     if path:
         candidate = str(path)
         if not os.path.isfile(candidate):
-            raise FileNotFoundError(f"{candidate}: tokenizer file not found (or not a regular file)")
+            raise CheckpointError(candidate, "file", "no such tokenizer file (or not a regular file)")
     elif ckpt_dir is not None and os.path.lexists(os.path.join(ckpt_dir, "tokenizer.json")):
         candidate = inside(str(ckpt_dir), "tokenizer.json", os.path.join(ckpt_dir, "tokenizer.json"), "file")
     else:
@@ -513,4 +513,7 @@ def load_tokenizer(path: str | None, ckpt_dir: Path | None = None):
         raise CheckpointError(candidate, "file", f"{os.path.getsize(candidate)} bytes, more than a tokenizer's "
                                                  f"{TOKENIZER_MAX_BYTES}")
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(candidate)
+    try:
+        return Tokenizer.from_file(candidate)
+    except Exception as err:                  # noqa: BLE001 - the library raises a bare Exception
+        raise CheckpointError(candidate, "file", f"not a tokenizer the tokenizers library reads: {err}") from None
