@@ -82,10 +82,10 @@ class Api:
             raise Refused("invalid", "this server does not speculate (the checkpoint has no DSpark draft stages, "
                                      "or it was started with --speculative off)", name("speculative"))
         lim = self.limits
+        prompt_field = "prompt_ids" if "prompt_ids" in fields else "prompt"
         if len(req.prompt) > lim.max_prompt_tokens:
-            field = "prompt_ids" if "prompt_ids" in fields else "prompt"
             raise Refused("invalid", f"{len(req.prompt)} tokens, over the limit of {lim.max_prompt_tokens}",
-                          name(field))
+                          name(prompt_field))
         if req.max_new_tokens > lim.max_new_tokens:
             raise Refused("invalid", f"{req.max_new_tokens} is over the limit of {lim.max_new_tokens}",
                           name("max_new_tokens"))
@@ -96,7 +96,7 @@ class Api:
             # prompt leaves room for one token or more, else the prompt
             room = self.new_tokens_room(len(req.prompt))
             field = None if req.max_new_tokens <= room else (
-                "max_new_tokens" if room >= 1 else "prompt_ids" if "prompt_ids" in fields else "prompt")
+                "max_new_tokens" if room >= 1 else prompt_field)
             raise Refused("exhausted", f"this request can never run here: {why}", field and name(field))
         return Job(req, stop)
 

@@ -172,9 +172,14 @@ def parse_json(data: bytes, file: str, what: str) -> Any:
 
 
 def read_json(path: str, max_bytes: int) -> Any:
-    """A small JSON file (config.json, the index): a regular file of at most max_bytes, parsed by
-    `parse_json`. A UTF-8 byte order mark is accepted and skipped: editors on Windows write one and
-    it cannot change the meaning; any other encoding is refused."""
+    """A small JSON file (config.json, the index): `read_small`, parsed by `parse_json`. A UTF-8
+    byte order mark is accepted and skipped: editors on Windows write one and it cannot change the
+    meaning; any other encoding is refused."""
+    return parse_json(read_small(path, max_bytes).removeprefix(_UTF8_BOM), path, "file")
+
+
+def read_small(path: str, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most max_bytes, else a CheckpointError naming it."""
     if not os.path.isfile(path):
         rule = "is a directory, not a file" if os.path.isdir(path) else (
             "not a regular file" if os.path.exists(path) else "does not exist")
@@ -188,7 +193,7 @@ def read_json(path: str, max_bytes: int) -> Any:
         raise CheckpointError(path, "file", f"unreadable ({e.strerror})") from None
     if len(data) > max_bytes:
         raise CheckpointError(path, "file", f"larger than {max_bytes} bytes, too large for this file")
-    return parse_json(data.removeprefix(_UTF8_BOM), path, "file")
+    return data
 
 
 @dataclass(frozen=True)

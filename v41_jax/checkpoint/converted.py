@@ -23,10 +23,10 @@ import tempfile
 import jax
 import orbax.checkpoint as ocp
 
-from ..config import CONFIG_MAX_BYTES, ModelConfig, validate
+from ..config import CONFIG_MAX_BYTES, ModelConfig, read_small, validate
 from ..quant import Fp4Weight, Fp8RowWeight
 from .load import ENGRAM_KEY, EngramTables, config_path, load_params, resolve_experts
-from .safetensors_io import INDEX_NAME, MAX_HEADER_BYTES, Checkpoint, CheckpointError, inside
+from .safetensors_io import INDEX_NAME, MAX_HEADER_BYTES, Checkpoint, inside
 from .schema import validate_checkpoint
 
 _SOURCE = "source.json"
@@ -49,12 +49,7 @@ def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> 
     h.update(repr(sorted((name, spec.held) for name, spec in schema.items())).encode())
     for fname, bound in (("config.json", CONFIG_MAX_BYTES), (INDEX_NAME, MAX_HEADER_BYTES)):
         if os.path.lexists(os.path.join(ckpt_dir, fname)):
-            path = inside(ckpt_dir, fname, ckpt_dir, fname)
-            with open(path, "rb") as f:
-                data = f.read(min(bound, os.fstat(f.fileno()).st_size) + 1)   # read(n) allocates n up front
-            if len(data) > bound:
-                raise CheckpointError(path, "file", f"more than {bound} bytes")
-            h.update(fname.encode() + b"\0" + data)
+            h.update(fname.encode() + b"\0" + read_small(inside(ckpt_dir, fname, ckpt_dir, fname), bound))
     for shard in sorted(ckpt.files.values(), key=lambda f: f.path):
         h.update(os.path.basename(shard.path).encode() + b"\0" + str(shard.size).encode())
         h.update(shard.header_bytes())      # from the file opened and checked, not the path again
