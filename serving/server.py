@@ -82,30 +82,26 @@ class Server:
         return clean
 
 
+def _in_range(name: str, convert, low, high, rule: str):
+    """An argparse type: convert(text) within [low, high] (NaN is not), else one line naming the
+    flag and the rule."""
+    def parse(text: str):
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not {'an integer' if convert is int else 'a number'}") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{name}: must be {rule}, got {text!r}")
+        return v
+    return parse
+
+
 def _port(name: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not an integer") from None
-        if not -1 <= v <= 65535:
-            raise argparse.ArgumentTypeError(f"{name}: must be a TCP port 0-65535 (0: any free one) or -1 "
-                                             f"(off), got {v}")
-        return v
-    return parse
+    return _in_range(name, int, -1, 65535, "a TCP port 0-65535 (0: any free one) or -1 (off)")
 
 
-def _seconds(name: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number of seconds") from None
-        if not (0 <= v <= threading.TIMEOUT_MAX):      # NaN fails too; past TIMEOUT_MAX a wait overflows
-            raise argparse.ArgumentTypeError(f"{name}: must be a finite number of seconds in [0, "
-                                             f"{threading.TIMEOUT_MAX:.4g}], got {text!r}")
-        return v
-    return parse
+def _seconds(name: str):   # past TIMEOUT_MAX a wait overflows
+    return _in_range(name, float, 0, threading.TIMEOUT_MAX, f"a finite number of seconds in [0, {threading.TIMEOUT_MAX:.4g}]")
 
 
 def build_parser() -> argparse.ArgumentParser:
