@@ -181,6 +181,8 @@ class SafetensorsFile:
 
     def header_bytes(self) -> bytes:
         """The header as checked at open (its length prefix included), read from the open file."""
+        if self._mm is not None:
+            return bytes(self._mm[:self.data_start])
         return os.pread(self._file.fileno(), self.data_start, 0)
 
     def get(self, name: str) -> np.ndarray:
@@ -194,6 +196,7 @@ class SafetensorsFile:
                 raise CheckpointError(self.path, name, f"the file is no longer the {self.size} bytes it was when "
                                                        "opened (rewritten or truncated since)")
             self._mm = np.memmap(self._file, dtype=np.uint8, mode="r")
+            self._file.close()                # the map holds its own descriptor of the same file
         return self._mm[t.begin:t.end].view(DTYPES[t.dtype]).reshape(t.shape)
 
 
