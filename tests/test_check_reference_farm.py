@@ -70,8 +70,8 @@ STAGE2_INSIDE = {"j54_prompt27_s27": "decode.candidate_blocks.L5"}
 MUTANT_ON = {"forward": NAMES if ALL else ["f11_h1_ix1_hd64_few_experts"],
              "engine": NAMES if ALL else ["f03_h6_ix8_dspark3_b5_engram0"]}
 # (fixture, mutant) pairs whose change is no larger than noise a correct device may carry on that
-# fixture, so no checker can tell them from one there (docs/MODEL.md §6.5); the check must pass
-# them at stage 1, the conditioning taking the device for one of the mutant's size. On m73
+# fixture, so no checker can tell them from one there (docs/MODEL.md §6.5); where the check passes
+# them it must be at stage 1, the conditioning taking the device for one of the mutant's size. On m73
 # (bf16 linears: nothing downstream re-quantizes the window rows) the window rows' fp8 QDQ left
 # out moves the recorded tensors 1.25x as far as the gentlest
 # one-ulp nudge (3.96 mean row ulps; one-ulp runs 3.18-3.55), every tensor inside the profile,
@@ -253,9 +253,12 @@ def test_mutants_fail_wherever_they_change_the_computation(name, path, fixtures,
                     assert not head.stats["conditioning_inside"]
                     within.append(mutant)
     jax.clear_caches()
-    # a pair measured within noise that is now caught has changed: measure it again
+    # a pair within noise may also be caught: at the noise's edge the verdict follows the host's
+    # last bits (XLA:CPU's dot order follows its vector width). m73's passed at stage 1 where it
+    # was measured and is caught by decode.final_normed (0.121 of the row rms) on an AMD EPYC host,
+    # 393a038 and before cascade_rows alike. Catching a mutant is never wrong; passing one is
+    # allowed only for these pairs, and only as measured (above).
     assert caught == [m for m in changed if m not in within]
-    assert not [m for m in caught if (name, m) in WITHIN_NOISE]
     # every mutant but the tie rule changes every fixture; ties need an exact boundary tie
     assert set(mutants) - {"ties_to_higher_index"} <= set(changed)
 
