@@ -254,7 +254,7 @@ def test_mutants_fail_wherever_they_change_the_computation(name, path, fixtures,
                     within.append(mutant)
     jax.clear_caches()
     # a pair within noise may also be caught: at the noise's edge the verdict follows the host's
-    # last bits (XLA:CPU's dot order follows its vector width). m73's passed at stage 1 where it
+    # last bits (not isolated further; XLA:CPU's kernels differ by host CPU). m73's passed at stage 1 where it
     # was measured and is caught by decode.final_normed (0.121 of the row rms) on an AMD EPYC host,
     # 393a038 and before cascade_rows alike. Catching a mutant is never wrong; passing one is
     # allowed only for these pairs, and only as measured (above).
