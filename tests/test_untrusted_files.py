@@ -204,10 +204,10 @@ CONFIG_CASES = [
     ("norm_eps_zero_in_fp32", _set("rms_norm_eps", 1e-300), "rms_norm_eps"),        # eps + 0 = 0: NaN rows
     # fields a layout with text_config would have ignored or let contradict each other silently
     ("layers_at_the_root", _set("num_hidden_layers", 99, where=None), "num_hidden_layers"),
-    ("bos_given_twice_unlike", _set("bos_token_id", 5), "text_config.bos_token_id"),
-    ("quantized_and_bf16", _set("dtype", "bf16"), "text_config.dtype"),
-    ("hidden_act_relu", _set("hidden_act", "relu"), "text_config.hidden_act"),
-    ("attention_bias_true", _set("attention_bias", True), "text_config.attention_bias"),
+    ("bos_given_twice_unlike", _set("bos_token_id", 5), "bos_token_id"),
+    ("quantized_and_bf16", _set("dtype", "bf16"), "dtype"),
+    ("hidden_act_relu", _set("hidden_act", "relu"), "hidden_act"),
+    ("attention_bias_true", _set("attention_bias", True), "attention_bias"),
     ("tied_embeddings_at_the_root", _set("tie_word_embeddings", True, where=None), "tie_word_embeddings"),
     ("gate_temp_subnormal", _set("gate_temp", 1e-320), "gate_temp"),               # logits / 0 in fp32
     ("route_scale_inf_in_fp32", _set("routed_scaling_factor", 1e300), "routed_scaling_factor"),

@@ -373,17 +373,17 @@ def _normalise(raw: Any) -> dict[str, Any]:
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if k in root:
             if text is not root and k in text and not _same_value(text[k], root[k]):
-                raise ConfigError(f"text_config.{k}", f"is {show(text[k])} where the root says {show(root[k])}")
+                raise ConfigError(k, f"is {show(text[k])} in text_config where the root says {show(root[k])}")
             out[k] = root[k]
-    for obj, where in ((root, ""), (text, "text_config.")) if text is not root else ((root, ""),):
+    for obj in (root, text) if text is not root else (root,):
         for k, want in _PINNED.items():
             if k in obj and not _same_value(obj[k], want):
-                raise ConfigError(where + k, f"must be {show(want)} (this model's; the key is otherwise not "
-                                             f"read), got {show(obj[k])}")
+                raise ConfigError(k, f"must be {show(want)} (this model's; the key is otherwise not read), "
+                                     f"got {show(obj[k])}")
     if text.get("dtype") == "bf16":
         if "quantization_config" in root:
-            raise ConfigError("text_config.dtype" if text is not root else "dtype",
-                              "bf16 (an unquantized checkpoint) beside a quantization_config (a quantized one)")
+            raise ConfigError("dtype", "bf16 (an unquantized checkpoint) beside a quantization_config "
+                                       "(a quantized one)")
         out["quantized"] = False
     spelled: dict[str, str] = {}   # field -> the key that gave it
     if "rope_scaling" in text:
