@@ -389,12 +389,11 @@ def _normalise(raw: Any) -> dict[str, Any]:
     if "rope_scaling" in text:
         out.update(_rope_scaling(_object("rope_scaling", text["rope_scaling"])))
         spelled.update({name: f"rope_scaling.{k}" for k, name in _ROPE_SCALING.items()})
-    fields = model_fields
     for k, v in text.items():
         name = _HF_TO_REF.get(k, k)
         if name in spelled:
             raise ConfigError(k, f"gives {name} a second time (also given as {spelled[name]})")
-        if name in fields:
+        if name in model_fields:
             out[name], spelled[name] = v, k
         elif k not in _IGNORED_KEYS:
             raise ConfigError(k, "unknown config field")
@@ -406,7 +405,7 @@ def _normalise(raw: Any) -> dict[str, Any]:
                        ("candidate_block_size", 0), ("original_seq_len", 0),
                        ("dspark_n_routed_experts", 0), ("dspark_n_activated_experts", 0)):
         out.setdefault(k, default)
-    missing = sorted(f for f in fields if f not in out and
+    missing = sorted(f for f in model_fields if f not in out and
                      ModelConfig.__dataclass_fields__[f].default is dataclasses.MISSING)
     if missing:
         raise ConfigError(missing[0], f"missing config field (also missing: {missing[1:]})")

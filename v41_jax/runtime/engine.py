@@ -36,7 +36,7 @@ import numpy as np
 
 from kernels_pallas.backend import on_gpu
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats
-from v41_jax.config import CheckpointError, ModelConfig, validate
+from v41_jax.config import CheckpointError, ModelConfig
 from v41_jax.model.layer_runs import stack_runs
 from v41_jax.model.numerics import Numerics
 from v41_jax.runtime import compile_cache
@@ -210,8 +210,7 @@ class Engine:
         ckpt = Path(ckpt_dir)
         tok = load_tokenizer(tokenizer, ckpt)
         # the small files first: a bad token map is refused before minutes of weights are read
-        cfg = ModelConfig.from_file(config_path(str(ckpt)))
-        validate(cfg)
+        cfg = ModelConfig.from_file(config_path(str(ckpt)))         # validated as it is read
         token_map = load_token_map(ckpt, cfg)
         cfg, params = load_params(ckpt, cfg, progress=progress, experts=experts,
                                   expert_sharding=None if mesh is None else expert_sharding(mesh))
@@ -492,6 +491,7 @@ def resolve_speculative(cfg: ModelConfig, settings: EngineSettings, want: bool |
     return able
 
 
+TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_MAX_BYTES = 256 << 20      # a published tokenizer.json is tens of MB at most
 
 
@@ -505,8 +505,8 @@ def load_tokenizer(path: str | None, ckpt_dir: Path | None = None):
         candidate = str(path)
         if not os.path.isfile(candidate):
             raise CheckpointError(candidate, "file", "no such tokenizer file (or not a regular file)")
-    elif ckpt_dir is not None and os.path.lexists(os.path.join(ckpt_dir, "tokenizer.json")):
-        candidate = inside(str(ckpt_dir), "tokenizer.json", os.path.join(ckpt_dir, "tokenizer.json"), "file")
+    elif ckpt_dir is not None and os.path.lexists(where := os.path.join(ckpt_dir, TOKENIZER_NAME)):
+        candidate = inside(str(ckpt_dir), TOKENIZER_NAME, where, "file")
     else:
         return None
     if os.path.getsize(candidate) > TOKENIZER_MAX_BYTES:
