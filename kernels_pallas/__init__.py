@@ -19,6 +19,9 @@ V41_KERNELS = xla | pallas | auto):
                                   division in fp64 rounded once to fp32 (correctly rounded, as
                                   the reference; Triton's fp32 `/` is approximate on NVIDIA), or
                                   (exact=False, the fast policy) by an fp32 reciprocal, 3 ulps
+  dense_fp8.dense_fp8             the dense FP8 linears at decode row counts, reading the weight
+                                  as published (E4M3 codes + E8M0 per 32 x 32 block, decoded in
+                                  registers): half the bf16 hold's bytes; `linear.lin8` runs it
   rope.apply_rope                 RoPE of the last lanes of wide rows written in place (the
                                   attention's queries and outputs: 1/8 of the bytes)
   hc_expand.expand_collapse       the mHC expand, the next collapse and both sums of squares in

@@ -40,7 +40,7 @@ def e8m0_as_f32(codes):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _per_lane(scale, lanes: int):
+def per_lane(scale, lanes: int):
     """Per-group scales [N, G] -> [N, G * lanes], each repeated over its group's lanes (or its
     group's byte pairs)."""
     n, g = scale.shape
@@ -50,7 +50,7 @@ def _per_lane(scale, lanes: int):
 def fp8_values(codes, scale, dtype, *, group: int = KV_FP8_GROUP):
     """E4M3 codes uint8 [N, K] x E8M0 scale codes [N, K/group] -> [N, K] in dtype, exactly (an
     E4M3 value times a power of two: 4 significant bits, a bf16 down to 2^-133)."""
-    s = _per_lane(e8m0_as_f32(scale), group)
+    s = per_lane(e8m0_as_f32(scale), group)
     return (e4m3_as(codes, jnp.float32) * s).astype(dtype)
 
 
@@ -58,7 +58,7 @@ def fp8_halves(codes, scale, *, group: int = KV_FP8_GROUP):
     """`fp8_values` as its (even, odd) inputs, fp32 [N, K/2] each, exactly: the codes split in
     registers (each byte pair stays in one thread), each scale broadcast over its group's pairs."""
     even, odd = jnp.unstack(codes.reshape(codes.shape[0], codes.shape[1] // 2, 2), axis=-1)
-    s = _per_lane(e8m0_as_f32(scale), group // 2)
+    s = per_lane(e8m0_as_f32(scale), group // 2)
     return e4m3_as(even, jnp.float32) * s, e4m3_as(odd, jnp.float32) * s
 
 
@@ -77,7 +77,7 @@ def fp4_halves(codes, scale, *, group: int = FP4_GROUP, e4m3_scales: bool = Fals
         s = e4m3_as(scale, jnp.float32) * 64.0
     else:
         s = jax.lax.bitcast_convert_type((scale.astype(jnp.int32) + 6) << 23, jnp.float32)
-    s = _per_lane(s, group // 2)                                           # a byte holds 2 lanes
+    s = per_lane(s, group // 2)                                           # a byte holds 2 lanes
     return e4m3_as(lo, jnp.float32) * s, e4m3_as(hi, jnp.float32) * s
 
 

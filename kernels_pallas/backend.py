@@ -31,7 +31,7 @@ ENV_BACKEND = "V41_KERNELS"
 ENV_INTERPRET = "V41_PALLAS_INTERPRET"
 ENV_MOSAIC = "V41_MOSAIC_GPU"     # "0": never take the Mosaic GPU paths (the Triton kernels run instead)
 CHOICES = ("xla", "pallas")
-KERNELS = ("sinkhorn", "rmsnorm", "select", "rope", "hc_expand")  # the names `resolve(kernel=...)` is called with
+KERNELS = ("sinkhorn", "rmsnorm", "select", "rope", "hc_expand", "dense_fp8")  # the names `resolve(kernel=...)` is called with
 
 _overrides: dict[str | None, str] = {}   # None: every kernel; a name of KERNELS: that kernel only
 

@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kernels_pallas import dense_fp8 as kdense  # noqa: E402
 from kernels_pallas import hc_expand as khc  # noqa: E402
 from kernels_pallas import indexer as kidx  # noqa: E402
 from kernels_pallas import moe as kmoe  # noqa: E402
@@ -42,8 +43,8 @@ from v41_jax import linear  # noqa: E402
 from v41_jax.linear import lin_f32  # noqa: E402
 from v41_jax.model.numerics import HIGHEST, Numerics  # noqa: E402
 from v41_jax.checkpoint.load import held_bytes  # noqa: E402
-from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, pack_fp4_ue8m0_rows,  # noqa: E402
-                           pack_fp4_e4m3_rows, pack_fp8_ue8m0_rows)
+from v41_jax.quant import (Fp4Weight, Fp8BlockWeight, Fp8RowWeight, dequant_fp8_blocks, fp4_qdq_ue8m0, fp8_act_qdq,  # noqa: E402
+                           pack_fp4_ue8m0_rows, pack_fp4_e4m3_rows, pack_fp8_ue8m0_rows, quant_weight_fp8)
 
 REF = Numerics.reference()
 FAST = Numerics.fast()
@@ -585,6 +586,55 @@ def bench_gemm_out(b: Bench, cfg: dict):
         b.save()
 
 
+def bench_dense_fp8(b: Bench, cfg: dict):
+    """The FP8 dense linears (`linear.lin8` under fast numerics) with the weight held as bf16 (its
+    exact decode) and held as published (E4M3 codes + one E8M0 per 32 x 32 block): decoded inside
+    the jitted call for XLA's GEMM, and read by `kernels_pallas.dense_fp8` (decode rows only), at
+    the model's query, kv, output and shared-expert shapes per row count. Per pair: whether the
+    outputs are bit-equal, and each compile's temp bytes (a materialized decode shows as a
+    weight-sized temp)."""
+    d, q, h = cfg["hidden_size"], cfg["q_lora_rank"], cfg["num_attention_heads"] * cfg["head_dim"]
+    o, f = cfg["o_groups"] * cfg["o_lora_rank"], cfg["moe_intermediate_size"]
+    sites = {"wq_a": (q, d), "wq_b": (h, q), "wkv": (cfg["head_dim"], d), "wo_b": (d, o), "w1": (f, d), "w2": (d, f)}
+    if b.smoke:
+        sites = {"wq_b": (256, 128)}
+
+    def route(x, w):
+        return jnp.dot(fp8_act_qdq(x), w.T, precision=HIGHEST, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    def kernel(x, codes, scale):
+        return kdense.dense_fp8(fp8_act_qdq(x), Fp8BlockWeight(codes, scale), backend="pallas").astype(jnp.bfloat16)
+
+    runs = {"bf16": jax.jit(route),
+            "fp8_blocks": jax.jit(lambda x, codes, scale: route(x, dequant_fp8_blocks(codes, scale))),
+            "fp8_kernel": jax.jit(kernel)}
+    rows = (8,) if b.smoke else (1, 8, 32, 64, 4096)
+    checks = {}
+    for site, (n, k) in sites.items():
+        w = (jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) * k ** -0.5)
+        codes, scale = quant_weight_fp8(w)
+        w16 = dequant_fp8_blocks(codes, scale)
+        for m in rows:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            args = {"bf16": (x, w16), "fp8_blocks": (x, codes, scale), "fp8_kernel": (x, codes, scale)}
+            wbytes = {"bf16": w16.nbytes, "fp8_blocks": codes.nbytes + scale.nbytes,
+                      "fp8_kernel": codes.nbytes + scale.nbytes}
+            for name, fn in runs.items():
+                if name == "fp8_kernel" and m > kdense.MAX_ROWS:
+                    continue
+                temp = fn.lower(*args[name]).compile().memory_analysis()
+                b.case(f"dense {site} {name} M={m}", fn, args[name], layers=1, flops=2.0 * m * n * k,
+                       bytes_=wbytes[name] + x.nbytes + 2 * m * n, rows=m, site=site, hold=name,
+                       temp_bytes=int(getattr(temp, "temp_size_in_bytes", -1)))
+            got, want = (np.asarray(runs[r](*args[r])).view(np.int16) for r in ("fp8_blocks", "bf16"))
+            checks[f"{site} M={m}"] = {"outputs": got.size, "differ": int((got != want).sum())}
+            if m <= kdense.MAX_ROWS:      # the kernel sums in another order: bf16 ulps from XLA's
+                ulps = np.abs(np.asarray(runs["fp8_kernel"](*args["fp8_kernel"])).view(np.int16).astype(np.int32) - want)
+                checks[f"{site} M={m}"].update(kernel_differ=int((ulps != 0).sum()), kernel_max_ulps=int(ulps.max()))
+        b.results["dense_fp8_check"] = checks
+        b.save()
+
+
 def bench_mhc_mix(b: Bench, cfg: dict):
     """The mHC mixes' GEMM (`linear.lin_f32`: bf16 stream rows [M, hc*D] by the fp32 weight
     [hc*(2+hc), hc*D]) on its two routes per row count: the fp32 GEMM, and one bf16 GEMM against
@@ -986,7 +1036,7 @@ def main(argv=None):
     b = Bench(args.out, args.budget, args.reps, args.smoke, args.cases)
     caps = dict(kv.split("=") for kv in args.section_budget.split(",") if kv)
     funcs = {"peak": bench_peak, "head": bench_head, "select": bench_select, "attn": bench_attn, "indexer": bench_indexer, "moe": bench_moe,
-             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm, "hc-expand": bench_hc_expand, "mhc-mix": bench_mhc_mix, "gemm-out": bench_gemm_out,
+             "sinkhorn": bench_sinkhorn, "rmsnorm": bench_rmsnorm, "hc-expand": bench_hc_expand, "mhc-mix": bench_mhc_mix, "gemm-out": bench_gemm_out, "dense-fp8": bench_dense_fp8,
              "moe-decode": functools.partial(bench_moe, decode_only=True),
              "moe-sweep": functools.partial(bench_moe, sweep_only=True),
              "moe-sweep-decode": functools.partial(bench_moe, decode_sweep=True, helds=("fp8", "bf16")),

@@ -121,9 +121,9 @@ from scripts.make_checkpoint import engram_token_map, logical_shape  # noqa: E40
 from v41_jax.cache.buffer import DEAD, Cache, allocate  # noqa: E402
 from scripts.generate import INDEX_CHOICES, KV_CHOICES  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
-from v41_jax.checkpoint.load import (ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables, held_as,  # noqa: E402
-                                     held_bytes, nest, param_units)
-from v41_jax.quant import (Fp4Weight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, packed_fp4_lanes,  # noqa: E402
+from v41_jax.checkpoint.load import (DENSE_HOLDS, ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables,  # noqa: E402
+                                     held_as, held_bytes, nest, param_units, resolve_dense)
+from v41_jax.quant import (Fp4Weight, Fp8BlockWeight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, packed_fp4_lanes,  # noqa: E402
                            packed_fp4_row_bytes, packed_fp8_row_bytes,
                            pack_fp4_e4m3_rows, pack_fp4_ue8m0_rows, pack_fp8_ue8m0_rows)
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
@@ -164,8 +164,9 @@ class LeafSpec:
         return held_bytes(self.held, self.shape)
 
 
-def param_leaf_specs(cfg: ModelConfig, experts: str = "auto") -> dict[str, LeafSpec]:
-    """Every params leaf `load_params(..., experts=experts)` would produce for `cfg`: path -> LeafSpec."""
+def param_leaf_specs(cfg: ModelConfig, experts: str = "auto", dense: str = "auto") -> dict[str, LeafSpec]:
+    """Every params leaf `load_params(..., experts=experts, dense=dense)` would produce for `cfg`:
+    path -> LeafSpec."""
     schema = checkpoint_schema(cfg)
     out = {}
     for path, unit in param_units(schema).items():
@@ -173,7 +174,7 @@ def param_leaf_specs(cfg: ModelConfig, experts: str = "auto") -> dict[str, LeafS
         shape = tuple(logical_shape(spec))               # the dequantized [out, in]
         offset, scale = init_affine(unit.names[0], shape)
         full = ((len(unit.names),) if unit.stacked else ()) + shape
-        out[path] = LeafSpec(path, full, held_as(spec, unit, experts), offset, scale)
+        out[path] = LeafSpec(path, full, held_as(spec, unit, experts, dense), offset, scale)
     return out
 
 
@@ -190,6 +191,11 @@ def _draw(key, shape, held, offset, scale):
         codes = jax.random.bits(key, shape, jnp.uint8) & 0xF7
         row = jnp.exp2(jnp.round(jnp.log2(scale / 60.0))).astype(jnp.float32)
         return Fp8RowWeight(codes, jnp.full(shape[:-1], row, jnp.float32))
+    if held == "fp8_blocks":
+        # the same codes under one E8M0 per 32 x 32 block
+        codes = jax.random.bits(key, shape, jnp.uint8) & 0xF7
+        code = jnp.clip(jnp.round(127 + jnp.log2(scale / 60.0)), 1, 254).astype(jnp.uint8)
+        return Fp8BlockWeight(codes, jnp.full((*shape[:-2], -(-shape[-2] // 32), -(-shape[-1] // 32)), code))
     dt = HELD_DTYPES[held]
     return (jax.random.normal(key, shape, dt) * scale.astype(dt) + offset.astype(dt)).astype(dt)
 
@@ -480,6 +486,8 @@ def parse_args(argv=None):
     ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto",
                     help="how the routed experts are held (load_params' experts=)")
+    ap.add_argument("--dense", choices=DENSE_HOLDS, default="auto",
+                    help="how the dense FP8 weights are held (load_params' dense=)")
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (0: 4096 on GPU, 64 elsewhere)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-scan", action="store_true",
@@ -579,7 +587,7 @@ def main(argv=None) -> int:
     settings = EngineSettings(page_tokens=page, num_pages=1 + max(batches, default=0) * pages_decode + pages_prefill,
                               slots=max(batches + [1]), max_context=max_context, **formats)
     geom = CacheGeometry.build(cfg, settings)
-    specs = param_leaf_specs(cfg, args.experts)
+    specs = param_leaf_specs(cfg, args.experts, args.dense)
 
     # ---- estimates first ----------------------------------------------------------------------
     p_bytes = sum(s.nbytes for s in specs.values())
@@ -603,6 +611,7 @@ def main(argv=None) -> int:
             "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": sys.version.split()[0],
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "numerics": args.numerics, "kernels_backend": kernel_backend.resolve(), "experts_held": args.experts,
+            "dense_held": resolve_dense(args.dense),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_options": base_options(args),
             "args": vars(args), "estimates": est,
             "geometry": {"page_tokens": page, "num_pages": settings.num_pages, "slots": settings.slots,

@@ -731,7 +731,7 @@ def from_checkpoint(ckpt: str) -> dict:
     from v41_jax import quant
     from v41_jax.checkpoint.load import ENGRAM_KEY, load_params
 
-    _, params = load_params(ckpt, progress=False, experts="bf16")
+    _, params = load_params(ckpt, progress=False, experts="bf16", dense="bf16")   # fp32 masters of every weight
     tables = params.pop(ENGRAM_KEY)
     return {"model": jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), params),
             "engram": {str(l): quant.dequant_fp8_rows(tables.weight[l], tables.scale[l], 32, jnp.float32)

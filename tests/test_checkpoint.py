@@ -24,7 +24,7 @@ from scripts.make_checkpoint import encode, engram_token_map, main, make_checkpo
 from v41_jax import quant
 from v41_jax.model import moe
 from v41_jax.model.numerics import Numerics
-from v41_jax.quant import Fp4Weight, Fp8RowWeight
+from v41_jax.quant import Fp4Weight, Fp8BlockWeight, Fp8RowWeight
 from v41_jax.checkpoint import converted
 from v41_jax.checkpoint import load as load_mod
 from v41_jax.checkpoint.load import ENGRAM_KEY, EngramTables, load_params, param_units
@@ -100,6 +100,19 @@ def test_official_schema_and_load(name):
     w2 = params["layers"][1]["ffn"]["experts"]["w2"]            # "auto" on CPU: bf16
     assert w2.dtype == jnp.bfloat16 and w2.shape == (cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
     assert np.array_equal(f32(w2[e]), table[nib] * scale)
+    # dense FP8 weights held as published: the file's codes and block scales, the same decode
+    _, as_blocks = load_params(d, progress=False, dense="fp8")
+    held_wq_b = as_blocks["layers"][2]["attn"]["wq_b"]["weight"]
+    assert isinstance(held_wq_b, Fp8BlockWeight) and held_wq_b.shape == w.shape
+    assert np.array_equal(np.asarray(held_wq_b.codes), u8(w).reshape(w.shape))
+    assert np.array_equal(np.asarray(held_wq_b.block_scale), u8(s).reshape(s.shape))
+    assert np.array_equal(f32(held_wq_b.dequant()), want)
+    # every FP8 weight of the file, and only those, held so
+    blocks = [x for x in jax.tree.leaves(as_blocks, is_leaf=lambda x: isinstance(x, Fp8BlockWeight))
+              if isinstance(x, Fp8BlockWeight)]
+    assert len(blocks) == sum(t.dtype == "F8_E4M3" and t.held != "host" for t in schema.values()) > 0
+    with pytest.raises(ValueError, match="dense: 'fp4'"):
+        load_params(d, progress=False, dense="fp4")
     _, as_fp8 = load_params(d, progress=False, experts="fp8")             # re-coded rows
     w2 = as_fp8["layers"][1]["ffn"]["experts"]["w2"]
     assert isinstance(w2, Fp8RowWeight) and w2.codes.dtype == jnp.uint8 and w2.shape == w2.codes.shape
@@ -283,16 +296,17 @@ def test_cli_main_writes_a_loadable_checkpoint(tmp_path):
 def test_orbax_cache_roundtrip_bit_exact(tiny, tmp_path, monkeypatch):
     out, cfg, _, params = tiny
     cache = tmp_path / "cache"
-    _, first = converted.load_params_cached(out, cache, progress=False, experts="fp8")
+    _, first = converted.load_params_cached(out, cache, progress=False, experts="fp8", dense="fp8")
     assert (cache / "source.json").exists()
 
     def no_conversion(*a, **k):
         raise AssertionError("second start must not convert")
     monkeypatch.setattr(converted, "load_params", no_conversion)
-    cfg2, again = converted.load_params_cached(out, cache, progress=False, experts="fp8")
+    cfg2, again = converted.load_params_cached(out, cache, progress=False, experts="fp8", dense="fp8")
     assert cfg2 == cfg
     w1 = again["layers"][0]["ffn"]["experts"]["w1"]
-    assert isinstance(w1, Fp8RowWeight)                              # the held type comes back
+    assert isinstance(w1, Fp8RowWeight)                              # the held types come back
+    assert isinstance(again["layers"][0]["attn"]["wq_a"]["weight"], Fp8BlockWeight)
     assert jax.tree.structure(again) == jax.tree.structure(first)
     for (path, a), b in zip(jax.tree.leaves_with_path(again), jax.tree.leaves(first)):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(u8(np.asarray(a)), u8(np.asarray(b))), path
@@ -302,7 +316,9 @@ def test_orbax_cache_roundtrip_bit_exact(tiny, tmp_path, monkeypatch):
         converted.load_params_cached(out, cache, cfg.replace(max_seq_len=cfg.max_seq_len * 2), progress=False,
                                      experts="fp8")
     with pytest.raises(AssertionError, match="must not convert"):                 # nor another expert format
-        converted.load_params_cached(out, cache, progress=False, experts="fp4")
+        converted.load_params_cached(out, cache, progress=False, experts="fp4", dense="fp8")
+    with pytest.raises(AssertionError, match="must not convert"):                 # nor another dense one
+        converted.load_params_cached(out, cache, progress=False, experts="fp8", dense="bf16")
     # nor a loader that holds a tensor in another dtype than the one that converted the cache
     checked = converted.validate_checkpoint
 
@@ -311,7 +327,7 @@ def test_orbax_cache_roundtrip_bit_exact(tiny, tmp_path, monkeypatch):
         return opts, {n: (replace(t, held="f32") if n == "head.weight" else t) for n, t in schema.items()}
     monkeypatch.setattr(converted, "validate_checkpoint", held_otherwise)
     with pytest.raises(AssertionError, match="must not convert"):
-        converted.load_params_cached(out, cache, progress=False, experts="fp8")
+        converted.load_params_cached(out, cache, progress=False, experts="fp8", dense="fp8")
 
 
 @pytest.mark.parametrize("cut", ["params saved", "params half saved", "stamp not json", "stamp a list"])
@@ -541,9 +557,12 @@ def test_a_read_is_freed_when_its_conversion_returns(tiny):
 def test_auto_holds_experts_by_backend(monkeypatch):
     """"auto": FP8 rows where the MoE kernels run (a GPU), bf16 on CPU (the XLA loop would decode
     every pick); an unknown name is refused."""
-    from v41_jax.checkpoint.load import resolve_experts
+    from v41_jax.checkpoint.load import resolve_dense, resolve_experts
     assert resolve_experts("auto") == "bf16" and resolve_experts("fp4") == "fp4"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve_experts("auto") == "fp8"
+    assert resolve_dense("auto") == "fp8"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert resolve_dense("auto") == "bf16" and resolve_dense("fp8") == "fp8"
     with pytest.raises(ValueError, match="experts: 'int4'"):
         resolve_experts("int4")

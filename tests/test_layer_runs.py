@@ -26,6 +26,7 @@ from v41_jax.model.engram import sequence_rows
 from v41_jax.model.forward import forward
 from v41_jax.model.layer_runs import RUNS_KEY, layer_params, layer_runs, stack_runs
 from v41_jax.model.numerics import Numerics
+from v41_jax.quant import Fp8BlockWeight
 from v41_jax.runtime.request import Request
 from v41_jax.runtime.sampling import SamplingParams
 from scripts.make_checkpoint import make_checkpoint
@@ -42,13 +43,19 @@ def test_the_released_stack_has_eight_runs_of_30_layers():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model_dir(tmp_path_factory):
     raw = json.loads((ROOT / "v41_jax/configs/tiny.config.json").read_text())
     raw["text_config"].update(RUNS_WIRING)
     path = tmp_path_factory.mktemp("runs_cfg") / "runs.config.json"
     path.write_text(json.dumps(raw))
     out = tmp_path_factory.mktemp("runs_ckpt")
     make_checkpoint(str(path), str(out), 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    out = model_dir
     cfg, params = load_params(out, progress=False)
     return cfg, params, load_token_map(out, cfg)
 
@@ -91,6 +98,22 @@ def test_forward_scanned_equals_unrolled_bit_for_bit(model):
     assert jax.tree.structure(got_inter) == jax.tree.structure(want_inter)
     for (path, w), g in zip(paths, jax.tree.leaves(got_inter)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
+
+
+def test_dense_fp8_held_as_published_equals_the_bf16_decode(model, model_dir):
+    """Dense FP8 weights held as E4M3 codes + block scales (`load_params(dense="fp8")`, a GPU's
+    default) decode inside the jitted forward to the bf16 hold's values: the same logits bit for
+    bit, unrolled and with the codes stacked into the scanned runs."""
+    cfg, params, token_map = model
+    _, held = load_params(model_dir, cfg, progress=False, dense="fp8")
+    assert isinstance(held["layers"][4]["attn"]["wq_b"]["weight"], Fp8BlockWeight)
+    tokens = np.random.default_rng(3).integers(3, cfg.vocab_size, 24)
+    rows = _engram_rows(params, cfg, token_map, tokens)
+    run = jax.jit(lambda p: forward(p, cfg, jnp.asarray(tokens)[None], numerics=Numerics.fp32(),
+                                    engram_rows=rows))
+    want = np.asarray(run(params))
+    np.testing.assert_array_equal(np.asarray(run(held)), want)
+    np.testing.assert_array_equal(np.asarray(run(stack_runs(held, cfg))), want)
 
 
 def test_forced_gates_on_part_of_a_run_are_refused(model):

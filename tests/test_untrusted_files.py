@@ -495,11 +495,13 @@ def test_non_finite_tensor_refused_by_name(ckpt, name, value):
 
 
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
-def test_e4m3_nan_code_refused_by_name(ckpt, code):
+@pytest.mark.parametrize("dense", ["bf16", "fp8"])
+def test_e4m3_nan_code_refused_by_name(ckpt, code, dense):
+    """Decoded at load (bf16) or held as published (fp8, the codes themselves checked)."""
     name = "layers.0.attn.wq_a.weight"
     shard = shard_of(ckpt, name)
     poke(shard, name, bytes([code]), at=5)
-    err = refused(ckpt)
+    err = refused(ckpt, dense=dense)
     check_refusal(err, [shard], {name})
     assert "dequantizes to NaN" in err.rule
 

@@ -1,7 +1,8 @@
 """Linear layers at the reference's four kinds of sites.
 
-Weights arrive dequantized (bf16 [out, in]; exact, see DESIGN.md) or fp32 where the reference
-holds them in fp32. The activation fake-quant happens here, so the products equal the reference's
+Weights arrive dequantized (bf16 [out, in]; exact, see DESIGN.md), fp32 where the reference
+holds them in fp32, or, at the FP8 sites (`lin8`), as published (`quant.Fp8BlockWeight`: read by
+`kernels_pallas.dense_fp8` at decode row counts, decoded for XLA's GEMM otherwise). The activation fake-quant happens here, so the products equal the reference's
 FP8/FP4 block GEMM products exactly; under `numerics.block_gemm` the fp32 accumulation order is
 the reference kernels' too (kernel_cpu._block_scaled_gemm): every 32-wide K block summed in fp32,
 the block partials added in fp32 in K order.
@@ -26,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41_jax.numerics import HIGHEST, Numerics
-from v41_jax.quant import fp8_act_qdq
+from kernels_pallas.dense_fp8 import dense_fp8, takes as takes_dense_fp8
+from v41_jax.quant import Fp8BlockWeight, fp8_act_qdq, held
 
 K_BLOCK = 32  # one activation scale and one weight scale per 32 inputs
 SPLIT_ROWS = 256  # lin_f32 of bf16 rows by an fp32 weight: the three-part bf16 GEMM from here
@@ -70,11 +72,19 @@ def _dot_act(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
                    preferred_element_type=gemm_out_dtype(numerics, x.size // x.shape[-1]))
 
 
-def lin8(x: jax.Array, w: jax.Array, numerics: Numerics) -> jax.Array:
+def lin8(x: jax.Array, w, numerics: Numerics) -> jax.Array:
     x = numerics.act(x)
     if numerics.gemm_fake_quant:
         x = fp8_act_qdq(x, K_BLOCK)
-    return numerics.act(k_block_dot(x, w) if numerics.gemm_blocks else _dot_act(x, w, numerics))
+    if numerics.gemm_blocks:
+        return numerics.act(k_block_dot(x, held(w)))
+    if isinstance(w, Fp8BlockWeight):
+        # held as published: the kernel reads the codes at decode row counts; otherwise XLA's
+        # GEMM takes the decode (writing the activation dtype itself, as for a bf16 weight)
+        if takes_dense_fp8(x.size // x.shape[-1], w):
+            return numerics.act(dense_fp8(x, w))
+        w = w.dequant()
+    return numerics.act(_dot_act(x, w, numerics))
 
 
 lin4 = lin8  # FP4 expert weights arrive decoded to bf16 (at load or by `quant.held`): the FP8 GEMM

@@ -47,6 +47,7 @@ FP4_MAX = 6.0
 # lanes per E8M0 scale of the FP4 formats: the published FP4 weights, the index keys and queries'
 # fake-quant, and so the cache's packed index rows
 FP4_GROUP = 32
+FP8_WEIGHT_BLOCK = 32  # edge of the dense FP8 weights' square E8M0 scale blocks
 # The reference multiplies amax by fp32 reciprocals rather than dividing (kernel_cpu fast_round_scale).
 _FP8_MAX_INV = np.float32(1.0 / FP8_MAX)
 _FP4_MAX_INV = np.float32(1.0 / FP4_MAX)
@@ -127,16 +128,17 @@ def _repeat_to(scale, block: tuple[int, ...], shape: tuple[int, ...]) -> jax.Arr
 
 
 @partial(jax.jit, static_argnames=("block", "dtype"))
-def dequant_fp8_blocks(weight, scale, block: int = 32, dtype=jnp.bfloat16) -> jax.Array:
-    """FP8 weight [out, in] x E8M0 [ceil(out/b), ceil(in/b)] (one scale per b x b block) -> dtype.
+def dequant_fp8_blocks(weight, scale, block: int = FP8_WEIGHT_BLOCK, dtype=jnp.bfloat16) -> jax.Array:
+    """FP8 weight [..., out, in] x E8M0 [..., ceil(out/b), ceil(in/b)] (one scale per b x b block)
+    -> dtype. Leading axes (a stack of layers) pair one to one.
 
     e4m3 times a power of two is exact in bf16 (barring underflow below 2^-133)."""
     w = e4m3_to_f32(weight)
-    out_f, in_f = w.shape
-    want = (-(-out_f // block), -(-in_f // block))
+    *lead, out_f, in_f = w.shape
+    want = (*lead, -(-out_f // block), -(-in_f // block))
     if tuple(scale.shape) != want:
         raise ValueError(f"dequant_fp8_blocks: weight {w.shape} needs scale {want}, got {tuple(scale.shape)}")
-    return (w * _repeat_to(e8m0_to_f32(scale), (block, block), w.shape)).astype(dtype)
+    return (w * _repeat_to(e8m0_to_f32(scale), (*(1,) * len(lead), block, block), w.shape)).astype(dtype)
 
 
 @partial(jax.jit, static_argnames=("group", "dtype"))
@@ -439,7 +441,7 @@ def fp4_qdq_ue8m0(x, group: int = 32) -> jax.Array:
 # ---- weight quantizers (the checkpoint writer) ---------------------------------------------------
 
 @partial(jax.jit, static_argnames=("block",))
-def quant_weight_fp8(w, block: int = 32) -> tuple[jax.Array, jax.Array]:
+def quant_weight_fp8(w, block: int = FP8_WEIGHT_BLOCK) -> tuple[jax.Array, jax.Array]:
     """Dense weight [out, in] -> (E4M3 codes uint8 [out, in], E8M0 codes [ceil(out/b), ceil(in/b)]).
 
     One power-of-two scale per b x b block, partial edge blocks included; the block amax gets the
@@ -534,7 +536,26 @@ def _fp4_to_fp8_rows(codes, scale):
     return e4m3_codes(on_grid), _pow2(r), bad
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["codes", "block_scale"], meta_fields=[])
+@dataclass(frozen=True)
+class Fp8BlockWeight(HeldWeight):
+    """A dense FP8 weight held as published: E4M3 codes uint8 [..., out, in] and E8M0 codes uint8
+    [..., ceil(out/32), ceil(in/32)], one per 32 x 32 block: half the bf16 bytes. The GEMM takes
+    `dequant()` inside the same jitted step, where XLA fuses the decode into the GEMV / GEMM's
+    weight operand, so the weight is read from HBM as one byte (BENCHMARKS.md, "dense weights held
+    as FP8"); the decoded values are the bf16 hold's bit for bit."""
+    codes: jax.Array
+    block_scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def dequant(self, dtype=jnp.bfloat16) -> jax.Array:
+        return dequant_fp8_blocks(self.codes, self.block_scale, dtype=dtype)
+
+
 def held(w) -> jax.Array:
-    """A params weight as the GEMM takes it: an `Fp4Weight` / `Fp8RowWeight` decoded to bf16
-    (exact), anything else as is."""
+    """A params weight as the GEMM takes it: an `Fp4Weight` / `Fp8RowWeight` / `Fp8BlockWeight`
+    decoded to bf16 (exact), anything else as is."""
     return w.dequant() if isinstance(w, HeldWeight) else w

@@ -24,8 +24,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from ..config import CONFIG_MAX_BYTES, ModelConfig, read_small, validate
-from ..quant import Fp4Weight, Fp8RowWeight
-from .load import ENGRAM_KEY, EngramTables, config_path, load_params, resolve_experts
+from ..quant import Fp4Weight, Fp8BlockWeight, Fp8RowWeight
+from .load import ENGRAM_KEY, EngramTables, config_path, load_params, resolve_dense, resolve_experts
 from .safetensors_io import INDEX_NAME, MAX_HEADER_BYTES, Checkpoint, inside
 from .schema import validate_checkpoint
 
@@ -33,8 +33,8 @@ _SOURCE = "source.json"
 _PARAMS = "params"
 
 
-def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> str:
-    """sha256 over the config and expert format used, the dtype the loader holds each tensor in,
+def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str, dense: str) -> str:
+    """sha256 over the config and the expert and dense formats used, the dtype the loader holds each tensor in,
     config.json, the index and each shard's name, size and header bytes: it changes whenever a
     tensor's name, dtype, shape or placement does, the config does, or the loader's holding does
     (a cache converted before would restore the old dtypes). Tensor bytes are not read (a shard
@@ -45,7 +45,7 @@ def fingerprint(ckpt_dir: str | os.PathLike, cfg: ModelConfig, experts: str) -> 
     # the schema as `load_params` builds it, bounded by the files' tensor count: a hostile size in
     # the config costs no more than the headers here either
     _, schema = validate_checkpoint(ckpt, cfg)
-    h = hashlib.sha256(repr(cfg).encode() + b"\0experts=" + experts.encode())
+    h = hashlib.sha256(repr(cfg).encode() + b"\0experts=" + experts.encode() + b"\0dense=" + dense.encode())
     h.update(repr(sorted((name, spec.held) for name, spec in schema.items())).encode())
     for fname, bound in (("config.json", CONFIG_MAX_BYTES), (INDEX_NAME, MAX_HEADER_BYTES)):
         if os.path.lexists(os.path.join(ckpt_dir, fname)):
@@ -104,7 +104,7 @@ def _targets(meta, expert_sharding):
 def _rewrap(node):
     """Orbax restores a pytree dataclass as the dict of its fields: give held experts their type back."""
     if isinstance(node, dict):
-        for cls in (Fp4Weight, Fp8RowWeight):
+        for cls in (Fp4Weight, Fp8RowWeight, Fp8BlockWeight):
             if set(node) == set(cls.__dataclass_fields__):
                 return cls(**node)
         return {k: _rewrap(v) for k, v in node.items()}
@@ -128,15 +128,15 @@ def cached_fingerprint(cache_dir: str | os.PathLike) -> str | None:
 
 def load_params_cached(ckpt_dir: str | os.PathLike, cache_dir: str | os.PathLike,
                        cfg: ModelConfig | None = None, *, progress: bool = True,
-                       experts: str = "auto", expert_sharding=None) -> tuple[ModelConfig, dict]:
+                       experts: str = "auto", dense: str = "auto", expert_sharding=None) -> tuple[ModelConfig, dict]:
     """`load_params`, served from the orbax cache when it was made from this same checkpoint."""
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
         cfg = ModelConfig.from_file(config_path(ckpt_dir))
-    experts = resolve_experts(experts)
-    source = fingerprint(ckpt_dir, cfg, experts)
+    experts, dense = resolve_experts(experts), resolve_dense(dense)
+    source = fingerprint(ckpt_dir, cfg, experts, dense)
     if cached_fingerprint(cache_dir) != source:
-        cfg, params = load_params(ckpt_dir, cfg, progress=progress, experts=experts,
+        cfg, params = load_params(ckpt_dir, cfg, progress=progress, experts=experts, dense=dense,
                                   expert_sharding=expert_sharding)
         save_converted(cache_dir, params, source)
         return cfg, params

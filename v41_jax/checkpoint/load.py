@@ -1,13 +1,13 @@
 """Published checkpoint -> params pytree (DESIGN.md, "Checkpoint -> params").
 
-`load_params(ckpt_dir, cfg=None, experts="auto") -> (cfg, params)`:
+`load_params(ckpt_dir, cfg=None, experts="auto", dense="auto") -> (cfg, params)`:
 
   * config from `ckpt_dir/config.json` (ModelConfig.from_file) unless given, then `validate(cfg)`;
   * every tensor checked against `checkpoint_schema(cfg)` before any data is read;
   * params are nested dicts mirroring the checkpoint names, `layers` and `mtp` Python lists:
       params["embed"]["weight"]                          bf16 [V, D]
       params["head"]["weight"]                           bf16 [V, D]
-      params["layers"][i]["attn"]["wq_a"]["weight"]      bf16 [Q, D]   (FP8 blocks dequantized)
+      params["layers"][i]["attn"]["wq_a"]["weight"]      bf16 [Q, D] or `quant.Fp8BlockWeight` (`dense=`)
       params["layers"][i]["hc_attn_fn"]                  f32  [24, 4D]
       params["layers"][i]["ffn"]["gate"]["bias"]         f32  [E]
       params["layers"][i]["ffn"]["experts"]              {"w1": [E, F, D], "w3": [E, F, D], "w2": [E, D, F]}
@@ -26,6 +26,10 @@
               weight; slower to decode in a Triton kernel);
       "bf16"  dequantized (2 bytes a weight: the fastest prefill measured; the released
               model's experts do not fit one 8-GPU node this way).
+  * dense FP8 weights (`dense=`): "fp8" held as published, E4M3 codes + one E8M0 per 32 x 32
+    block in a `quant.Fp8BlockWeight` (1 byte a weight; `linear.lin8` decodes it inside the
+    step's jit, where XLA fuses the decode into the GEMM's operand); "bf16" dequantized at load;
+    "auto": "fp8" on a GPU, "bf16" on CPU (`resolve_dense`). The same values either way.
   * dtypes: every dequantized weight and every BF16 tensor is bf16 (exact: e4m3 / e2m1 times a
     power of two fits in bf16), the BF16 tensors the reference holds in fp32 (`head`,
     `markov_head.head`, ratio > 1 `compressor.wkv/wgate`, `confidence_head.proj`) included: their
@@ -62,6 +66,7 @@ from .schema import TensorSpec, validate_checkpoint
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
 HELD_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # a params leaf's dtype by TensorSpec.held
 EXPERT_HOLDS = ("auto", "fp8", "fp4", "bf16")
+DENSE_HOLDS = ("auto", "fp8", "bf16")
 
 
 def held_bytes(held: str, shape) -> int:
@@ -71,6 +76,8 @@ def held_bytes(held: str, shape) -> int:
         return n // 2 + n // 32                                       # codes + E8M0 per 32
     if held == "fp8":
         return n + 4 * (n // shape[-1])                               # codes + fp32 per row
+    if held == "fp8_blocks":                                          # codes + E8M0 per 32 x 32
+        return n + n // (shape[-2] * shape[-1]) * -(-shape[-2] // 32) * -(-shape[-1] // 32)
     return n * jnp.dtype(HELD_DTYPES[held]).itemsize
 ENGRAM_KEY = "engram_tables"
 ENGRAM_DEVICE_KEY = "engram_device"   # the Runner's device copy of the tables (decode rows hashed on device)
@@ -130,11 +137,15 @@ def param_units(schema: Mapping[str, TensorSpec]) -> dict[str, Unit]:
     return {k: Unit(tuple(n for _, n in sorted(v)), k in stacked) for k, v in units.items()}
 
 
-def held_as(spec: TensorSpec, unit: Unit, experts: str) -> str:
+def held_as(spec: TensorSpec, unit: Unit, experts: str, dense: str = "auto") -> str:
     """A leaf's held format: `resolve_experts(experts)` ("fp8" | "fp4" | "bf16") for the FP4 routed
-    experts, else the schema's `spec.held` ("bf16" | "f32")."""
-    held = resolve_experts(experts)
-    return held if unit.stacked and spec.dtype == "I8" else spec.held
+    experts, "fp8_blocks" for a dense FP8 weight held as published (`resolve_dense(dense)`), else
+    the schema's `spec.held` ("bf16" | "f32")."""
+    if unit.stacked and spec.dtype == "I8":
+        return resolve_experts(experts)
+    if spec.dtype == "F8_E4M3" and resolve_dense(dense) == "fp8":
+        return "fp8_blocks"
+    return spec.held
 
 
 def resolve_experts(experts: str = "auto") -> str:
@@ -144,6 +155,19 @@ def resolve_experts(experts: str = "auto") -> str:
     if experts == "auto":
         return "bf16" if jax.default_backend() == "cpu" else "fp8"
     return experts
+
+
+def resolve_dense(dense: str = "auto") -> str:
+    """One of DENSE_HOLDS -> how the dense FP8 weights are held: "fp8" as published (E4M3 codes +
+    E8M0 per 32 x 32 block, `quant.Fp8BlockWeight`, decoded inside the step's GEMMs) or "bf16"
+    decoded at load. "auto": "fp8" on a GPU, where XLA fuses the decode into the GEMV / GEMM and
+    the step reads half the bytes; "bf16" on CPU, where XLA's dot cannot take the decode in and
+    would decode the weight again every step."""
+    if dense not in DENSE_HOLDS:
+        raise ValueError(f"dense: {dense!r} is not one of {DENSE_HOLDS}")
+    if dense == "auto":
+        return "bf16" if jax.default_backend() == "cpu" else "fp8"
+    return dense
 
 
 def recode_fp8(fp4: quant.Fp4Weight, what: str):
@@ -181,15 +205,15 @@ def _refuse_scales(ckpt: Checkpoint, names: list[str], top: int) -> NoReturn:
     raise CheckpointError(ckpt.info(bad).path, bad, rule)
 
 
-def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
+def _convert(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str, dense: str = "bf16"):
     """Read (and stack) the stored tensors of one unit; keep FP4 experts packed or dequantize and
     cast to `spec.held`. Returns once the conversion has run, so the host buffers it read into (the
     stacked experts) are freed before the caller reads the next unit: under async dispatch a
     conversion still queued keeps its input alive, and two or more reads would be held at once."""
-    return jax.block_until_ready(_convert_async(ckpt, unit, spec, experts))
+    return jax.block_until_ready(_convert_async(ckpt, unit, spec, experts, dense))
 
 
-def _convert_async(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str):
+def _convert_async(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str, dense: str):
     def read(names) -> np.ndarray:
         return np.stack([ckpt.get(n) for n in names]) if unit.stacked else ckpt.get(names[0])
 
@@ -205,7 +229,9 @@ def _convert_async(ckpt: Checkpoint, unit: Unit, spec: TensorSpec, experts: str)
     # a jax array before any jitted call: a numpy argument of a jitted call outlives it until the
     # garbage collector runs (measured: the stacked read stays held into the next unit's read)
     w = jnp.asarray(read(unit.names))
-    held = held_as(spec, unit, experts)
+    held = held_as(spec, unit, experts, dense)
+    if held == "fp8_blocks":
+        return quant.Fp8BlockWeight(quant.as_u8(w), read_scales())
     if held in ("fp4", "fp8"):
         fp4 = quant.Fp4Weight(quant.as_u8(w), read_scales())
         return fp4 if held == "fp4" else recode_fp8(fp4, _EXPERT.sub(r"\1.*.\3", unit.names[0]))
@@ -276,7 +302,10 @@ def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[s
     program per placement, then one wait), so it costs no second pass over the files. Routed
     experts held as FP4 / FP8 codes need none: every E2M1 code is finite, and their scales were
     checked against MAX_SCALE_CODE when read."""
-    leaves = {path: leaf for path, leaf in flat.items() if isinstance(leaf, jax.Array)}
+    # a dense FP8 weight held as published is checked as its E4M3 codes (NaN: 0x7F / 0xFF)
+    leaves = {path: jax.lax.bitcast_convert_type(leaf.codes, jnp.float8_e4m3fn)
+              if isinstance(leaf, quant.Fp8BlockWeight) else leaf
+              for path, leaf in flat.items() if isinstance(leaf, (jax.Array, quant.Fp8BlockWeight))}
     if not leaves:
         return
     # one program per placement (the leaves on one device, the experts split over a mesh): a
@@ -353,7 +382,7 @@ def load_token_map(ckpt_dir: str | os.PathLike, cfg: ModelConfig) -> np.ndarray 
 
 
 def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
-                progress: bool = True, experts: str = "auto",
+                progress: bool = True, experts: str = "auto", dense: str = "auto",
                 verify: bool = False, expert_sharding: Callable[[int], Any] | None = None
                 ) -> tuple[ModelConfig, dict]:
     """Read, check and convert a published checkpoint; see the module docstring for the layout.
@@ -362,7 +391,7 @@ def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
     expert_sharding(n_experts) -> a `jax.sharding.Sharding` splitting a stack of that many routed
     experts along its expert axis, or None (`runtime.mesh.expert_sharding`): such stacks are read
     block by block straight onto their devices (`_convert_sharded`)."""
-    experts = resolve_experts(experts)
+    experts, dense = resolve_experts(experts), resolve_dense(dense)
     ckpt_dir = os.fspath(ckpt_dir)
     if cfg is None:
         cfg = ModelConfig.from_file(config_path(ckpt_dir))
@@ -373,7 +402,7 @@ def load_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig | None = None, *,
     def convert(unit: Unit):
         sharding = expert_sharding(len(unit.names)) if unit.stacked and expert_sharding else None
         if sharding is None:
-            return _convert(ckpt, unit, schema[unit.names[0]], experts)
+            return _convert(ckpt, unit, schema[unit.names[0]], experts, dense)
         return _convert_sharded(ckpt, unit, schema[unit.names[0]], experts, sharding)
 
     flat = {path: convert(unit)

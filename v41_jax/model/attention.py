@@ -58,7 +58,7 @@ from v41_jax.model.numerics import HIGHEST, Numerics
 from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.model.window import draft_context_idx, window_idx
-from v41_jax.quant import KV_FP8_GROUP, fp8_act_qdq
+from v41_jax.quant import KV_FP8_GROUP, fp8_act_qdq, held
 from v41_jax.topology import Candidates, LayerTopology, Mode
 
 
@@ -101,7 +101,7 @@ def output_proj(p: dict, cfg: ModelConfig, o: jax.Array, cos: jax.Array, sin: ja
     o = apply_rope(o, *_heads(cos, sin), inverse=True, in_place=True)
     g = cfg.o_groups
     o = o.reshape(*o.shape[:-2], g, -1)                                  # [B, T, G, H/G * Dh]
-    wo_a = p["wo_a"]["weight"].reshape(g, cfg.o_lora_rank, -1)           # block-diagonal over groups
+    wo_a = held(p["wo_a"]["weight"]).reshape(g, cfg.o_lora_rank, -1)     # block-diagonal over groups
     u = jnp.einsum("btgd,grd->btgr", o, wo_a.astype(o.dtype), precision=HIGHEST,
                    preferred_element_type=gemm_out_dtype(numerics, o.size // o.shape[-1] // g))
     return lin8(numerics.act(u).reshape(*u.shape[:-2], -1), p["wo_b"]["weight"], numerics)
