@@ -101,9 +101,9 @@ def test_forward_scanned_equals_unrolled_bit_for_bit(model):
 
 
 def test_dense_fp8_held_as_published_equals_the_bf16_decode(model, model_dir):
-    """Dense FP8 weights held as E4M3 codes + block scales (`load_params(dense="fp8")`, a GPU's
-    default) decode inside the jitted forward to the bf16 hold's values: the same logits bit for
-    bit, unrolled and with the codes stacked into the scanned runs."""
+    """Dense FP8 weights held as E4M3 codes + block scales (`load_params(dense="fp8")`) decode
+    inside the jitted forward to the bf16 hold's values (XLA's route: on CPU the kernel is not
+    taken): the same logits bit for bit, unrolled and with the codes stacked into the scanned runs."""
     cfg, params, token_map = model
     _, held = load_params(model_dir, cfg, progress=False, dense="fp8")
     assert isinstance(held["layers"][4]["attn"]["wq_b"]["weight"], Fp8BlockWeight)

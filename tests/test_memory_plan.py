@@ -37,11 +37,9 @@ def test_replicated_and_per_head_groups():
     tp = mp.param_bytes(LEAVES, "fp4", "tp", 2)
     assert dp["embed"] == tp["embed"] == 512 * 128 * 2           # bf16 [V, D]
     assert dp["head"] == tp["head"] == 512 * 128 * 2             # bf16 (fp32 products of bf16 values)
-    # per-head attention bytes per backbone layer: sink fp32 [4], wq_b [256, 64] and wo_b [128, 128]
-    # FP8 as a GPU holds them (a byte a weight + one E8M0 per 32 x 32 block), wo_a [128, 128] bf16;
-    # per scoring layer indexer wq_b [128, 64] FP8 and weights_proj [4, 128] bf16
-    fp8 = lambda n, k: n * k + (n // 32) * (k // 32)
-    per_head = 7 * (4 * 4 + fp8(256, 64) + 2 * 128 * 128 + fp8(128, 128)) + 3 * (fp8(128, 64) + 2 * 4 * 128)
+    # per-head attention bytes per backbone layer: sink fp32 [4], wq_b [256, 64], wo_a [128, 128],
+    # wo_b [128, 128] bf16; per scoring layer indexer wq_b [128, 64] and weights_proj [4, 128] bf16
+    per_head = 7 * (4 * 4 + 3 * 2 * 256 * 64) + 3 * (2 * 128 * 64 + 2 * 4 * 128)
     assert dp["attention"] - tp["attention"] == per_head // 2
     assert mp.param_bytes(LEAVES, "fp4", "dp", 1) == mp.param_bytes(LEAVES, "fp4", "tp", 1)
 

@@ -540,10 +540,9 @@ def _fp4_to_fp8_rows(codes, scale):
 @dataclass(frozen=True)
 class Fp8BlockWeight(HeldWeight):
     """A dense FP8 weight held as published: E4M3 codes uint8 [..., out, in] and E8M0 codes uint8
-    [..., ceil(out/32), ceil(in/32)], one per 32 x 32 block: half the bf16 bytes. The GEMM takes
-    `dequant()` inside the same jitted step, where XLA fuses the decode into the GEMV / GEMM's
-    weight operand, so the weight is read from HBM as one byte (BENCHMARKS.md, "dense weights held
-    as FP8"); the decoded values are the bf16 hold's bit for bit."""
+    [..., ceil(out/32), ceil(in/32)], one per 32 x 32 block: half the bf16 bytes. `linear.lin8`
+    reads the codes with `kernels_pallas.dense_fp8` at decode row counts and gives XLA's GEMM
+    `dequant()` otherwise, whose values are the bf16 hold's bit for bit."""
     codes: jax.Array
     block_scale: jax.Array
 

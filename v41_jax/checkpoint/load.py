@@ -27,9 +27,9 @@
       "bf16"  dequantized (2 bytes a weight: the fastest prefill measured; the released
               model's experts do not fit one 8-GPU node this way).
   * dense FP8 weights (`dense=`): "fp8" held as published, E4M3 codes + one E8M0 per 32 x 32
-    block in a `quant.Fp8BlockWeight` (1 byte a weight; `linear.lin8` decodes it inside the
-    step's jit, where XLA fuses the decode into the GEMM's operand); "bf16" dequantized at load;
-    "auto": "fp8" on a GPU, "bf16" on CPU (`resolve_dense`). The same values either way.
+    block in a `quant.Fp8BlockWeight` (1 byte a weight; `linear.lin8` runs the
+    `kernels_pallas.dense_fp8` kernel on them at decode row counts); "bf16" dequantized at load;
+    "auto": "bf16" until the kernel is measured (`resolve_dense`). The same values either way.
   * dtypes: every dequantized weight and every BF16 tensor is bf16 (exact: e4m3 / e2m1 times a
     power of two fits in bf16), the BF16 tensors the reference holds in fp32 (`head`,
     `markov_head.head`, ratio > 1 `compressor.wkv/wgate`, `confidence_head.proj`) included: their
@@ -163,15 +163,14 @@ def resolve_experts(experts: str = "auto") -> str:
 
 def resolve_dense(dense: str = "auto") -> str:
     """One of DENSE_HOLDS -> how the dense FP8 weights are held: "fp8" as published (E4M3 codes +
-    E8M0 per 32 x 32 block, `quant.Fp8BlockWeight`, decoded inside the step's GEMMs) or "bf16"
-    decoded at load. "auto": "fp8" on a GPU, where XLA fuses the decode into the GEMV / GEMM and
-    the step reads half the bytes; "bf16" on CPU, where XLA's dot cannot take the decode in and
-    would decode the weight again every step."""
+    E8M0 per 32 x 32 block, `quant.Fp8BlockWeight`: `kernels_pallas.dense_fp8` reads the codes at
+    decode row counts, XLA's GEMM takes them decoded otherwise) or "bf16" decoded at load.
+    "auto": "bf16" on every backend until the kernel's step time is measured on a device
+    (BENCHMARKS.md, "dense FP8 weights held as published": XLA's own decode of the codes was
+    slower; the kernel's prediction stands unmeasured); on CPU XLA would decode every step."""
     if dense not in DENSE_HOLDS:
         raise ValueError(f"dense: {dense!r} is not one of {DENSE_HOLDS}")
-    if dense == "auto":
-        return "bf16" if jax.default_backend() == "cpu" else "fp8"
-    return dense
+    return "bf16" if dense == "auto" else dense
 
 
 def recode_fp8(fp4: quant.Fp4Weight, what: str):

@@ -83,8 +83,7 @@ def param_leaves(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], dict[str,
         spec = schema[unit.names[0]]
         shape = (spec.shape[0], 2 * spec.shape[1]) if spec.dtype == "I8" else spec.shape   # FP4: 2 a byte
         full = ((len(unit.names),) if unit.stacked else ()) + tuple(shape)
-        # dense FP8 weights as a GPU holds them ("auto" there): E4M3 codes + block scales
-        out.append((path, full, {e: held_as(spec, unit, e, dense="fp8") for e in EXPERT_FORMATS}))
+        out.append((path, full, {e: held_as(spec, unit, e) for e in EXPERT_FORMATS}))
     return out
 
 
