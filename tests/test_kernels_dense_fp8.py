@@ -11,7 +11,6 @@ rounded once each), not to XLA bit for bit; the same bound holds XLA's result.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
