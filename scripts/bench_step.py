@@ -66,6 +66,9 @@ the same params stacked per run of identical layers, `v41_jax/model/layer_runs.p
 and first runs each from a copy of one cache: `differing_outputs` lists the outputs (logits,
 cache fields) whose bytes differ between the variants and, as controls, between two runs of each
 (per output: the elements, and for floats the largest difference and magnitude among them).
+`--compare-dense` pairs the dense FP8 weights held as bf16 with the same values held as published
+(`load_params(dense=)`; the fp8 variant's weights drawn, the bf16 variant's their decode) the
+same way; each variant's ideal counts its own bytes.
 `--option KEY=VALUE` (repeatable) sets an XLA compile option over the engine's for every case.
 `--compare-option KEY=VALUE` pairs the engine's XLA compile options
 (`compile_cache.compiler_options`) with the same options and KEY set to VALUE (e.g.
@@ -123,7 +126,7 @@ from scripts.generate import INDEX_CHOICES, KV_CHOICES  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
 from v41_jax.checkpoint.load import (DENSE_HOLDS, ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables,  # noqa: E402
                                      held_as, held_bytes, nest, param_units, resolve_dense)
-from v41_jax.quant import (Fp4Weight, Fp8BlockWeight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, packed_fp4_lanes,  # noqa: E402
+from v41_jax.quant import (Fp4Weight, Fp8BlockWeight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, held, packed_fp4_lanes,  # noqa: E402
                            packed_fp4_row_bytes, packed_fp8_row_bytes,
                            pack_fp4_e4m3_rows, pack_fp4_ue8m0_rows, pack_fp8_ue8m0_rows)
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
@@ -138,6 +141,7 @@ from v41_jax.topology import Mode, resolve_topology  # noqa: E402
 
 SCAN_VARIANTS = ("unrolled", "scanned")
 SWITCH_VARIANTS = ("off", "on")
+DENSE_VARIANTS = ("bf16", "fp8")
 # the policy's switches a run can compare (`--compare-numerics`): its boolean fields but
 # `quantized`, which the checkpoint sets (`make_step` applies `for_model`)
 POLICY_SWITCHES = tuple(f.name for f in fields(Numerics) if f.type in (bool, "bool") and f.name != "quantized")
@@ -402,7 +406,8 @@ class Case:
     tokens: int                # token rows
     bucket: Bucket
     variant: str | None = None  # --compare-kernel: that kernel's backend; --compare-numerics: off | on;
-                                # --compare-scan: unrolled | scanned; --compare-option: engine | VALUE
+                                # --compare-scan: unrolled | scanned; --compare-option: engine | VALUE;
+                                # --compare-dense: bf16 | fp8
     device_batch: object = None
     host_build_ms: float = 0.0
     lowered: object = None
@@ -492,6 +497,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-scan", action="store_true",
                     help="every case unrolled and with the layer runs scanned; timed interleaved, outputs compared")
+    ap.add_argument("--compare-dense", action="store_true",
+                    help="every case with the dense FP8 weights held bf16 and held as published; timed interleaved")
     ap.add_argument("--layers", type=int, default=0, help="keep the config's first N layers (0 = all)")
     ap.add_argument("--routed-experts", type=int, default=0, help="routed experts per layer (0 = the config's)")
     ap.add_argument("--compare-kernel", choices=kernel_backend.KERNELS, default=None,
@@ -562,9 +569,10 @@ def main(argv=None) -> int:
     clock = Clock()
     args = parse_args(argv)
     cfg = ModelConfig.from_file(args.config)
-    if sum(map(bool, (args.compare_scan, args.compare_kernel, args.compare_numerics, args.compare_option))) > 1:
-        raise SystemExit("--compare-scan, --compare-kernel, --compare-numerics, --compare-option: "
-                         "one comparison per run")
+    if sum(map(bool, (args.compare_scan, args.compare_kernel, args.compare_numerics, args.compare_option,
+                      args.compare_dense))) > 1:
+        raise SystemExit("--compare-scan, --compare-kernel, --compare-numerics, --compare-option, "
+                         "--compare-dense: one comparison per run")
     if args.compare_option and str(args.compare_option[1]) == "engine":
         raise SystemExit("--compare-option: 'engine' names the engine's own options; give another value")
     if args.layers:
@@ -587,7 +595,9 @@ def main(argv=None) -> int:
     settings = EngineSettings(page_tokens=page, num_pages=1 + max(batches, default=0) * pages_decode + pages_prefill,
                               slots=max(batches + [1]), max_context=max_context, **formats)
     geom = CacheGeometry.build(cfg, settings)
-    specs = param_leaf_specs(cfg, args.experts, args.dense)
+    specs = param_leaf_specs(cfg, args.experts, "fp8" if args.compare_dense else args.dense)
+    # each variant's leaves (their bytes: the ideal's); the params themselves are the fp8 variant's
+    specs_of = {"bf16": param_leaf_specs(cfg, args.experts, "bf16"), "fp8": specs} if args.compare_dense else {}
 
     # ---- estimates first ----------------------------------------------------------------------
     p_bytes = sum(s.nbytes for s in specs.values())
@@ -667,7 +677,7 @@ def main(argv=None) -> int:
                           (args.compare_kernel, kernel_backend.CHOICES) if args.compare_kernel else
                           (args.compare_numerics, SWITCH_VARIANTS) if args.compare_numerics else
                           (args.compare_option[0], ("engine", str(args.compare_option[1]) or "''"))
-                          if args.compare_option else (None, ()))
+                          if args.compare_option else ("dense", DENSE_VARIANTS) if args.compare_dense else (None, ()))
     if compared:
         cases = [Case(f"{c.name} [{compared}={v}]", c.kind, c.batch, c.tokens, c.bucket, v)
                  for c in cases for v in variants]
@@ -675,7 +685,9 @@ def main(argv=None) -> int:
     engine = Engine(params, cfg, settings=settings, buckets=BucketSet(tuple(c.bucket for c in cases)),
                     numerics=numerics, token_map=token_map)
     # the params each case runs with: the scanned variant's stacked per run (a second copy of those layers)
-    by_variant = {"scanned": stack_runs(params, cfg)} if args.compare_scan else {}
+    by_variant = ({"scanned": stack_runs(params, cfg)} if args.compare_scan else
+                  {"bf16": jax.tree.map(held, params, is_leaf=lambda x: isinstance(x, Fp8BlockWeight))}
+                  if args.compare_dense else {})
     params_of = lambda c: by_variant.get(c.variant, params)
 
     # decode request i: slot i, its own pages, position context - 1; the prefill request: slot 0,
@@ -784,7 +796,7 @@ def main(argv=None) -> int:
         if c.variant:
             row["variant"] = {compared: c.variant}
         if c.kind == "decode":
-            nbytes = decode_bytes(cfg, geom, specs, c.batch, args.context)
+            nbytes = decode_bytes(cfg, geom, specs_of.get(c.variant, specs), c.batch, args.context)
             row["bytes"] = nbytes
             row["ideal_ms"] = ideal_ms(nbytes, ceiling_gbs)
             sheet = next((g for part, g in DATASHEET_GBS if part in meta["device"]), None)
@@ -877,7 +889,7 @@ def main(argv=None) -> int:
 
     # ---- --compare-*: each pair timed again, interleaved (the machine drifts between cases) ----
     pairs: dict[str, dict] = {}
-    checked = args.compare_scan or args.compare_option          # outputs compared too
+    checked = args.compare_scan or args.compare_option or args.compare_dense     # outputs compared too
     for c in cases:
         if c.variant and c.name in rows:
             pairs.setdefault(c.name.rsplit(" [", 1)[0], {})[c.variant] = rows[c.name][1]

@@ -24,11 +24,11 @@ def _layout(tree):
     return jax.tree_util.tree_map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
 
 
-@pytest.mark.parametrize("experts", ["fp4", "fp8", "bf16"])
-def test_random_params_have_the_loaders_layout(tmp_path, experts):
+@pytest.mark.parametrize("experts, dense", [("fp4", "bf16"), ("fp8", "bf16"), ("bf16", "bf16"), ("fp8", "fp8")])
+def test_random_params_have_the_loaders_layout(tmp_path, experts, dense):
     make_checkpoint(TINY, str(tmp_path), seed=0)
-    cfg, loaded = load_params(tmp_path, progress=False, experts=experts)
-    made = bs.random_params(cfg, seed=0, specs=bs.param_leaf_specs(cfg, experts))
+    cfg, loaded = load_params(tmp_path, progress=False, experts=experts, dense=dense)
+    made = bs.random_params(cfg, seed=0, specs=bs.param_leaf_specs(cfg, experts, dense))
     made_tables, tables = made.pop(ENGRAM_KEY), loaded.pop(ENGRAM_KEY)   # static nodes: by source
     assert jax.tree_util.tree_structure(_layout(made)) == jax.tree_util.tree_structure(_layout(loaded))
     assert _layout(made) == _layout(loaded)
@@ -41,6 +41,10 @@ def test_random_params_have_the_loaders_layout(tmp_path, experts):
     leaves = [x for path, x in jax.tree_util.tree_leaves_with_path(made)     # FP8 row scales: one value
               if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and "row_scale" not in jax.tree_util.keystr(path)]
     assert all(np.isfinite(x).all() and x.std() > 0 for x in (np.asarray(v, np.float32) for v in leaves) if x.size > 1)
+    if dense == "fp8":      # dense FP8 blocks: varied codes, the writer's rms
+        wq_b = made["layers"][0]["attn"]["wq_b"]["weight"]
+        assert np.asarray(wq_b.codes).std() > 0
+        assert np.std(np.asarray(wq_b.dequant(jax.numpy.float32))) == pytest.approx(cfg.q_lora_rank ** -0.5, rel=0.5)
     if experts != "bf16":   # the codes vary; the scales give the writer's rms
         w2 = made["layers"][0]["ffn"]["experts"]["w2"]
         assert np.asarray(w2.codes).std() > 0
@@ -338,6 +342,24 @@ def test_compare_option_times_two_executables_of_one_lowering_on_the_same_inputs
     for bad in ("xla_gpu_command_buffer_scheduling_mode", "scheduling=LHS"):
         with pytest.raises(SystemExit):
             bs.parse_args(["--config", TINY, "--out", str(out), "--compare-option", bad])
+
+
+@pytest.mark.skipif(not WHOLE, reason="whole run only (V41_FARM=all): a benchmark script end to end, ~35-55 CPU-s (suite time)")
+def test_compare_dense_times_both_holds_of_the_same_values(tmp_path):
+    """`--compare-dense`: each case with the dense FP8 weights held bf16 and held as published,
+    the same values (the bf16 variant the fp8 one's decode), timed interleaved; on the CPU both
+    run XLA's GEMM on the decoded values, so no output may differ; each variant's ideal counts its
+    own bytes (the dense weights' one byte a weight against two)."""
+    out = tmp_path / "r.json"
+    assert bs.main(["--config", TINY, "--out", str(out), "--batches", "1", "--prefill=", "--context", "32",
+                    "--iters", "2", "--case-s", "0.2", "--compare-dense"]) == 0
+    data = json.loads(out.read_text())
+    comp = data["comparisons"]["decode b=1 ctx=32"]
+    assert comp["compared"] == "dense" and comp["bf16"]["calls"] > 0 and comp["fp8"]["calls"] > 0
+    assert comp["differing_outputs"]["variants"] == {}
+    rows = {c["variant"]["dense"]: c for c in data["cases"]}
+    assert rows["fp8"]["bytes"]["dense_weights"] < rows["bf16"]["bytes"]["dense_weights"]
+    assert rows["fp8"]["bytes"]["experts_expected"] == rows["bf16"]["bytes"]["experts_expected"]
 
 
 def test_differing_counts_and_sizes_what_differs_and_option_sets_every_case(tmp_path):
