@@ -17,7 +17,7 @@ multiplies by the rows of x; the S fp32 partials are added afterwards in range o
 so that about TARGET_PROGRAMS programs are in flight (a 1,280 x 5,120 weight has only 40 row blocks).
 
   M = 1: elementwise fp32 products summed per row (an MMA would waste 15 of its 16 rows);
-  M > 1: the rows padded to a multiple of 16 and one MMA per tile in x's dtype (the decoded
+  M > 1: the rows padded to a power of two >= 16 and one MMA per tile in x's dtype (the decoded
          weight is exact in bf16; fp32 x keeps an fp32 MMA at HIGHEST precision, no TF32).
 
 Exactness: each product is the one XLA's dot forms (bf16 x times a 4-bit significand times a power
@@ -77,7 +77,7 @@ def _dense_fp8_pallas(x, codes, block_scale, *, interpret: bool):
     n = codes.shape[0]
     bk = next(b for b in K_STEPS if k % b == 0)
     splits = _splits(n, k // bk)
-    rows = m if m == 1 else -(-m // MMA_ROWS) * MMA_ROWS
+    rows = m if m == 1 else max(MMA_ROWS, 1 << (m - 1).bit_length())   # Triton tiles: powers of two
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)   # addressed in the kernel
     out = pl.pallas_call(

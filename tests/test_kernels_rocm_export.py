@@ -173,10 +173,10 @@ def test_pallas_call_without_triton_params_is_refused_for_rocm():
 
 
 @pytest.mark.parametrize("m, n, k, x_dtype", [(1, 1280, 5120, BF16), (8, 32768, 1280, BF16),
-                                             (64, 5120, 2304, BF16), (4, 512, 5120, F32)])
+                                             (40, 2304, 5120, BF16), (64, 5120, 2304, BF16), (4, 512, 5120, F32)])
 def test_dense_fp8_lowers_for_rocm(m, n, k, x_dtype):
     """The dense FP8 linear at the model's query / output / shared-expert widths: one row
-    (elementwise products), MMA rows in bf16 and in fp32."""
+    (elementwise products), MMA rows in bf16 (40 rows: padded to 64, a power of two) and in fp32."""
     from kernels_pallas.dense_fp8 import _dense_fp8_pallas
     f = functools.partial(_dense_fp8_pallas, interpret=False)
     e = _export_rocm(f, S((m, k), x_dtype), S((n, k), U8), S((n // 32, k // 32), U8))
