@@ -13,8 +13,9 @@ them so: it writes the decoded weight out before its GEMM from 8 rows on and was
 row count (H100, BENCHMARKS.md, "dense FP8 weights held as published"). Here the decode is in
 registers: a program owns 32 output rows (one row of block scales) and one of S equal ranges of
 K, streams [32, BK] code tiles, scales each 32-lane group by its power of two (exact) and
-multiplies by the rows of x; the S fp32 partials are added afterwards in range order. S is chosen
-so that about TARGET_PROGRAMS programs are in flight (a 1,280 x 5,120 weight has only 40 row blocks).
+multiplies by the rows of x; the S fp32 partials are added afterwards (one XLA reduction). S is
+chosen so that about TARGET_PROGRAMS programs are in flight (a 1,280 x 5,120 weight has only 40 row
+blocks) while the partials, written and read again, stay under a quarter of the weight's bytes.
 
   M = 1: elementwise fp32 products summed per row (an MMA would waste 15 of its 16 rows);
   M > 1: the rows padded to a power of two >= 16 and one MMA per tile in x's dtype (the decoded
@@ -46,9 +47,12 @@ TARGET_PROGRAMS = 512       # ~4 a streaming multiprocessor on an H100 / H200 (1
 WARPS, STAGES = 4, 3
 
 
-def _splits(n: int, steps: int) -> int:
-    """The largest divisor S of the K steps with (n / BN) x S <= TARGET_PROGRAMS, at least 1."""
-    want = max(1, TARGET_PROGRAMS // (n // BN))
+def _splits(n: int, k: int, bk: int, rows: int) -> int:
+    """The largest divisor S of the K steps with (n / BN) x S <= TARGET_PROGRAMS and partials
+    that cost at most a quarter of the weight's bytes: S fp32 [rows, n] written and read again,
+    8 S rows n <= n k / 4, so S <= k / (32 rows). At least 1."""
+    steps = k // bk
+    want = max(1, min(TARGET_PROGRAMS // (n // BN), k // (32 * rows)))
     return max(s for s in range(1, steps + 1) if steps % s == 0 and s <= want)
 
 
@@ -76,8 +80,8 @@ def _dense_fp8_pallas(x, codes, block_scale, *, interpret: bool):
     m, k = x.shape
     n = codes.shape[0]
     bk = next(b for b in K_STEPS if k % b == 0)
-    splits = _splits(n, k // bk)
     rows = m if m == 1 else max(MMA_ROWS, 1 << (m - 1).bit_length())   # Triton tiles: powers of two
+    splits = _splits(n, k, bk, rows)
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)   # addressed in the kernel
     out = pl.pallas_call(
@@ -88,7 +92,7 @@ def _dense_fp8_pallas(x, codes, block_scale, *, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((splits * rows, n), jnp.float32),
         compiler_params=compiler_params(WARPS, STAGES), interpret=interpret, name="dense_fp8",
     )(xp, codes, block_scale)
-    return out.reshape(splits, rows, n).sum(axis=0)[:m]        # the ranges' partials in K order
+    return out.reshape(splits, rows, n).sum(axis=0)[:m]        # the ranges' partials (XLA's order)
 
 
 def _dense_fp8_xla(x, w: Fp8BlockWeight):

@@ -159,7 +159,7 @@ GiB = float(1 << 30)
 class LeafSpec:
     path: str                  # dotted params path (`nest` turns it into the pytree)
     shape: tuple[int, ...]
-    held: str                  # "bf16" | "f32" | "fp4" | "fp8" (`load.held_as`)
+    held: str                  # "bf16" | "f32" | "fp4" | "fp8" | "fp8_blocks" (`load.held_as`)
     offset: float              # value = offset + scale * N(0, 1), as the writer draws it
     scale: float
 

@@ -12,6 +12,7 @@ rounded once each), not to XLA bit for bit; the same bound holds XLA's result.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -54,15 +55,40 @@ def test_kernel_within_the_fp32_summation_bound(m, n, k, dtype):
     assert np.any(np.abs(off - want) > bound)
 
 
-def test_splits_fill_the_device_and_divide_k():
-    """About TARGET_PROGRAMS programs: a narrow weight splits its K steps, a wide one does not."""
-    assert kd._splits(1280, 20) == 10          # 40 row blocks x 10 ranges of 2 steps
-    assert kd._splits(32768, 5) == 1           # 1,024 row blocks already
-    assert kd._splits(512, 20) == 20           # 16 row blocks x 20 ranges of one step
-    assert kd._splits(5120, 9) == 3            # 160 x 3 (9 steps: divisors 1, 3, 9)
-    for n, steps in ((1280, 20), (2304, 20), (5120, 32), (64, 7)):
-        s = kd._splits(n, steps)
-        assert steps % s == 0 and (n // kd.BN) * s <= max(kd.TARGET_PROGRAMS, n // kd.BN)
+def test_splits_fill_the_device_divide_k_and_bound_the_partials():
+    """About TARGET_PROGRAMS programs: a narrow weight splits its K steps, a wide one does not; the
+    partials (S x rows x N fp32, written and read) stay under a quarter of the weight's bytes."""
+    assert kd._splits(1280, 5120, 256, 1) == 10      # 40 row blocks x 10 ranges of 2 steps
+    assert kd._splits(32768, 1280, 256, 1) == 1      # 1,024 row blocks already
+    assert kd._splits(512, 5120, 256, 1) == 20       # 16 row blocks x 20 ranges of one step
+    assert kd._splits(5120, 2304, 256, 1) == 3       # 160 x 3 (9 steps: divisors 1, 3, 9)
+    assert kd._splits(512, 5120, 256, 16) == 10      # the partials' bound: S <= 5120 / (32 x 16)
+    assert kd._splits(512, 5120, 256, 64) == 2
+    for n, k, rows in ((1280, 5120, 1), (2304, 5120, 16), (5120, 8192, 64), (512, 5120, 32), (64, 224, 1)):
+        bk = next(b for b in kd.K_STEPS if k % b == 0)
+        s = kd._splits(n, k, bk, rows)
+        assert (k // bk) % s == 0 and (n // kd.BN) * s <= max(kd.TARGET_PROGRAMS, n // kd.BN)
+        assert s == 1 or 8 * s * rows * n <= n * k / 4
+
+
+@pytest.mark.parametrize("m, n, k, target", [(1, 64, 1024, 2), (1, 64, 1024, 4), (5, 32, 2304, 1),
+                                             (40, 96, 512, 3), (64, 32, 8192, 8)])
+def test_sums_that_fp32_holds_exactly_are_exact(monkeypatch, m, n, k, target):
+    """Integers in x (|x| <= 8) and in the E4M3 codes (|c| <= 16) under block scales 2^-1 .. 2^1:
+    every product a multiple of 2^-1 of magnitude <= 256, so every partial sum of at most K = 8,192
+    of them a multiple of 2^-1 below 2^21, which fp32 (24 significant bits) holds exactly in any
+    order: the kernel must equal the exact dot bit for bit (an MMA's accumulation too), and a
+    block's scale misread shows. TARGET_PROGRAMS lowered so that each K range runs several steps
+    (4, 2, 9, 2 and 8 steps of 256 a range)."""
+    monkeypatch.setattr(kd, "TARGET_PROGRAMS", target)
+    rng = np.random.default_rng(m + n + k)
+    ints = rng.integers(-16, 17, (n, k)).astype(ml_dtypes.float8_e4m3fn)          # exact in E4M3
+    scale = rng.integers(127 - 1, 127 + 2, (n // 32, k // 32)).astype(np.uint8)
+    w = Fp8BlockWeight(jnp.asarray(ints.view(np.uint8)), jnp.asarray(scale))
+    x = jnp.asarray(rng.integers(-8, 9, (m, k)), jnp.bfloat16)
+    want, _ = exact(x, w)
+    got = np.asarray(kd.dense_fp8(x, w, backend="pallas"), np.float64)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_takes_decode_rows_of_whole_blocks_on_the_pallas_backend():

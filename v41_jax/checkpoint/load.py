@@ -292,8 +292,10 @@ def nest(flat: Mapping[str, Any]) -> dict:
 
 @jax.jit
 def _all_finite(leaves: list[jax.Array]) -> jax.Array:
-    """[len(leaves)] bool: whether each leaf holds only finite values."""
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
+    """[len(leaves)] bool: whether each leaf holds only finite values; a uint8 leaf is the E4M3
+    codes of a dense weight held as published (NaN: 0x7F / 0xFF), read as such in place."""
+    return jnp.stack([jnp.isfinite(jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn) if x.dtype == jnp.uint8
+                                   else x).all() for x in leaves])
 
 
 def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[str, TensorSpec],
@@ -305,9 +307,8 @@ def _check_finite(ckpt: Checkpoint, units: Mapping[str, Unit], schema: Mapping[s
     program per placement, then one wait), so it costs no second pass over the files. Routed
     experts held as FP4 / FP8 codes need none: every E2M1 code is finite, and their scales were
     checked against MAX_SCALE_CODE when read."""
-    # a dense FP8 weight held as published is checked as its E4M3 codes (NaN: 0x7F / 0xFF)
-    leaves = {path: jax.lax.bitcast_convert_type(leaf.codes, jnp.float8_e4m3fn)
-              if isinstance(leaf, quant.Fp8BlockWeight) else leaf
+    # a dense FP8 weight held as published is checked as its codes (`_all_finite`)
+    leaves = {path: leaf.codes if isinstance(leaf, quant.Fp8BlockWeight) else leaf
               for path, leaf in flat.items() if isinstance(leaf, (jax.Array, quant.Fp8BlockWeight))}
     if not leaves:
         return
