@@ -39,6 +39,7 @@ from v41_jax.runtime.metadata import DEFAULT_MAX_BATCH, DEFAULT_NUMERICS
 
 NUMERICS_CHOICES = ("fast", "fp32", "reference")
 EXPERT_CHOICES = ("auto", "fp8", "fp4", "bf16")
+DENSE_CHOICES = ("auto", "fp8", "bf16")
 INDEX_CHOICES = ("typed", INDEX_PACKED)
 KV_CHOICES = ("typed", KV_PACKED)
 KV_HELP = ("the cache's main and window rows: typed = the activation dtype (default); packed = FP4 main and "
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fast: bf16 activations; fp32; reference: the official rounding points")
     ap.add_argument("--experts", choices=EXPERT_CHOICES, default="auto",
                     help="how the routed experts are held (auto: fp8 on a GPU, bf16 on CPU)")
+    ap.add_argument("--dense", choices=DENSE_CHOICES, default="auto",
+                    help="how the dense FP8 weights are held (fp8: as published, read by the dense_fp8 "
+                         "kernel at decode; auto: bf16)")
     ap.add_argument("--compile-cache", default=None,
                     help=f"persistent compilation cache folder ('' disables; default ${compile_cache.ENV} "
                          f"or {compile_cache.DEFAULT})")
@@ -268,7 +272,7 @@ def _run(args, tokenizer, requests):
     from v41_jax.runtime.engine import Engine, Stats
     from v41_jax.runtime.scheduler import FinishEvent, TokenEvent
 
-    engine = Engine.from_checkpoint(args.checkpoint, numerics=args.numerics, experts=args.experts,
+    engine = Engine.from_checkpoint(args.checkpoint, numerics=args.numerics, experts=args.experts, dense=args.dense,
                                     max_batch=args.max_batch, chunk=args.chunk, buckets=args.buckets,
                                     page_tokens=args.page_tokens, pages=args.pages, slots=args.slots,
                                     max_context=args.max_context, compile_cache_dir=args.compile_cache,

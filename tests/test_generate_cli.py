@@ -207,6 +207,9 @@ def test_no_valid_request_loads_and_compiles_nothing(model, tmp_path, capsys, lo
 
 
 def test_help_documents_every_flag_and_the_schema(capsys):
+    from v41_jax.checkpoint.load import DENSE_HOLDS, EXPERT_HOLDS
+    # the CLI's choices (spelled here: parsing imports no jax) are the loader's
+    assert generate_script.EXPERT_CHOICES == EXPERT_HOLDS and generate_script.DENSE_CHOICES == DENSE_HOLDS
     parser = generate_script.build_parser()
     assert [a.dest for a in parser._actions if not a.help] == []
     rc, stdout, _ = _main(capsys, ["--help"])

@@ -184,6 +184,7 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | os.PathLike, *, numerics: str = DEFAULT_NUMERICS, experts: str = "auto",
+                        dense: str = "auto",
                         max_batch: int = DEFAULT_MAX_BATCH, chunk: int = 64, buckets: str | BucketSet | None = None,
                         page_tokens: int = 16, pages: int = 0, slots: int = 0, max_context: int = 0,
                         compile_cache_dir: str | None = None, tokenizer: str | None = None,
@@ -212,7 +213,7 @@ class Engine:
         # the small files first: a bad token map is refused before minutes of weights are read
         cfg = ModelConfig.from_file(config_path(str(ckpt)))         # validated as it is read
         token_map = load_token_map(ckpt, cfg)
-        cfg, params = load_params(ckpt, cfg, progress=progress, experts=experts,
+        cfg, params = load_params(ckpt, cfg, progress=progress, experts=experts, dense=dense,
                                   expert_sharding=None if mesh is None else expert_sharding(mesh))
         if token_map is None and tok is not None and cfg.engram_layer_ids:
             token_map = token_map_from_tokenizer(tok, cfg.engram_compressed_vocab_size)

@@ -81,7 +81,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from v41_jax.checkpoint.load import ENGRAM_KEY, EXPERT_HOLDS, load_params, load_token_map
+from v41_jax.checkpoint.load import DENSE_HOLDS, ENGRAM_KEY, EXPERT_HOLDS, load_params, load_token_map
 from v41_jax.config import ModelConfig, exit_2_on_refusal
 from v41_jax.engram_hash import EngramHasher
 from v41_jax.model import dspark
@@ -319,9 +319,9 @@ class Fixture(NamedTuple):
 REFERENCE_CONFIG = "reference_config.json"
 
 
-def load_fixture(folder: str, experts: str = "auto") -> Fixture:
+def load_fixture(folder: str, experts: str = "auto", dense: str = "auto") -> Fixture:
     """The folder's checkpoint through the project's own reader (routed experts held as `experts`,
-    `load_params`' choices: all hold the same values), its reference outputs (plus the prefill
+    dense FP8 weights as `dense`, `load_params`' choices: all hold the same values), its reference outputs (plus the prefill
     taps sidecar where the outputs lack them), its hasher. The model's arguments are the
     reference's own (`checkpoint/reference_config.json`, the ModelArgs the outputs came from)
     where the folder has them: the HF-layout config.json beside them leaves some out (the router's
@@ -330,7 +330,7 @@ def load_fixture(folder: str, experts: str = "auto") -> Fixture:
     ckpt = os.path.join(folder, "checkpoint")
     own_args = os.path.join(ckpt, REFERENCE_CONFIG)
     cfg = ModelConfig.from_file(own_args) if os.path.exists(own_args) else None
-    cfg, params = load_params(ckpt, cfg, progress=False, experts=experts)
+    cfg, params = load_params(ckpt, cfg, progress=False, experts=experts, dense=dense)
     hasher = EngramHasher(cfg, load_token_map(ckpt, cfg)) \
         if cfg.engram_layer_ids else None
     with np.load(os.path.join(folder, OUTPUTS)) as f:
@@ -1014,6 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", choices=("auto", "cpu", "gpu"), default="auto",
                     help="tolerance profile; auto = by the default JAX backend")
     ap.add_argument("--experts", choices=EXPERT_HOLDS, default="auto", help="how the routed experts are held")
+    ap.add_argument("--dense", choices=DENSE_HOLDS, default="auto", help="how the dense FP8 weights are held")
     ap.add_argument("--conditioning", type=int, default=CONDITIONING_RUNS, metavar="N",
                     help="one-ulp nudges of the model the near-tie rules are measured from")
     ap.add_argument("--free-running", action="store_true", help="also compare free-running greedy tokens")
@@ -1025,7 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
         from v41_jax.tools.engine_replay import run_engine  # imports this module: bind late
         runner = functools.partial(run_engine, kv_format=args.kv_format)
     tol = {"auto": None, "cpu": CPU, "gpu": GPU}[args.tolerance]
-    fx, numerics = load_fixture(args.folder, args.experts), getattr(Numerics, args.numerics)()
+    fx, numerics = load_fixture(args.folder, args.experts, args.dense), getattr(Numerics, args.numerics)()
     cond = selection_conditioning(fx, numerics, args.conditioning)
     checks = check_folder(fx, numerics, tol, runner, cond, args.free_running)
     ok = all(c.passed for c in checks)
