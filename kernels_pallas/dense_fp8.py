@@ -1,10 +1,12 @@
 """Dense FP8 linears at decode row counts, reading the weight as published: one Pallas kernel
 (Triton lowering) per call.
 
-  dense_fp8(x [M, K], w `quant.Fp8BlockWeight` [N, K], *, backend=None) -> fp32 [M, N]
+  dense_fp8(x [M, K], w `quant.Fp8BlockWeight` [N, K], *, groups=1, backend=None) -> fp32 [M, N]
       x @ decode(w)^T accumulated in fp32. XLA path: the decode (`w.dequant`) and one `jnp.dot`.
-  takes(rows, w, backend=None) -> bool: whether `dense_fp8` runs the kernel for `rows` rows
-      (`linear.lin8` sends the rest, prefill's GEMMs, to XLA's decode and dot).
+      groups = G: block-diagonal, x [M, G K'] and w [G R, K'] (K = G K'): group g's R rows of w
+      against x's g-th K' columns (attention's grouped `wo_a`); XLA path: one einsum.
+  takes(rows, w, groups=1, backend=None) -> bool: whether `dense_fp8` runs the kernel for `rows`
+      rows (`linear.lin8` / `lin_grouped` send the rest, prefill's GEMMs, to XLA's decode and dot).
 
 Why a kernel: the dense FP8 weights (query, kv, output, shared expert, indexer query, Engram and
 draft projections) held as bf16 are two bytes a weight, and a decode step is a stream over them.
@@ -56,16 +58,17 @@ def _splits(n: int, k: int, bk: int, rows: int) -> int:
     return max(s for s in range(1, steps + 1) if steps % s == 0 and s <= want)
 
 
-def _kernel(x_ref, codes_ref, scale_ref, o_ref, *, bk: int, steps: int):
+def _kernel(x_ref, codes_ref, scale_ref, o_ref, *, bk: int, steps: int, group_rows: int):
     j, s = pl.program_id(0), pl.program_id(1)
-    m = x_ref.shape[0]
+    m, k = x_ref.shape[0], codes_ref.shape[1]
     rows = pl.ds(pl.multiple_of(j * BN, BN), BN)
+    x0 = (j * BN // group_rows) * k                 # where this row block's group starts in x
 
     def body(i, acc):
         k0 = pl.multiple_of((s * steps + i) * bk, bk)
         scale = e8m0_as_f32(scale_ref[pl.ds(j, 1), pl.ds(pl.multiple_of(k0 // BN, bk // BN), bk // BN)])
         w = e4m3_as(codes_ref[rows, pl.ds(k0, bk)], jnp.float32) * per_lane(scale, BN)   # [BN, BK], exact
-        x = x_ref[:, pl.ds(k0, bk)]                                                       # [M, BK]
+        x = x_ref[:, pl.ds(pl.multiple_of(x0 + k0, bk), bk)]                              # [M, BK]
         if m == 1:
             return acc + jnp.sum(w * x.astype(jnp.float32), axis=1)[None, :]
         return acc + jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), precision=HIGHEST,
@@ -75,17 +78,17 @@ def _kernel(x_ref, codes_ref, scale_ref, o_ref, *, bk: int, steps: int):
     o_ref[pl.ds(pl.multiple_of(s * m, m), m), rows] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _dense_fp8_pallas(x, codes, block_scale, *, interpret: bool):
-    m, k = x.shape
-    n = codes.shape[0]
+@functools.partial(jax.jit, static_argnames=("groups", "interpret"))
+def _dense_fp8_pallas(x, codes, block_scale, *, groups: int = 1, interpret: bool):
+    m = x.shape[0]
+    n, k = codes.shape
     bk = next(b for b in K_STEPS if k % b == 0)
     rows = m if m == 1 else max(MMA_ROWS, 1 << (m - 1).bit_length())   # Triton tiles: powers of two
     splits = _splits(n, k, bk, rows)
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, s: (0,) * a.ndim)   # addressed in the kernel
     out = pl.pallas_call(
-        functools.partial(_kernel, bk=bk, steps=k // bk // splits),
+        functools.partial(_kernel, bk=bk, steps=k // bk // splits, group_rows=n // groups),
         grid=(n // BN, splits),
         in_specs=[whole(xp), whole(codes), whole(block_scale)],
         out_specs=pl.BlockSpec((splits * rows, n), lambda i, s: (0, 0)),
@@ -95,23 +98,29 @@ def _dense_fp8_pallas(x, codes, block_scale, *, interpret: bool):
     return out.reshape(splits, rows, n).sum(axis=0)[:m]        # the ranges' partials (XLA's order)
 
 
-def _dense_fp8_xla(x, w: Fp8BlockWeight):
-    return jnp.dot(x, w.dequant(x.dtype).T, precision=HIGHEST, preferred_element_type=jnp.float32)
+def _dense_fp8_xla(x, w: Fp8BlockWeight, groups: int):
+    wd = w.dequant(x.dtype)
+    if groups == 1:
+        return jnp.dot(x, wd.T, precision=HIGHEST, preferred_element_type=jnp.float32)
+    xg = x.reshape(*x.shape[:-1], groups, -1)
+    out = jnp.einsum("...gd,grd->...gr", xg, wd.reshape(groups, -1, xg.shape[-1]), precision=HIGHEST,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(*x.shape[:-1], -1)
 
 
-def takes(rows: int, w: Fp8BlockWeight, backend: str | None = None) -> bool:
+def takes(rows: int, w: Fp8BlockWeight, groups: int = 1, backend: str | None = None) -> bool:
     """Whether `dense_fp8` runs the kernel: the Pallas backend, a single [N, K] weight of whole
-    blocks, at most MAX_ROWS rows."""
+    blocks (each group's rows whole blocks too), at most MAX_ROWS rows."""
     n, k = w.codes.shape[-2:]
     return (_backend.resolve(backend, kernel="dense_fp8") == "pallas" and w.codes.ndim == 2
-            and rows <= MAX_ROWS and n % BN == 0 and k % K_STEPS[-1] == 0)
+            and rows <= MAX_ROWS and n % (groups * BN) == 0 and k % K_STEPS[-1] == 0)
 
 
-def dense_fp8(x: jax.Array, w: Fp8BlockWeight, *, backend: str | None = None) -> jax.Array:
-    """x [..., K] @ w^T -> fp32 [..., N] (module docstring)."""
+def dense_fp8(x: jax.Array, w: Fp8BlockWeight, *, groups: int = 1, backend: str | None = None) -> jax.Array:
+    """x [..., G K'] @ w^T -> fp32 [..., N]; block-diagonal over `groups` (module docstring)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if not takes(x2.shape[0], w, backend):
-        return _dense_fp8_xla(x, w)
-    out = _dense_fp8_pallas(x2, w.codes, w.block_scale, interpret=_backend.interpret())
+    if not takes(x2.shape[0], w, groups, backend):
+        return _dense_fp8_xla(x, w, groups)
+    out = _dense_fp8_pallas(x2, w.codes, w.block_scale, groups=groups, interpret=_backend.interpret())
     return out.reshape(*lead, out.shape[-1])

@@ -190,8 +190,8 @@ def main(out: Path) -> dict:
     # ---- loading: each device's experts read alone, values equal, bytes as the plan ----------
     reads = []
     real = load_mod._convert
-    load_mod._convert = lambda ckpt, unit, spec, experts: (reads.append((unit.stacked, len(unit.names))),
-                                                            real(ckpt, unit, spec, experts))[1]
+    load_mod._convert = lambda ckpt, unit, spec, *hold: (reads.append((unit.stacked, len(unit.names))),
+                                                          real(ckpt, unit, spec, *hold))[1]
     mesh = make_mesh(8)
     _, sharded = load_mod.load_params(out / "tiny", progress=False, experts="fp4",
                                       expert_sharding=expert_sharding(mesh))

@@ -91,15 +91,47 @@ def test_sums_that_fp32_holds_exactly_are_exact(monkeypatch, m, n, k, target):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("m, groups, r, kg", [(1, 4, 32, 64), (3, 2, 64, 96), (1, 8, 64, 256)])
+def test_grouped_sums_are_exact_and_block_diagonal(m, groups, r, kg):
+    """Block-diagonal (attention's `wo_a`): group g's R rows of w against x's g-th K' columns only.
+    The exact-sum setting of the test above, against the float64 block-diagonal product; a weight
+    read against the wrong group's columns shows."""
+    rng = np.random.default_rng(m + groups + r)
+    ints = rng.integers(-16, 17, (groups * r, kg)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.integers(127 - 1, 127 + 2, (groups * r // 32, kg // 32)).astype(np.uint8)
+    w = Fp8BlockWeight(jnp.asarray(ints.view(np.uint8)), jnp.asarray(scale))
+    x = jnp.asarray(rng.integers(-8, 9, (m, groups * kg)), jnp.bfloat16)
+    wd = np.asarray(w.dequant(jnp.float32), np.float64).reshape(groups, r, kg)
+    xg = np.asarray(x, np.float64).reshape(m, groups, kg)
+    want = np.einsum("mgd,grd->mgr", xg, wd).reshape(m, groups * r)
+    for route in ("pallas", "xla"):
+        got = np.asarray(kd.dense_fp8(x, w, groups=groups, backend=route), np.float64)
+        np.testing.assert_array_equal(got, want, err_msg=route)
+
+
+def test_lin_grouped_of_the_held_weight_equals_lin_grouped_of_its_decode():
+    """`linear.lin_grouped` (attention's `wo_a`): the kernel at a decode row count within one bf16
+    ulp of the bf16-held einsum (the sum order differs), the same shape."""
+    from v41_jax.linear import lin_grouped
+    w = weight(4 * 64, 128, seed=7)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 3, 4, 128)), jnp.bfloat16)
+    with backend.use_backend("pallas", kernel="dense_fp8"):
+        got = np.asarray(lin_grouped(x, w, 4, Numerics.fast()).astype(jnp.float32))
+    want = np.asarray(lin_grouped(x, w.dequant(), 4, Numerics.fast()).astype(jnp.float32))
+    assert got.shape == want.shape == (2, 3, 4, 64)
+    assert (np.abs(got.view(np.int32) - want.view(np.int32)) >> 16).max() <= 1
+
+
 def test_takes_decode_rows_of_whole_blocks_on_the_pallas_backend():
     w = weight(64, 256)
-    assert kd.takes(1, w, "pallas") and kd.takes(kd.MAX_ROWS, w, "pallas")
-    assert not kd.takes(kd.MAX_ROWS + 1, w, "pallas")           # prefill: XLA's GEMM
-    assert not kd.takes(1, w, "xla")
+    assert kd.takes(1, w, backend="pallas") and kd.takes(kd.MAX_ROWS, w, backend="pallas")
+    assert not kd.takes(kd.MAX_ROWS + 1, w, backend="pallas")   # prefill: XLA's GEMM
+    assert not kd.takes(1, w, backend="xla")
     stacked = Fp8BlockWeight(w.codes[None], w.block_scale[None])
-    assert not kd.takes(1, stacked, "pallas")                   # a scanned stack is sliced first
+    assert not kd.takes(1, stacked, backend="pallas")           # a scanned stack is sliced first
     odd = Fp8BlockWeight(*quant_weight_fp8(jnp.ones((48, 256), jnp.float32)))
-    assert not kd.takes(1, odd, "pallas")                       # a partial block of rows
+    assert not kd.takes(1, odd, backend="pallas")               # a partial block of rows
+    assert kd.takes(1, w, 2, "pallas") and not kd.takes(1, w, 4, "pallas")   # groups of 32 rows, not 16
 
 
 @pytest.mark.parametrize("rows", [1, 4, 80])

@@ -181,3 +181,12 @@ def test_dense_fp8_lowers_for_rocm(m, n, k, x_dtype):
     f = functools.partial(_dense_fp8_pallas, interpret=False)
     e = _export_rocm(f, S((m, k), x_dtype), S((n, k), U8), S((n // 32, k // 32), U8))
     assert _triton_calls(e) == 1
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_grouped_dense_fp8_lowers_for_rocm(m):
+    """The block-diagonal form at the released `wo_a` (8 groups of 1,024 rows over 4,096 inputs)."""
+    from kernels_pallas.dense_fp8 import _dense_fp8_pallas
+    f = functools.partial(_dense_fp8_pallas, groups=8, interpret=False)
+    e = _export_rocm(f, S((m, 8 * 4096), BF16), S((8 * 1024, 4096), U8), S((8 * 1024 // 32, 4096 // 32), U8))
+    assert _triton_calls(e) == 1

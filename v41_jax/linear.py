@@ -11,6 +11,7 @@ API (x [..., K], w [N, K]; outputs [..., N])
   lin8(x, w, numerics) -> act dtype   FP8 dense site: fp8_act_qdq(x) per 32, GEMM, one rounding.
   lin4                                 FP4 expert site; identical once the weight is dequantized.
   lin_bf(x, w, numerics) -> act dtype  plain bf16 linear with fp32 accumulation (no quant).
+  lin_grouped(x, w, groups, numerics)  a block-diagonal linear ([..., G, D] by [G R, D]): `wo_a`.
   lin_f32(x, w) -> fp32                 fp32 linear (router, LM head, ratio-2 compressor, mHC mixes):
                                         when x and w are both bf16, one bf16 GEMM accumulating in
                                         fp32; bf16 x by an fp32 w, from SPLIT_ROWS rows, one bf16
@@ -85,6 +86,20 @@ def lin8(x: jax.Array, w, numerics: Numerics) -> jax.Array:
             return numerics.act(dense_fp8(x, w))
         w = w.dequant()
     return numerics.act(_dot_act(x, w, numerics))
+
+
+def lin_grouped(x: jax.Array, w, groups: int, numerics: Numerics) -> jax.Array:
+    """x [..., G, D] by a block-diagonal weight w [G R, D] (group g's R rows against x's group g)
+    -> [..., G, R] in the activation dtype: fp32 accumulation, one rounding (attention's `wo_a`).
+    Held as published (`quant.Fp8BlockWeight`, the HF layout), the kernel reads the codes at decode
+    row counts."""
+    lead = x.shape[:-2]
+    rows = x.size // (groups * x.shape[-1])
+    if isinstance(w, Fp8BlockWeight) and takes_dense_fp8(rows, w, groups):
+        return numerics.act(dense_fp8(x.reshape(*lead, -1), w, groups=groups).reshape(*lead, groups, -1))
+    wg = held(w).reshape(groups, -1, x.shape[-1])
+    return numerics.act(jnp.einsum("...gd,grd->...gr", x, wg.astype(x.dtype), precision=HIGHEST,
+                                   preferred_element_type=gemm_out_dtype(numerics, rows)))
 
 
 lin4 = lin8  # FP4 expert weights arrive decoded to bf16 (at load or by `quant.held`): the FP8 GEMM

@@ -67,7 +67,6 @@ _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(w[123])\.weight")
 HELD_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # a params leaf's dtype by TensorSpec.held
 EXPERT_HOLDS = ("auto", "fp8", "fp4", "bf16")
 DENSE_HOLDS = ("auto", "fp8", "bf16")
-GROUPED_FP8_SITE = "attn.wo_a.weight"   # the FP8 site outside `linear.lin8` (`attention.output_proj`)
 
 
 def held_bytes(held: str, shape) -> int:
@@ -140,14 +139,11 @@ def param_units(schema: Mapping[str, TensorSpec]) -> dict[str, Unit]:
 
 def held_as(spec: TensorSpec, unit: Unit, experts: str, dense: str = "auto") -> str:
     """A leaf's held format: `resolve_experts(experts)` ("fp8" | "fp4" | "bf16") for the FP4 routed
-    experts, "fp8_blocks" for a dense FP8 weight that `linear.lin8` reads held as published
-    (`resolve_dense(dense)`), else the schema's `spec.held` ("bf16" | "f32"). An FP8 `attn.wo_a`
-    (the HF layout) stays bf16: its grouped einsum has no kernel that reads the codes, and XLA would
-    write the decoded weight out every step (BENCHMARKS.md, "dense FP8 weights held as published")."""
+    experts, "fp8_blocks" for a dense FP8 weight held as published (`resolve_dense(dense)`), else
+    the schema's `spec.held` ("bf16" | "f32")."""
     if unit.stacked and spec.dtype == "I8":
         return resolve_experts(experts)
-    if (spec.dtype == "F8_E4M3" and resolve_dense(dense) == "fp8"
-            and not unit.names[0].endswith(GROUPED_FP8_SITE)):
+    if spec.dtype == "F8_E4M3" and resolve_dense(dense) == "fp8":
         return "fp8_blocks"
     return spec.held
 

@@ -52,13 +52,13 @@ from v41_jax.config import ModelConfig
 from v41_jax.model.compressor import compress, init_state, stored_rows
 from v41_jax.model.indexer import (candidate_blocks, candidate_mask, index_keys, index_query, index_scores,
                                    index_weights, select_topk, visible_rows)
-from v41_jax.model.linear import gemm_out_dtype, lin8
+from v41_jax.model.linear import lin8, lin_grouped
 from v41_jax.model.norm import rms_norm
-from v41_jax.model.numerics import HIGHEST, Numerics
+from v41_jax.model.numerics import Numerics
 from v41_jax.model.rope import apply_rope, rope_cos_sin
 from v41_jax.model.sparse_attn import sparse_attn
 from v41_jax.model.window import draft_context_idx, window_idx
-from v41_jax.quant import KV_FP8_GROUP, fp8_act_qdq, held
+from v41_jax.quant import KV_FP8_GROUP, fp8_act_qdq
 from v41_jax.topology import Candidates, LayerTopology, Mode
 
 
@@ -101,10 +101,8 @@ def output_proj(p: dict, cfg: ModelConfig, o: jax.Array, cos: jax.Array, sin: ja
     o = apply_rope(o, *_heads(cos, sin), inverse=True, in_place=True)
     g = cfg.o_groups
     o = o.reshape(*o.shape[:-2], g, -1)                                  # [B, T, G, H/G * Dh]
-    wo_a = held(p["wo_a"]["weight"]).reshape(g, cfg.o_lora_rank, -1)     # block-diagonal over groups
-    u = jnp.einsum("btgd,grd->btgr", o, wo_a.astype(o.dtype), precision=HIGHEST,
-                   preferred_element_type=gemm_out_dtype(numerics, o.size // o.shape[-1] // g))
-    return lin8(numerics.act(u).reshape(*u.shape[:-2], -1), p["wo_b"]["weight"], numerics)
+    u = lin_grouped(o, p["wo_a"]["weight"], g, numerics)                 # [B, T, G, R]
+    return lin8(u.reshape(*u.shape[:-2], -1), p["wo_b"]["weight"], numerics)
 
 
 def _publish(table: dict, layer: int, value: jax.Array) -> dict:
