@@ -3,8 +3,8 @@ and an HBM roofline ratio, on random weights generated on the device.
 
     python -m scripts.bench_step --config v41_jax/configs/bench_slice.config.json --out results.json
         [--batches 1,8,32] [--context 8192] [--prefill 1024,4096] [--iters 20]
-        [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8]
-        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope|hc_expand | --compare-numerics FIELD | --compare-scan | --compare-option KEY=VALUE] [--option KEY=VALUE ...] [--layers N] [--routed-experts E]
+        [--budget-s 100] [--total-s 170] [--numerics fast] [--kernels auto] [--experts fp8] [--dense fp8]
+        [--profile N [--host-events N]] [--compare-kernel sinkhorn|rmsnorm|select|rope|hc_expand|dense_fp8 | --compare-numerics FIELD | --compare-scan | --compare-option KEY=VALUE | --compare-dense] [--option KEY=VALUE ...] [--layers N] [--routed-experts E]
     CPU smoke run (~1 min): --config v41_jax/configs/tiny.config.json --batches 1,2 --context 64
         --prefill 32 --iters 2
 
@@ -573,6 +573,8 @@ def main(argv=None) -> int:
                       args.compare_dense))) > 1:
         raise SystemExit("--compare-scan, --compare-kernel, --compare-numerics, --compare-option, "
                          "--compare-dense: one comparison per run")
+    if args.compare_kernel == "dense_fp8" and resolve_dense(args.dense) != "fp8":
+        raise SystemExit("--compare-kernel dense_fp8: the kernel reads dense weights held as published; add --dense fp8")
     if args.compare_option and str(args.compare_option[1]) == "engine":
         raise SystemExit("--compare-option: 'engine' names the engine's own options; give another value")
     if args.layers:

@@ -315,6 +315,8 @@ def test_compare_numerics_offers_the_policys_switches_one_comparison_a_run(tmp_p
         bs.parse_args(["--config", TINY, "--out", out, "--compare-numerics", "act_dtype"])
     with pytest.raises(SystemExit, match="one comparison per run"):
         bs.main(["--config", TINY, "--out", out, "--compare-numerics", "exact_rms", "--compare-kernel", "rope"])
+    with pytest.raises(SystemExit, match="add --dense fp8"):      # nothing to compare on the bf16 hold
+        bs.main(["--config", TINY, "--out", out, "--compare-kernel", "dense_fp8"])
     assert not Path(out).exists()
 
 
