@@ -70,6 +70,20 @@ def test_lower_layers_do_not_import_upper_ones(package, forbidden):
     assert not bad, f"{package} imports from layers above it:\n  " + "\n  ".join(bad)
 
 
+def test_linear_takes_only_the_dense_kernel_and_that_kernel_not_linear():
+    """`v41_jax.linear`, below the kernels, calls one of them (`kernels_pallas.dense_fp8`: the dense
+    FP8 weights held as published); that module and the kernel helpers it imports never import
+    `v41_jax.linear` back, so the routed-expert reference loop's `lin4` stays one way down."""
+    from_kernels = {m for _, m in imported_modules(ROOT / "v41_jax/linear.py") if _is_under(m, "kernels_pallas")}
+    assert from_kernels <= {"kernels_pallas.dense_fp8", "kernels_pallas.dense_fp8.dense_fp8",
+                            "kernels_pallas.dense_fp8.takes"}, from_kernels
+    below = {"dense_fp8", "backend", "_codecs", "_compat"}       # closed: each imports only these
+    for name in below:
+        mods = [m for _, m in imported_modules(ROOT / f"kernels_pallas/{name}.py")]
+        assert not [m for m in mods if _is_under(m, "v41_jax.linear")], name
+        assert {m.split(".")[1] for m in mods if m.startswith("kernels_pallas.")} <= below, name
+
+
 def test_the_checker_sees_every_import_form(tmp_path, monkeypatch):
     """Late (in-function) imports, `from pkg import module` and relative imports all count."""
     pkg = tmp_path / "kernels_pallas"
