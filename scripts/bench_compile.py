@@ -45,7 +45,7 @@ from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  #
 from v41_jax.checkpoint.load import EXPERT_HOLDS, HELD_DTYPES, nest  # noqa: E402
 from v41_jax.config import ModelConfig  # noqa: E402
 from v41_jax.model.layer_runs import layer_runs, stack_runs  # noqa: E402
-from v41_jax.quant import Fp4Weight, Fp8BlockWeight, Fp8RowWeight  # noqa: E402
+from v41_jax.quant import Fp4Weight, Fp8BlockWeight, Fp8RowWeight, fp8_block_scale_shape  # noqa: E402
 from v41_jax.runtime import compile_cache  # noqa: E402
 from v41_jax.runtime.metadata import Bucket, build_step  # noqa: E402
 from v41_jax.runtime.packed import BatchLayout  # noqa: E402
@@ -62,8 +62,7 @@ def abstract_params(cfg: ModelConfig, experts: str) -> dict:
         if s.held == "fp8":
             return Fp8RowWeight(sds(s.shape, "uint8"), sds(s.shape[:-1], "float32"))
         if s.held == "fp8_blocks":
-            blocks = (*s.shape[:-2], -(-s.shape[-2] // 32), -(-s.shape[-1] // 32))
-            return Fp8BlockWeight(sds(s.shape, "uint8"), sds(blocks, "uint8"))
+            return Fp8BlockWeight(sds(s.shape, "uint8"), sds(fp8_block_scale_shape(s.shape), "uint8"))
         return sds(s.shape, HELD_DTYPES[s.held])
     return nest({p: leaf(s) for p, s in param_leaf_specs(cfg, experts).items()})
 

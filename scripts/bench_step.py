@@ -126,7 +126,8 @@ from scripts.generate import INDEX_CHOICES, KV_CHOICES  # noqa: E402
 from v41_jax.cache.geometry import CacheGeometry, EngineSettings, row_formats  # noqa: E402
 from v41_jax.checkpoint.load import (DENSE_HOLDS, ENGRAM_KEY, EXPERT_HOLDS, HELD_DTYPES, EngramTables,  # noqa: E402
                                      held_as, held_bytes, nest, param_units, resolve_dense)
-from v41_jax.quant import (Fp4Weight, Fp8BlockWeight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, held, packed_fp4_lanes,  # noqa: E402
+from v41_jax.quant import (Fp4Weight, Fp8BlockWeight, Fp8RowWeight, fp4_qdq_ue8m0, fp8_act_qdq, fp8_block_scale_shape,  # noqa: E402
+                           held, packed_fp4_lanes,
                            packed_fp4_row_bytes, packed_fp8_row_bytes,
                            pack_fp4_e4m3_rows, pack_fp4_ue8m0_rows, pack_fp8_ue8m0_rows)
 from v41_jax.checkpoint.schema import checkpoint_schema  # noqa: E402
@@ -199,7 +200,7 @@ def _draw(key, shape, held, offset, scale):
         # the same codes under one E8M0 per 32 x 32 block
         codes = jax.random.bits(key, shape, jnp.uint8) & 0xF7
         code = jnp.clip(jnp.round(127 + jnp.log2(scale / 60.0)), 1, 254).astype(jnp.uint8)
-        return Fp8BlockWeight(codes, jnp.full((*shape[:-2], -(-shape[-2] // 32), -(-shape[-1] // 32)), code))
+        return Fp8BlockWeight(codes, jnp.full(fp8_block_scale_shape(shape), code))
     dt = HELD_DTYPES[held]
     return (jax.random.normal(key, shape, dt) * scale.astype(dt) + offset.astype(dt)).astype(dt)
 

@@ -1,11 +1,12 @@
 """Linear layers at the reference's four kinds of sites.
 
 Weights arrive dequantized (bf16 [out, in]; exact, see DESIGN.md), fp32 where the reference
-holds them in fp32, or, at the FP8 sites (`lin8`), as published (`quant.Fp8BlockWeight`: read by
-`kernels_pallas.dense_fp8` at decode row counts, decoded for XLA's GEMM otherwise). The activation fake-quant happens here, so the products equal the reference's
-FP8/FP4 block GEMM products exactly; under `numerics.block_gemm` the fp32 accumulation order is
-the reference kernels' too (kernel_cpu._block_scaled_gemm): every 32-wide K block summed in fp32,
-the block partials added in fp32 in K order.
+holds them in fp32, or, at the FP8 sites (`lin8`, `lin_grouped`), as published
+(`quant.Fp8BlockWeight`: read by `kernels_pallas.dense_fp8` at decode row counts, decoded for
+XLA's GEMM otherwise). The activation fake-quant happens here, so the products equal the
+reference's FP8/FP4 block GEMM products exactly; under `numerics.block_gemm` the fp32
+accumulation order is the reference kernels' too (kernel_cpu._block_scaled_gemm): every 32-wide K
+block summed in fp32, the block partials added in fp32 in K order.
 
 API (x [..., K], w [N, K]; outputs [..., N])
   lin8(x, w, numerics) -> act dtype   FP8 dense site: fp8_act_qdq(x) per 32, GEMM, one rounding.

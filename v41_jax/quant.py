@@ -536,6 +536,12 @@ def _fp4_to_fp8_rows(codes, scale):
     return e4m3_codes(on_grid), _pow2(r), bad
 
 
+def fp8_block_scale_shape(shape) -> tuple[int, ...]:
+    """The E8M0 block scales' shape of a dense FP8 weight [..., out, in]: one per block."""
+    *lead, out_f, in_f = shape
+    return (*lead, -(-out_f // FP8_WEIGHT_BLOCK), -(-in_f // FP8_WEIGHT_BLOCK))
+
+
 @partial(jax.tree_util.register_dataclass, data_fields=["codes", "block_scale"], meta_fields=[])
 @dataclass(frozen=True)
 class Fp8BlockWeight(HeldWeight):

@@ -77,7 +77,7 @@ def held_bytes(held: str, shape) -> int:
     if held == "fp8":
         return n + 4 * (n // shape[-1])                               # codes + fp32 per row
     if held == "fp8_blocks":                                          # codes + E8M0 per 32 x 32
-        return n + n // (shape[-2] * shape[-1]) * -(-shape[-2] // 32) * -(-shape[-1] // 32)
+        return n + int(np.prod(quant.fp8_block_scale_shape(shape)))
     return n * jnp.dtype(HELD_DTYPES[held]).itemsize
 ENGRAM_KEY = "engram_tables"
 ENGRAM_DEVICE_KEY = "engram_device"   # the Runner's device copy of the tables (decode rows hashed on device)
